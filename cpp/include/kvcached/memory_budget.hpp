@@ -1,0 +1,36 @@
+// MemoryBudget: where a pool's allowance of physical memory comes from.
+//
+// A pool takes bytes from its budget before it maps a page and gives them back
+// only after the page is really unmapped (in every process that maps it). The
+// default budget is local to the process; the shared per-device registry
+// implements the same interface so that several processes share one device.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+
+#include "kvcached/error.hpp"
+
+namespace kvcached {
+
+class KVCACHED_EXPORT MemoryBudget {
+ public:
+  virtual ~MemoryBudget() = default;
+  // Atomically take `bytes` if the budget allows it; false (nothing taken) otherwise.
+  virtual bool try_acquire(std::size_t bytes) = 0;
+  // Return bytes taken earlier, once they are no longer mapped anywhere.
+  virtual void release(std::size_t bytes) noexcept = 0;
+  // What try_acquire could grant right now (a hint: others may take it first).
+  virtual std::size_t available_bytes() const = 0;
+  // A limit set from outside the pool (e.g. by kvctl) that the pool must
+  // respect, shrinking lazily if it is below current use; nullopt when none.
+  virtual std::optional<std::size_t> external_limit_bytes() const { return std::nullopt; }
+  // Lets the budget publish the pool's usage (used = bytes of pages with
+  // blocks in use; mapped = pages mapped, including free reserve pages).
+  virtual void report_usage(std::size_t used_bytes, std::size_t mapped_bytes) noexcept {
+    (void)used_bytes;
+    (void)mapped_bytes;
+  }
+};
+
+}  // namespace kvcached
