@@ -108,6 +108,8 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   // map + set_access, undone if set_access fails.
   void map_accessible(VirtualAddress address, const PhysicalAllocation& allocation);
   void synchronize() { backend_->synchronize(); }
+  // Range must be mapped and accessible.
+  void zero_fill(VirtualAddress address, std::size_t size_bytes);
   bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes);
 
  private:

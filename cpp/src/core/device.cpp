@@ -246,6 +246,18 @@ void Device::map_accessible(VirtualAddress address, const PhysicalAllocation& al
   }
 }
 
+void Device::zero_fill(VirtualAddress address, std::size_t size_bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = mappings_.upper_bound(address);
+    if (it == mappings_.begin() || std::prev(it)->first + std::prev(it)->second.size_bytes < address + size_bytes) {
+      // Only a single mapping is checked; callers zero one allocation at a time.
+      throw InvalidArgument("zero_fill: range is not inside one mapping");
+    }
+  }
+  backend_->zero_fill(address, size_bytes);
+}
+
 bool Device::map_free_zero_pages(VirtualAddress address, std::size_t size_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (find_reservation(address, size_bytes) == reservations_.end()) {

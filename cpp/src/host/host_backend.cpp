@@ -133,6 +133,10 @@ class HostBackend final : public VmmBackend {
     }
   }
 
+  void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
+    std::memset(reinterpret_cast<void*>(address), 0, size_bytes);
+  }
+
   void synchronize() override {}  // host work is synchronous
 
   bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes) override {
