@@ -508,7 +508,7 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(
     entry.state.store(kSlotActive, std::memory_order_release);  // publish last
     return std::make_shared<RegistryBudget>(segment_, slot, instance_id, name);
   }
-  throw BudgetExhausted("registry " + segment_->path + " is full (" +
+  throw BackendUnavailable("registry " + segment_->path + " is full (" +
                         std::to_string(kRegistryCapacity) + " live instances)");
 }
 
