@@ -432,3 +432,17 @@ def test_lock_held_by_a_live_but_stuck_process_times_out_with_its_pid():
         child.kill()
         child.join(CHILD_TIMEOUT_S)
     assert registry.clean_stale() == 1, "once it is dead, the lock and its memory come back"
+
+
+def child_forked_copy_exits(budget) -> None:
+    budget.unregister()  # the inherited handle is not this process's registration
+
+
+def test_a_forked_child_cannot_unregister_its_parent():
+    registry = make_registry(4)
+    budget = registry.register("parent")
+    child = multiprocessing.get_context("fork").Process(target=child_forked_copy_exits, args=(budget,))
+    child.start()
+    child.join(CHILD_TIMEOUT_S)
+    assert child.exitcode == 0
+    assert budget.registered and [entry["name"] for entry in registry.entries()] == ["parent"]

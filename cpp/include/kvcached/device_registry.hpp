@@ -158,6 +158,9 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   std::size_t slot_;
   std::uint64_t instance_id_;
   std::string name_;
+  // A forked child inherits this object but not the registration: only the
+  // creating process may remove the entry (else a child's exit would).
+  std::int64_t creator_pid_;
   std::atomic<bool> unregistered_{false};  // read by pool threads without the lock
 };
 

@@ -509,7 +509,7 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(
     return std::make_shared<RegistryBudget>(segment_, slot, instance_id, name);
   }
   throw BackendUnavailable("registry " + segment_->path + " is full (" +
-                        std::to_string(kRegistryCapacity) + " live instances)");
+                           std::to_string(kRegistryCapacity) + " live instances)");
 }
 
 void DeviceRegistry::hold_lock_for_test() {
@@ -521,7 +521,11 @@ void DeviceRegistry::hold_lock_for_test() {
 
 RegistryBudget::RegistryBudget(std::shared_ptr<Segment> segment, std::size_t slot,
                                std::uint64_t instance_id, std::string name)
-    : segment_(std::move(segment)), slot_(slot), instance_id_(instance_id), name_(std::move(name)) {}
+    : segment_(std::move(segment)),
+      slot_(slot),
+      instance_id_(instance_id),
+      name_(std::move(name)),
+      creator_pid_(getpid()) {}
 
 RegistryBudget::~RegistryBudget() { unregister(); }
 
@@ -650,7 +654,7 @@ std::size_t RegistryBudget::mapped_bytes() const noexcept {
 }
 
 void RegistryBudget::unregister() noexcept {
-  if (unregistered_) return;
+  if (unregistered_ || getpid() != creator_pid_) return;
   try {
     RegistryLock lock(*segment_);
     EntryRecord& entry = segment_->entry(slot_);
