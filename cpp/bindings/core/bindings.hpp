@@ -5,7 +5,11 @@
 
 namespace kvcached::bindings {
 
+// Device, Reservation, PhysicalAllocation (the backend contract).
 void bind_device(nanobind::module_& m);
+// MemoryBudget, DeviceRegistry / RegistryBudget (shared per-device budget).
+void bind_registry(nanobind::module_& m);
+// KVSpace, BlockManager, PageOps, FixedBudget. Call after bind_registry (needs MemoryBudget).
 void bind_kv(nanobind::module_& m);
 
 }  // namespace kvcached::bindings

@@ -8,5 +8,6 @@ NB_MODULE(_core, m) {
   m.doc() = "kvcached core: VMM contract, host backend, KV pools (low-level API)";
   kvcached::bindings::install_error_translator();
   kvcached::bindings::bind_device(m);
+  kvcached::bindings::bind_registry(m);
   kvcached::bindings::bind_kv(m);
 }

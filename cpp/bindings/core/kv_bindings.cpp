@@ -83,9 +83,6 @@ void bind_kv(nb::module_& m) {
   m.def("pages_for_blocks", &KVLayout::pages_for_blocks, "num_blocks"_a, "block_bytes"_a, "page_bytes"_a,
         "Page ids needed to hold `num_blocks` blocks.");
 
-  nb::class_<MemoryBudget>(m, "MemoryBudget", "Where a pool's allowance of physical memory comes from.")
-      .def("available_bytes", &MemoryBudget::available_bytes, "What could be granted right now.");
-
   nb::class_<FixedBudget, MemoryBudget>(m, "FixedBudget",
                                         "A fixed number of bytes shared by the pools of this process.")
       .def(nb::init<std::size_t>(), "total_bytes"_a)
