@@ -89,27 +89,17 @@ def gpu_utilization() -> float:
 def _host_capacity_bytes() -> int:
     from kvcached import _core
 
-    host_capacity = getattr(_core, "host_capacity_bytes", None)
-    if host_capacity is not None:
-        return int(host_capacity())
-    # Until the host backend reports its own capacity, physical RAM is the cap.
-    physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    logger.info("host capacity unknown to this build; using physical memory (%d bytes)", physical_bytes)
-    return physical_bytes
+    return int(_core.default_host_capacity_bytes())
 
 
 def _gpu_total_bytes(device: str) -> int:
+    """Total memory of a GPU, through kvcached's own backend (opens the device)."""
+    from kvcached.devices import open_device
+
     match = re.fullmatch(r"(cuda|rocm|hip):(\d+)", device)
     if match is None:
         raise ValueError(f"unknown device {device!r}: expected 'cpu', 'cuda:N' or 'rocm:N'")
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        raise ValueError(f"cannot query the memory of {device!r} here; pass total_bytes explicitly")
-    # PyTorch's ROCm build names AMD GPUs 'cuda' too.
-    _free_bytes, total_bytes = torch.cuda.mem_get_info(int(match.group(2)))
+    _free_bytes, total_bytes = open_device(device).memory_info()
     return int(total_bytes)
 
 
