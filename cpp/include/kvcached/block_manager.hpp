@@ -110,6 +110,8 @@ class KVCACHED_EXPORT BlockManager {
   void release_pages_budget(std::size_t pages) noexcept;
   void report_usage_locked() noexcept;
   std::size_t free_pages_count_locked() const;
+  // True when the worker has something to do (reserve outside its bounds, over the limit).
+  bool reserve_off_target_locked() const;
   void worker_loop();
   void wake_worker() noexcept;
 
@@ -132,6 +134,7 @@ class KVCACHED_EXPORT BlockManager {
   std::set<std::int64_t> unmapped_;                    // lowest id first
   std::size_t mapped_pages_ = 0, spare_pages_ = 0, pending_pages_ = 0;
   std::size_t used_blocks_ = 0, free_mapped_blocks_ = 0;
+  std::size_t free_pages_ = 0;  // mapped pages with every block free (bucket blocks_per_page)
   std::size_t cached_device_free_pages_;
   bool closed_ = false;
 

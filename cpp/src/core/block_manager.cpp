@@ -71,6 +71,7 @@ void BlockManager::bucket_insert(std::uint32_t page, std::size_t free_count) {
   if (head != kNoPage) prev_[head] = page;
   bucket_head_[free_count] = page;
   nonempty_bits_[free_count / 64] |= (1ull << (free_count % 64));
+  if (free_count == blocks_per_page_) ++free_pages_;
 }
 
 void BlockManager::bucket_remove(std::uint32_t page, std::size_t free_count) {
@@ -82,6 +83,7 @@ void BlockManager::bucket_remove(std::uint32_t page, std::size_t free_count) {
   if (next_[page] != kNoPage) prev_[next_[page]] = prev_[page];
   next_[page] = prev_[page] = kNoPage;
   if (bucket_head_[free_count] == kNoPage) nonempty_bits_[free_count / 64] &= ~(1ull << (free_count % 64));
+  if (free_count == blocks_per_page_) --free_pages_;
 }
 
 std::size_t BlockManager::lowest_nonempty_bucket() const {
@@ -160,10 +162,13 @@ void BlockManager::report_usage_locked() noexcept {
   budget_->report_usage(used_pages * page_bytes_, held_pages_locked() * page_bytes_);
 }
 
-std::size_t BlockManager::free_pages_count_locked() const {
-  std::size_t count = 0;
-  for (std::uint32_t p = bucket_head_[blocks_per_page_]; p != kNoPage; p = next_[p]) ++count;
-  return count;
+std::size_t BlockManager::free_pages_count_locked() const { return free_pages_; }
+
+bool BlockManager::reserve_off_target_locked() const {
+  const ReserveTargets& t = options_.reserve;
+  if (free_pages_ > t.max_free_pages) return true;
+  if (free_pages_ < t.min_free_pages && unmapped_.size() > 0) return true;
+  return held_pages_locked() > limit_pages_locked();
 }
 
 // ---- growing and shrinking ----------------------------------------------------
@@ -290,10 +295,8 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     if (closed_) throw InvalidArgument("the block manager is closed");
     if (free_mapped_blocks_ >= n) {
       take_blocks_locked(n, blocks);
-      if (options_.background_worker && bucket_head_[blocks_per_page_] == kNoPage &&
-          options_.reserve.min_free_pages > 0) {
-        wake_worker();
-      }
+      // Wake the worker only when the reserve needs it: a wake-up costs a syscall.
+      if (options_.background_worker && free_pages_ < options_.reserve.min_free_pages) wake_worker();
       return blocks;
     }
   }
@@ -415,7 +418,7 @@ void BlockManager::free(const std::vector<std::int64_t>& ids) {
       throw InvalidArgument(problem);
     }
     for (std::int64_t id : ids) give_block_locked(id);
-    wake = options_.background_worker;
+    wake = options_.background_worker && reserve_off_target_locked();
   }
   if (wake) wake_worker();
 }
@@ -557,6 +560,7 @@ void BlockManager::close() {
   release_pages_budget(held);
   std::fill(bucket_head_.begin(), bucket_head_.end(), kNoPage);
   std::fill(nonempty_bits_.begin(), nonempty_bits_.end(), 0);
+  free_pages_ = 0;
   mapped_pages_ = spare_pages_ = pending_pages_ = 0;
   used_blocks_ = free_mapped_blocks_ = 0;
   if (budget_) budget_->report_usage(0, 0);
