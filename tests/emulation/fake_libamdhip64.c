@@ -182,6 +182,15 @@ hipError_t hipDeviceSynchronize(void) {
   return leave(hipSuccess);
 }
 
+/* Device memory is host memory here: memset faults like a kernel would if the
+   range is not mapped with access. */
+hipError_t hipMemset(void* ptr, int value, size_t count) {
+  hipError_t result = enter("hipMemset");
+  if (result != hipSuccess) return result;
+  memset(ptr, value, count);
+  return leave(hipSuccess);
+}
+
 hipError_t hipMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   hipError_t result = enter("hipMemGetInfo");
   if (result != hipSuccess) return result;

@@ -218,6 +218,15 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
 
 CUresult CUDAAPI cuCtxSynchronize(void) { return require_context("cuCtxSynchronize"); }
 
+/* Device memory is host memory here: memset faults like a kernel would if the
+   range is not mapped with access. */
+CUresult CUDAAPI cuMemsetD8(CUdeviceptr ptr, unsigned char value, size_t count) {
+  CUresult result = require_context("cuMemsetD8");
+  if (result != CUDA_SUCCESS) return result;
+  memset((void*)(uintptr_t)ptr, value, count);
+  return CUDA_SUCCESS;
+}
+
 CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   CUresult result = require_context("cuMemGetInfo");
   if (result != CUDA_SUCCESS) return result;

@@ -161,6 +161,12 @@ class CudaBackend final : public VmmBackend {
           cuMemSetAccess(static_cast<CUdeviceptr>(address), size_bytes, &access, one_descriptor));
   }
 
+  void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
+    ScopedContext scope(context_);
+    check("cuMemsetD8", cuMemsetD8(static_cast<CUdeviceptr>(address), 0, size_bytes));
+    check("cuCtxSynchronize", cuCtxSynchronize());
+  }
+
   void synchronize() override {
     ScopedContext scope(context_);
     check("cuCtxSynchronize", cuCtxSynchronize());

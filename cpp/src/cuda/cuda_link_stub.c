@@ -65,6 +65,12 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
   return CUDA_ERROR_STUB_LIBRARY;
 }
 CUresult CUDAAPI cuCtxSynchronize(void) { return CUDA_ERROR_STUB_LIBRARY; }
+CUresult CUDAAPI cuMemsetD8(CUdeviceptr ptr, unsigned char value, size_t count) {
+  (void)ptr;
+  (void)value;
+  (void)count;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
 CUresult CUDAAPI cuMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
   (void)free_bytes;
   (void)total_bytes;

@@ -177,6 +177,12 @@ class HipBackend final : public VmmBackend {
           hipMemSetAccess(to_pointer(address), size_bytes, &access, one_descriptor));
   }
 
+  void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
+    ScopedHipCall call(ordinal_);
+    check("hipMemset", hipMemset(to_pointer(address), 0, size_bytes));
+    check("hipDeviceSynchronize", hipDeviceSynchronize());
+  }
+
   void synchronize() override {
     ScopedHipCall call(ordinal_);
     check("hipDeviceSynchronize", hipDeviceSynchronize());
