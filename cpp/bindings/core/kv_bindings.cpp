@@ -187,7 +187,7 @@ void bind_kv(nb::module_& m) {
            "budget"_a.none() = nb::none())
       .def("alloc", [](BlockManager& b, std::size_t n) {
              std::vector<std::int64_t> ids;
-             {
+             if (!b.try_alloc_mapped(n, ids)) {  // may have to wait: let other threads run
                nb::gil_scoped_release release;
                ids = b.alloc(n);
              }
@@ -203,7 +203,13 @@ void bind_kv(nb::module_& m) {
              nb::gil_scoped_release release;
              b.alloc_ids(ids);
            }, "ids"_a, "Take exactly these free block ids (all or nothing).")
-      .def("free", [](BlockManager& b, const IdArray& ids) { b.free(ids_from_array(ids)); }, "ids"_a)
+      .def("free", [](BlockManager& b, const IdArray& ids) {
+             if (ids.stride(0) == 1) {
+               b.free(ids.data(), ids.shape(0));  // no copy for the common contiguous case
+             } else {
+               b.free(ids_from_array(ids));
+             }
+           }, "ids"_a)
       .def("free", [](BlockManager& b, const std::vector<std::int64_t>& ids) { b.free(ids); }, "ids"_a,
            "Free block ids (all distinct and in use, or nothing is freed).")
       .def("available", &BlockManager::available, "Blocks that alloc could return right now.")

@@ -58,10 +58,15 @@ class KVCACHED_EXPORT BlockManager {
   // `n` block ids, best fit (fullest pages first). Maps pages when needed.
   // Throws BudgetExhausted / DeviceOutOfMemory and rolls back what it mapped.
   std::vector<std::int64_t> alloc(std::size_t n);
+  // The fast path alone: succeeds only if `n` free blocks sit on mapped pages
+  // and the lock is free right now; never blocks (callers holding the GIL use
+  // it first and fall back to alloc() with the GIL released).
+  bool try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& out);
   // Take exactly these free block ids (all or nothing).
   void alloc_ids(const std::vector<std::int64_t>& ids);
   // All ids must be in use and distinct; otherwise nothing is freed.
-  void free(const std::vector<std::int64_t>& ids);
+  void free(const std::vector<std::int64_t>& ids) { free(ids.data(), ids.size()); }
+  void free(const std::int64_t* ids, std::size_t count);
   // Blocks that alloc could return right now.
   std::size_t available() const;
   std::size_t free_mapped_blocks() const;
@@ -94,8 +99,8 @@ class KVCACHED_EXPORT BlockManager {
   void bucket_remove(std::uint32_t page, std::size_t free_count);
   std::size_t lowest_nonempty_bucket() const;
   void take_blocks_locked(std::size_t n, std::vector<std::int64_t>& out);
-  void give_block_locked(std::int64_t block);
-  void check_ids_in_use_locked(const std::vector<std::int64_t>& ids) const;
+  void give_blocks_locked(const std::int64_t* ids, std::size_t count);
+  void check_ids_in_range(const std::int64_t* ids, std::size_t count) const;
 
   std::size_t limit_pages_locked() const;
   std::size_t held_pages_locked() const { return mapped_pages_ + spare_pages_ + pending_pages_; }

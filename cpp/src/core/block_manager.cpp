@@ -118,15 +118,24 @@ void BlockManager::take_blocks_locked(std::size_t n, std::vector<std::int64_t>& 
   }
 }
 
-void BlockManager::give_block_locked(std::int64_t block) {
-  const auto page = static_cast<std::uint32_t>(block / blocks_per_page_);
-  block_used_[block] = 0;
-  free_slots_[page].push_back(static_cast<std::uint32_t>(block % blocks_per_page_));
-  bucket_remove(page, free_count_[page]);
-  ++free_count_[page];
-  bucket_insert(page, free_count_[page]);
-  ++free_mapped_blocks_;
-  --used_blocks_;
+void BlockManager::give_blocks_locked(const std::int64_t* ids, std::size_t count) {
+  // Runs of ids on one page (the usual case: alloc hands out page-local runs)
+  // move that page between buckets once, not once per block.
+  std::size_t i = 0;
+  while (i < count) {
+    const auto page = static_cast<std::uint32_t>(ids[i] / blocks_per_page_);
+    bucket_remove(page, free_count_[page]);
+    auto& slots = free_slots_[page];
+    std::size_t run = 0;
+    for (; i < count && static_cast<std::uint32_t>(ids[i] / blocks_per_page_) == page; ++i, ++run) {
+      block_used_[ids[i]] = 0;
+      slots.push_back(static_cast<std::uint32_t>(ids[i] % blocks_per_page_));
+    }
+    free_count_[page] += static_cast<std::uint32_t>(run);
+    bucket_insert(page, free_count_[page]);
+    free_mapped_blocks_ += run;
+    used_blocks_ -= run;
+  }
 }
 
 // ---- limits -----------------------------------------------------------------
@@ -287,6 +296,14 @@ std::size_t BlockManager::shrink_locked(std::unique_lock<std::mutex>& lock, std:
 
 // ---- public operations ----------------------------------------------------------
 
+bool BlockManager::try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& out) {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || closed_ || free_mapped_blocks_ < n) return false;
+  take_blocks_locked(n, out);
+  if (options_.background_worker && free_pages_ < options_.reserve.min_free_pages) wake_worker();
+  return true;
+}
+
 std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
   std::vector<std::int64_t> blocks;
   if (n == 0) return blocks;
@@ -340,8 +357,9 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
   return blocks;
 }
 
-void BlockManager::check_ids_in_use_locked(const std::vector<std::int64_t>& ids) const {
-  for (std::int64_t id : ids) {
+void BlockManager::check_ids_in_range(const std::int64_t* ids, std::size_t count) const {
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::int64_t id = ids[i];
     if (id < 0 || static_cast<std::size_t>(id) >= block_used_.size()) {
       throw InvalidArgument("block id " + std::to_string(id) + " is outside [0, " +
                             std::to_string(block_used_.size()) + ")");
@@ -354,7 +372,7 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   std::lock_guard<std::mutex> grow(grow_mutex_);
   std::unique_lock<std::mutex> lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  check_ids_in_use_locked(ids);
+  check_ids_in_range(ids.data(), ids.size());
   std::vector<std::int64_t> sorted = ids;
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
@@ -392,16 +410,16 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   }
 }
 
-void BlockManager::free(const std::vector<std::int64_t>& ids) {
+void BlockManager::free(const std::int64_t* ids, std::size_t count) {
   bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) throw InvalidArgument("the block manager is closed");
-    check_ids_in_use_locked(ids);
+    check_ids_in_range(ids, count);
     // Mark each id as "seen" (2) so a duplicate is caught; undo on error.
     std::size_t checked = 0;
     std::string problem;
-    for (; checked < ids.size(); ++checked) {
+    for (; checked < count; ++checked) {
       const std::int64_t id = ids[checked];
       if (options_.null_block && id == 0) {
         problem = "block 0 is the null block and is never freed";
@@ -417,7 +435,7 @@ void BlockManager::free(const std::vector<std::int64_t>& ids) {
       for (std::size_t i = 0; i < checked; ++i) block_used_[ids[i]] = 1;
       throw InvalidArgument(problem);
     }
-    for (std::int64_t id : ids) give_block_locked(id);
+    give_blocks_locked(ids, count);
     wake = options_.background_worker && reserve_off_target_locked();
   }
   if (wake) wake_worker();
