@@ -87,6 +87,8 @@ void bind_device(nb::module_& m) {
            "Map the whole allocation at `address`; not accessible until set_access.")
       .def("unmap", &Device::unmap, "address"_a, "size"_a, Released(),
            "Unmap whole mappings exactly covering [address, address + size).")
+      .def("map_accessible", &Device::map_accessible, "address"_a, "allocation"_a, Released(),
+           "map + set_access in one call; the mapping is undone if set_access fails.")
       .def("set_access", &Device::set_access, "address"_a, "size"_a, Released(),
            "Make mapped memory readable and writable by the device.")
       .def("synchronize", &Device::synchronize, Released(),

@@ -71,6 +71,7 @@ nb::dict stats_dict(const BlockManagerStats& s) {
   d["pending_pages"] = s.pending_pages;
   d["limit_pages"] = s.limit_pages;
   d["limit_bytes"] = s.limit_bytes ? nb::cast(*s.limit_bytes) : nb::none();
+  d["slow_allocs"] = s.slow_allocs;
   d["used_bytes"] = s.used_blocks * s.block_bytes;
   d["mapped_bytes"] = s.mapped_pages * s.page_bytes;
   d["held_bytes"] = (s.mapped_pages + s.spare_pages + s.pending_pages) * s.page_bytes;
@@ -141,6 +142,11 @@ void bind_kv(nb::module_& m) {
       .def("is_mapped", &KVSpace::is_mapped, "page"_a)
       .def_prop_ro("mapped_pages", &KVSpace::mapped_pages)
       .def_prop_ro("spare_pages", &KVSpace::spare_pages)
+      .def("add_spares", &KVSpace::add_spares, "count"_a, Released(),
+           "Pre-create allocations for `count` page ids (best effort); returns how many were made.")
+      .def("trim_spares", &KVSpace::trim_spares, "keep"_a, Released(), "Release spares beyond `keep`.")
+      .def("set_max_spare_pages", &KVSpace::set_max_spare_pages, "count"_a,
+           "Unmapped allocations kept for reuse instead of released.")
       .def("apply",
            [](KVSpace& s, const PageOps& ops) {
              nb::gil_scoped_release release;

@@ -13,6 +13,9 @@ namespace {
 
 // How often the worker re-checks the reserve when nobody wakes it.
 constexpr auto kWorkerPeriod = std::chrono::milliseconds(50);
+// Worker rounds without any alloc or free after which the pool counts as idle
+// and its reserve shrinks to the minimum (well inside the 1 s target).
+constexpr int kIdleRounds = 6;
 constexpr std::size_t kUnlimited = std::numeric_limits<std::size_t>::max();
 
 }  // namespace
@@ -300,6 +303,7 @@ bool BlockManager::try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& ou
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock() || closed_ || free_mapped_blocks_ < n) return false;
   take_blocks_locked(n, out);
+  ++activity_;
   if (options_.background_worker && free_pages_ < options_.reserve.min_free_pages) wake_worker();
   return true;
 }
@@ -312,6 +316,7 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     if (closed_) throw InvalidArgument("the block manager is closed");
     if (free_mapped_blocks_ >= n) {
       take_blocks_locked(n, blocks);
+      ++activity_;
       // Wake the worker only when the reserve needs it: a wake-up costs a syscall.
       if (options_.background_worker && free_pages_ < options_.reserve.min_free_pages) wake_worker();
       return blocks;
@@ -325,6 +330,8 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
+  ++activity_;
+  if (free_mapped_blocks_ < n) ++slow_allocs_;
   std::vector<std::int64_t> grown;
   auto roll_back = [&] {
     if (grown.empty()) return;
@@ -436,6 +443,7 @@ void BlockManager::free(const std::int64_t* ids, std::size_t count) {
       throw InvalidArgument(problem);
     }
     give_blocks_locked(ids, count);
+    ++activity_;
     wake = options_.background_worker && reserve_off_target_locked();
   }
   if (wake) wake_worker();
@@ -509,10 +517,18 @@ void BlockManager::maintain() {
   }
   if (held_pages_locked() > limit) shrink_locked(lock, held_pages_locked() - limit);
 
-  // 2. Keep the number of mapped free pages within [min, max].
+  // 2. Keep the number of mapped free pages within [min, max]; an idle pool
+  //    (no alloc or free for a while) goes down to the minimum.
+  if (activity_ != activity_seen_) {
+    activity_seen_ = activity_;
+    idle_rounds_ = 0;
+  } else if (idle_rounds_ < kIdleRounds) {
+    ++idle_rounds_;
+  }
+  const std::size_t keep_free = idle_rounds_ >= kIdleRounds ? targets.min_free_pages : targets.max_free_pages;
   const std::size_t free_pages = free_pages_count_locked();
-  if (free_pages > targets.max_free_pages) {
-    shrink_locked(lock, free_pages - targets.max_free_pages);
+  if (free_pages > keep_free) {
+    shrink_locked(lock, free_pages - keep_free);
   } else if (free_pages < targets.min_free_pages) {
     const std::size_t want = std::min(targets.min_free_pages - free_pages, growable_pages_locked());
     try {
@@ -622,6 +638,7 @@ BlockManagerStats BlockManager::stats() const {
   s.pending_pages = pending_pages_;
   s.limit_pages = limit_pages_locked();
   s.limit_bytes = options_.limit_bytes;
+  s.slow_allocs = slow_allocs_;
   return s;
 }
 
