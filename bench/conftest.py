@@ -18,6 +18,7 @@ import pytest
 import kvcached
 from reference_figures import figure
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 PAGE_BYTES = 2 * MiB  # the H200's (and host's) recommended granularity
@@ -109,11 +110,12 @@ def record_result(request):
 
     def record(name: str, device_spec: str, values: dict) -> None:
         _custom_results.append({"name": name, "test": request.node.nodeid, "device": device_spec, **values})
+        _write_custom_results()  # at once, so a run cut short by a time limit keeps what it measured
 
     return record
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _write_custom_results() -> None:
     path = os.environ.get(RESULTS_ENV)
     if not path or not _custom_results:
         return
@@ -123,8 +125,9 @@ def pytest_sessionfinish(session, exitstatus):
         "kvcached_version": kvcached.__version__,
         "results": _custom_results,
     }
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def pytest_terminal_summary(terminalreporter):
