@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 from typing import Iterable, Optional
@@ -40,7 +41,7 @@ def fmt_time(us: Optional[float]) -> str:
 
 
 def fmt_ratio(x: Optional[float]) -> str:
-    return "—" if x is None else f"{x:.2f}×"
+    return "—" if x is None else f"{x:.3g}×"
 
 
 def table(header: list[str], rows: Iterable[list[str]]) -> str:
@@ -73,6 +74,11 @@ def short_name(bench: dict) -> str:
     return f"{base}[{'-'.join(parts)}]" if parts else base
 
 
+def natural(text: str) -> list:
+    """Sort key putting test_x[8] before test_x[32]."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
 def load_benchmarks(paths: list[str]) -> tuple[list[dict], dict]:
     benches: list[dict] = []
     machine: dict = {}
@@ -89,7 +95,10 @@ def load_benchmarks(paths: list[str]) -> tuple[list[dict], dict]:
 
 def main_table(benches: list[dict]) -> str:
     rows = []
-    for b in sorted(benches, key=lambda b: (b["fullname"].split("::")[0], b.get("group") or "", device_of(b), b["name"])):
+    def order(b: dict) -> tuple:
+        return (b["fullname"].split("::")[0], b.get("group") or "", device_of(b), natural(b["name"]))
+
+    for b in sorted(benches, key=order):
         if b["extra_info"].get("metric", "").startswith("pool.gather"):
             continue  # its own table
         dev = device_of(b)
