@@ -361,6 +361,7 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     }
   }
   take_blocks_locked(n, blocks);
+  report_usage_locked();  // the fast path leaves this to the worker's next round
   return blocks;
 }
 
@@ -525,7 +526,9 @@ void BlockManager::maintain() {
   } else if (idle_rounds_ < kIdleRounds) {
     ++idle_rounds_;
   }
-  const std::size_t keep_free = idle_rounds_ >= kIdleRounds ? targets.min_free_pages : targets.max_free_pages;
+  const bool others_waiting = budget_ && budget_->pressure_bytes() > 0;
+  const std::size_t keep_free =
+      (idle_rounds_ >= kIdleRounds || others_waiting) ? targets.min_free_pages : targets.max_free_pages;
   const std::size_t free_pages = free_pages_count_locked();
   if (free_pages > keep_free) {
     shrink_locked(lock, free_pages - keep_free);
