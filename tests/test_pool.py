@@ -249,6 +249,16 @@ def test_limit_below_use_is_deferred_until_blocks_are_freed(pool):
     assert pool.available() == pool.blocks_per_page  # the limit of one page still holds
 
 
+def test_a_deferred_shrink_also_gives_back_the_allocations_kept_as_spares(pool):
+    # Unmapped pages may be kept as pre-created spares; under a limit they must go too.
+    ids = pool.alloc(2 * pool.blocks_per_page)
+    pool.resize(0)
+    pool.free(ids)
+    pool.maintain()
+    assert pool.stats()["held_bytes"] == 0
+    assert pool.device.counters()["created_bytes"] == 0
+
+
 def test_background_worker_completes_a_deferred_shrink():
     with make_pool(background_worker=True) as p:
         ids = p.alloc(3 * p.blocks_per_page)
