@@ -15,16 +15,23 @@ from kvcached.errors import (
     KvcachedError,
     OutOfMemoryError,
 )
+from kvcached.manager import KVCacheManager
+from kvcached.pool import BlockManager, KVPool, KVSpace, PageOps
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatus",
     "BackendUnavailableError",
+    "BlockManager",
     "DeviceOutOfMemoryError",
     "DriverError",
+    "KVCacheManager",
+    "KVPool",
+    "KVSpace",
     "KvcachedError",
     "OutOfMemoryError",
+    "PageOps",
     "backends",
     "default_device",
     "open_device",

@@ -212,6 +212,12 @@ class BlockManager(_core.BlockManager):
         self.block_bytes = block_bytes
         self.null_block = null_block
 
+    def resize(self, limit_bytes: Optional[int]) -> None:
+        """Set the limit in bytes (None: no limit). Below current use, memory returns as blocks are freed."""
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        super().resize(limit_bytes)
+
     def available_bytes(self) -> int:
         """Physical bytes alloc could still take (``available()`` blocks, all layers)."""
         return self.available() * self.block_id_bytes

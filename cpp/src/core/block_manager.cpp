@@ -505,18 +505,21 @@ void BlockManager::maintain() {
   if (closed_) return;
   const ReserveTargets targets = options_.reserve;
 
-  // 1. A limit below what we hold: give back spares, then free pages.
+  // 1. A limit below what we hold: give back spares, then free pages. The space
+  //    may keep the pages it unmaps as spares, so spares are trimmed once more.
   const std::size_t limit = limit_pages_locked();
-  if (held_pages_locked() > limit && spare_pages_ > 0) {
-    const std::size_t excess = held_pages_locked() - limit;
-    const std::size_t keep = spare_pages_ > excess ? spare_pages_ - excess : 0;
-    lock.unlock();
-    const std::size_t released = mapper_->trim_spares(keep);
-    lock.lock();
-    spare_pages_ -= std::min(spare_pages_, released);
-    release_pages_budget(released);
+  for (int pass = 0; pass < 2; ++pass) {
+    if (held_pages_locked() > limit && spare_pages_ > 0) {
+      const std::size_t excess = held_pages_locked() - limit;
+      const std::size_t keep = spare_pages_ > excess ? spare_pages_ - excess : 0;
+      lock.unlock();
+      const std::size_t released = mapper_->trim_spares(keep);
+      lock.lock();
+      spare_pages_ -= std::min(spare_pages_, released);
+      release_pages_budget(released);
+    }
+    if (pass == 0 && held_pages_locked() > limit) shrink_locked(lock, held_pages_locked() - limit);
   }
-  if (held_pages_locked() > limit) shrink_locked(lock, held_pages_locked() - limit);
 
   // 2. Keep the number of mapped free pages within [min, max]; an idle pool
   //    (no alloc or free for a while) goes down to the minimum.
