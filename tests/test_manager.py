@@ -142,5 +142,5 @@ def test_kv_tensors_are_per_layer_views_of_the_cache(layout):
 
 
 def test_default_device_is_a_gpu_if_present_else_the_host():
-    with kvcached.KVCacheManager(4, BLOCK_SIZE, CELL_SIZE, 1, page_bytes=PAGE_BYTES, background_worker=False) as m:
+    with kvcached.KVCacheManager(4, BLOCK_SIZE, CELL_SIZE, 1, background_worker=False) as m:
         assert m.pool.device.name == kvcached.open_device(kvcached.default_device()).name

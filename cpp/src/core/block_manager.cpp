@@ -331,7 +331,7 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
   ++activity_;
-  if (free_mapped_blocks_ < n) ++slow_allocs_;
+  const bool had_to_map = free_mapped_blocks_ < n;
   std::vector<std::int64_t> grown;
   auto roll_back = [&] {
     if (grown.empty()) return;
@@ -361,6 +361,7 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     }
   }
   take_blocks_locked(n, blocks);
+  if (had_to_map) ++slow_allocs_;
   report_usage_locked();  // the fast path leaves this to the worker's next round
   return blocks;
 }
