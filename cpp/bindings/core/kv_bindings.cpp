@@ -141,6 +141,8 @@ void bind_kv(nb::module_& m) {
       .def("unmap_pages", &KVSpace::unmap_pages, "pages"_a, Released(),
            "Synchronise the device, then unmap page ids.")
       .def("is_mapped", &KVSpace::is_mapped, "page"_a)
+      .def("prepare_pages", &KVSpace::prepare_pages, "pages"_a, Released(),
+           "Split zero chunks around these unmapped pages ahead of use (GPU; no-op on host).")
       .def_prop_ro("mapped_pages", &KVSpace::mapped_pages)
       .def_prop_ro("spare_pages", &KVSpace::spare_pages)
       .def("add_spares", &KVSpace::add_spares, "count"_a, Released(),

@@ -16,6 +16,9 @@ constexpr auto kWorkerPeriod = std::chrono::milliseconds(50);
 // Worker rounds without any alloc or free after which the pool counts as idle
 // and its reserve shrinks to the minimum (well inside the 1 s target).
 constexpr int kIdleRounds = 6;
+// Unmapped page ids (lowest first: the next to be grown) the worker gets ready
+// ahead of use (on GPUs: zero chunks split around them).
+constexpr std::size_t kFrontierPages = 8;
 constexpr std::size_t kUnlimited = std::numeric_limits<std::size_t>::max();
 
 }  // namespace
@@ -570,6 +573,18 @@ void BlockManager::maintain() {
     release_pages_budget(released);
   }
   report_usage_locked();
+
+  // 4. Get the next pages to be grown ready (cheap when already done).
+  std::vector<std::int64_t> frontier;
+  for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < kFrontierPages; ++it) {
+    frontier.push_back(*it);
+  }
+  lock.unlock();
+  try {
+    mapper_->prepare_pages(frontier);
+  } catch (...) {
+    // Best effort: an unprepared page is still mapped correctly, only slower.
+  }
 }
 
 void BlockManager::close() {

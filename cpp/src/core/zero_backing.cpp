@@ -15,6 +15,7 @@ class HostZeroPages final : public ZeroBacking {
     device_->map_free_zero_pages(address, size_bytes);
   }
   void uncover(VirtualAddress, std::size_t) override {}  // a fixed mapping replaces it
+  void prepare(VirtualAddress, std::size_t) override {}   // nothing to split
   std::size_t mapping_count() const override { return 0; }
 
  private:
@@ -89,6 +90,18 @@ class SharedZeroChunks final : public ZeroBacking {
       if (chunk_start < address) cover(chunk_start, address - chunk_start);
       if (chunk_end > end) cover(end, chunk_end - end);
       it = mappings_.lower_bound(chunk_end > end ? chunk_end : end);
+    }
+  }
+
+  void prepare(VirtualAddress address, std::size_t size_bytes) override {
+    for (VirtualAddress unit = address; unit < address + size_bytes; unit += unit_bytes_) {
+      auto it = mappings_.upper_bound(unit);
+      if (it == mappings_.begin()) continue;  // not covered (real memory there)
+      --it;
+      const bool covers = it->first + (unit_bytes_ << it->second) > unit;
+      if (!covers || it->second == 0) continue;  // real memory, or already a single unit
+      uncover(unit, unit_bytes_);
+      cover(unit, unit_bytes_);
     }
   }
 
