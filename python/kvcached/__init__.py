@@ -7,6 +7,7 @@ Backends: CUDA (driver VMM API), HIP, and host memory with the same semantics.
 
 from __future__ import annotations
 
+from kvcached import geometry
 from kvcached.devices import BackendStatus, backends, default_device, open_device, parse_device
 from kvcached.errors import (
     BackendUnavailableError,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatus",
+    "geometry",
     "BackendUnavailableError",
     "BlockManager",
     "DeviceOutOfMemoryError",
