@@ -41,7 +41,7 @@ step environment 15 bash -c "
   $py -c 'import kvcached; print(\"kvcached\", kvcached.__version__, kvcached.__file__); [print(s) for s in kvcached.backends()]'
   $py -m kvcached info || true"
 
-step tests 100 "$py" -m pytest tests -q -rs -p no:cacheprovider
+step tests 180 "$py" -m pytest tests -q -rs -p no:cacheprovider
 
 # Benchmarks: bench/ is its own pytest root (bench/pytest.ini); --benchmark-enable is
 # repeated so the command also works where the repository's addopts apply.
