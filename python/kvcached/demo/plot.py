@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Union
 
 MIB = 1 << 20
-FIGURE_SIZE_IN = (11, 7.5)
+FIGURE_SIZE_IN = (13, 7.5)
 FIGURE_DPI = 110
 # Busy phases are tinted in the busy engine's colour, faintly, behind the lines.
 PHASE_ALPHA = 0.07
@@ -65,7 +65,7 @@ def plot_summary(summary: dict[str, Any], path: Union[str, Path]) -> Path:
         axis.set_ylabel("memory (MiB)")
         axis.set_ylim(0, budget_mib * 1.12)
         axis.grid(alpha=0.3)
-        axis.legend(loc="upper right", fontsize=8, ncol=2)
+        axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     axes[-1].set_xlabel("time in the run (s); tinted bands: which engine is busy")
     figure.suptitle(
         f"kvcached demo: {config['engines']} engines on {config['device']}, same seeded traffic twice "
@@ -74,7 +74,7 @@ def plot_summary(summary: dict[str, Any], path: Union[str, Path]) -> Path:
     )
     figure.tight_layout()
     path = Path(path)
-    figure.savefig(path, dpi=FIGURE_DPI)
+    figure.savefig(path, dpi=FIGURE_DPI, bbox_inches="tight")  # keeps the outside legends
     pyplot.close(figure)
     return path
 

@@ -27,8 +27,11 @@ DEFAULT_DECODE_STEP_S = 0.08
 # Expected footprint of the busy engine and of each idle one, as a share of the budget.
 DEFAULT_BUSY_FRACTION = 0.4
 DEFAULT_IDLE_FRACTION = 0.04
-# Every engine peaks this many times per run.
-PEAKS_PER_ENGINE = 2
+# Every engine peaks up to this many times per run, in phases no shorter than
+# MIN_PHASE_S: a phase must outlast the requests admitted in it, or the peaks
+# of successive engines overlap and no longer take turns.
+MAX_PEAKS_PER_ENGINE = 2
+MIN_PHASE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +93,12 @@ def make_profile(
     if budget_blocks <= 0 or num_engines <= 0 or duration_s <= 0:
         raise ValueError("budget_blocks, num_engines and duration_s must be positive")
     block_seconds = mean_request_block_seconds()
+    peaks = max(1, min(MAX_PEAKS_PER_ENGINE, int(duration_s // (num_engines * MIN_PHASE_S))))
     # Little's law: mean blocks in use = arrival rate x block-seconds per request.
     return TrafficProfile(
         num_engines=num_engines,
         duration_s=duration_s,
-        phase_s=duration_s / (num_engines * PEAKS_PER_ENGINE),
+        phase_s=duration_s / (num_engines * peaks),
         busy_rate_hz=busy_fraction * budget_blocks / block_seconds,
         idle_rate_hz=idle_fraction * budget_blocks / block_seconds,
     )
