@@ -292,6 +292,7 @@ class EngineScheduler:
         # Whatever the safety net left behind is checked and freed, never leaked.
         for state in self.running + list(self.waiting):
             self._release_blocks(state)
+        self.events.put(("progress", self.engine, self.spec.run_name, self.counters()))
 
     def result(self) -> dict[str, Any]:
         """Per-request outcomes and counters, as plain data for the parent."""
