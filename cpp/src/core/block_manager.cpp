@@ -348,6 +348,12 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     const std::size_t growable = growable_pages_locked();
     if (growable < needed) {
       const std::size_t can = free_mapped_blocks_ + growable * blocks_per_page_;
+      if (budget_) {
+        // Ask the budget anyway: a refusal there is recorded as pressure, which
+        // tells the other pools on the device to give their idle reserve back.
+        const std::size_t wanted = (needed - std::min(needed, spare_pages_)) * page_bytes_;
+        if (wanted > 0 && budget_->try_acquire(wanted)) budget_->release(wanted);
+      }
       roll_back();
       throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: only " +
                             std::to_string(can) + " are available (limit " +
