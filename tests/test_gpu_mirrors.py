@@ -62,9 +62,15 @@ def gpu_mirror_main(conn, device: str) -> None:
                 values.append(sorted(set(view.unique().tolist())))
             conn.send(values)
         elif command == "close":
-            del flat
+            import gc
+
+            device = space.device
+            del flat, block_view
             space.close()
-            conn.send(space.device.counters()["mapped_bytes"])
+            pages_left = space.mapped_pages
+            del space  # the zero backing lives as long as the space or a tensor into it
+            gc.collect()
+            conn.send((pages_left, device.counters()["mapped_bytes"], device.counters()["reserved_bytes"]))
             return
 
 
@@ -113,5 +119,5 @@ def test_gpu_mirror_maps_fences_and_releases_after_acknowledgement(gpu_mirror):
     manager.trim()
     manager.acknowledge(0, gpu_mirror("apply", manager.take_page_ops()))
     assert budget.used_bytes == 0
-    assert gpu_mirror("close") == 0
+    assert gpu_mirror("close") == (0, 0, 0)
     manager.close()

@@ -100,7 +100,7 @@ void bind_device(nb::module_& m) {
                  reinterpret_cast<void*>(address), 1, shape, owner, nullptr,
                  nb::dtype<uint8_t>(), static_cast<int>(d.dlpack_device_type()), d.ordinal());
            },
-           "address"_a, "size"_a, "owner"_a,
+           "address"_a, "size"_a, "owner"_a.none(),
            "A DLPack byte array over [address, address + size) that keeps `owner` alive. "
            "Low-level: the caller guarantees the memory is mapped and accessible.");
 
