@@ -86,36 +86,57 @@ def test_setup(benchmark, device_spec, layout, zero_backing):
 # ---- growing and shrinking page ids ----------------------------------------------------------
 
 
+# "ahead": the page's zero chunks were split beforehand, as a pool's worker does
+# for the next page ids it will grow; "on_grow": the grow splits a coarse zero
+# chunk itself (a page far from anything mapped: the worst case).
+ZERO_SPLITS = ("ahead", "on_grow")
+
+
+def page_source(space: KVSpace, zero_split: str, num_pages: int):
+    pages = spread_pages(num_pages)
+
+    def next_page() -> tuple:
+        page = next(pages)
+        if zero_split == "ahead":
+            space.prepare_pages([page])
+        return ([page],)
+
+    return next_page
+
+
+@pytest.mark.parametrize("zero_split", ZERO_SPLITS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_grow_cold(benchmark, device_spec, layout, spaces):
+def test_grow_cold(benchmark, device_spec, layout, zero_split, spaces):
     """map_pages of one page id with no spares: allocations created on the spot, zeros swapped out."""
-    describe(benchmark, f"pool.grow_cold.{layout}", group="pool: grow one page id", layout=layout)
+    describe(benchmark, f"pool.grow_cold.{layout}.{zero_split}", group="pool: grow one page id",
+             layout=layout)
     space = make_space(device_spec, layout, max_spare_pages=0)
     spaces.append(space)
-    pages = spread_pages(space.num_pages)
-    time_each(benchmark, space.map_pages, prepare=lambda: ([next(pages)],),
+    time_each(benchmark, space.map_pages, prepare=page_source(space, zero_split, space.num_pages),
               undo=lambda _, p: space.unmap_pages(p), rounds=ROUNDS_GROW)
 
 
+@pytest.mark.parametrize("zero_backing", (True, False))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_grow_warm(benchmark, device_spec, layout, spaces):
+def test_grow_warm(benchmark, device_spec, layout, zero_backing, spaces):
     """map_pages of one page id whose allocations were created earlier (a spare).
 
     The spare is made by mapping and unmapping a page id outside the measured
     ones (KVSpace keeps up to max_spare_pages unmapped allocations); each round's
     unmap returns it to the spares, and the set-up checks one is there.
     """
-    describe(benchmark, f"pool.grow_warm.{layout}", group="pool: grow one page id", layout=layout)
-    space = make_space(device_spec, layout, max_spare_pages=1)
+    zeros = "zero_backed" if zero_backing else "no_zero_backing"
+    describe(benchmark, f"pool.grow_warm.{layout}.{zeros}", group="pool: grow one page id", layout=layout)
+    space = make_space(device_spec, layout, zero_backing=zero_backing, max_spare_pages=1)
     spaces.append(space)
     spare_source = [space.num_pages - 1]
     space.map_pages(spare_source)
     space.unmap_pages(spare_source)
-    pages = spread_pages(space.num_pages - 1)
+    next_page = page_source(space, "ahead", space.num_pages - 1)
 
     def prepare():
         assert space.spare_pages == 1
-        return ([next(pages)],)
+        return next_page()
 
     time_each(benchmark, space.map_pages, prepare=prepare,
               undo=lambda _, p: space.unmap_pages(p), rounds=ROUNDS_GROW)

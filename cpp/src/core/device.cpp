@@ -1,17 +1,20 @@
 // Device: rule checks and bookkeeping in front of a VmmBackend (see device.hpp).
 #include "kvcached/device.hpp"
 
-#include <sstream>
+#include <cstdio>
 #include <utility>
 
 namespace kvcached {
 
 namespace {
 
+// No iostreams anywhere in the library: an extension module can end up with
+// its own copy of libstdc++'s locale machinery (static libstdc++ builds), and
+// formatting a number through it then crashes. snprintf has no such state.
 std::string hex(VirtualAddress address) {
-  std::ostringstream out;
-  out << "0x" << std::hex << address;
-  return out.str();
+  char text[2 + 2 * sizeof(VirtualAddress) + 1];
+  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(address));
+  return text;
 }
 
 }  // namespace

@@ -15,11 +15,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <fstream>
+#include <cstdio>
 #include <limits>
 #include <new>
 #include <random>
-#include <sstream>
 
 namespace kvcached {
 
@@ -194,17 +193,25 @@ std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept { return a > b
 // Start time of `pid` in clock ticks since boot, or nullopt when the process
 // does not exist or has already exited (zombie: its memory is already freed).
 std::optional<std::uint64_t> live_process_start_ticks(std::int64_t pid) {
-  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat_file) return std::nullopt;
-  std::string line;
-  std::getline(stat_file, line);
+  // stdio rather than iostreams: see device.cpp on libstdc++ locale state.
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  std::FILE* file = std::fopen(path.c_str(), "r");
+  if (file == nullptr) return std::nullopt;
+  char buffer[1024] = {};
+  const std::size_t length = std::fread(buffer, 1, sizeof buffer - 1, file);
+  std::fclose(file);
+  const std::string line(buffer, length);
   // The command name (field 2) may contain spaces and parentheses; it ends at the last ')'.
   const std::size_t name_end = line.rfind(')');
   if (name_end == std::string::npos) return std::nullopt;
-  std::istringstream fields(line.substr(name_end + 1));
-  std::string field;
   std::optional<std::uint64_t> start_ticks;
-  for (std::size_t index = kStatStateField; fields >> field; ++index) {
+  std::size_t cursor = name_end + 1;
+  for (std::size_t index = kStatStateField;; ++index) {
+    const std::size_t begin = line.find_first_not_of(" \n", cursor);
+    if (begin == std::string::npos) break;
+    const std::size_t end = std::min(line.find_first_of(" \n", begin), line.size());
+    const std::string field = line.substr(begin, end - begin);
+    cursor = end;
     if (index == kStatStateField && (field == "Z" || field == "X")) return std::nullopt;
     if (index == kStatStartTimeField) {
       start_ticks = std::strtoull(field.c_str(), nullptr, 10);

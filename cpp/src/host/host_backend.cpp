@@ -11,7 +11,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <cstdio>
 #include <string>
 
 namespace kvcached {
@@ -32,15 +32,16 @@ std::size_t machine_memory_limit_bytes() {
                       static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   for (const char* path : {"/sys/fs/cgroup/memory.max",
                            "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream file(path);
-    std::string text;
-    if (file >> text && text != "max") {
-      try {
-        const std::size_t cgroup_limit = std::stoull(text);
-        if (cgroup_limit > 0 && cgroup_limit < limit) limit = cgroup_limit;
-      } catch (...) {
-      }
-    }
+    // stdio rather than iostreams: see device.cpp on libstdc++ locale state.
+    std::FILE* file = std::fopen(path, "r");
+    if (file == nullptr) continue;
+    char text[64] = {};
+    const bool read = std::fgets(text, sizeof text, file) != nullptr;
+    std::fclose(file);
+    char* end = nullptr;
+    const unsigned long long cgroup_limit = read ? std::strtoull(text, &end, 10) : 0;
+    // "max" (no limit) parses as 0 and is skipped.
+    if (cgroup_limit > 0 && cgroup_limit < limit) limit = static_cast<std::size_t>(cgroup_limit);
   }
   return limit;
 }
