@@ -75,7 +75,10 @@ class KVCACHED_EXPORT KVSpace {
   using PageBacking = std::vector<PhysicalAllocation>;  // allocations_per_page() entries
   void check_page(std::int64_t page) const;
   PageBacking take_backing_locked();
-  void map_one_locked(std::size_t page, PageBacking&& backing);
+  // `already_uncovered`: the caller removed the zero backing of this page's ranges.
+  void map_one_locked(std::size_t page, PageBacking&& backing, bool already_uncovered);
+  // Remove the zero backing of every range of these pages, merged where adjacent.
+  void uncover_pages_locked(const std::vector<std::int64_t>& pages);
   void unmap_one_locked(std::size_t page);
 
   KVLayout layout_;

@@ -80,13 +80,13 @@ KVSpace::PageBacking KVSpace::take_backing_locked() {
   return backing;
 }
 
-void KVSpace::map_one_locked(std::size_t page, PageBacking&& backing) {
+void KVSpace::map_one_locked(std::size_t page, PageBacking&& backing, bool already_uncovered) {
   const std::vector<ByteRange> ranges = layout_.page_ranges(page);
   std::size_t done = 0;
   try {
     for (; done < ranges.size(); ++done) {
       const VirtualAddress address = base_ + ranges[done].offset;
-      if (memory_->zeros) memory_->zeros->uncover(address, ranges[done].size);
+      if (memory_->zeros && !already_uncovered) memory_->zeros->uncover(address, ranges[done].size);
       memory_->device->map_accessible(address, backing[done]);
     }
   } catch (...) {
@@ -98,9 +98,12 @@ void KVSpace::map_one_locked(std::size_t page, PageBacking&& backing) {
       } catch (...) {
       }
     }
-    if (done < ranges.size() && memory_->zeros) {
-      try {  // the range that failed was uncovered but never mapped
-        memory_->zeros->cover(base_ + ranges[done].offset, ranges[done].size);
+    // Ranges uncovered but never mapped get their zeros back: the one that
+    // failed, and with a batch uncover every later one too.
+    const std::size_t uncovered_end = already_uncovered ? ranges.size() : std::min(done + 1, ranges.size());
+    for (std::size_t i = done; memory_->zeros && i < uncovered_end; ++i) {
+      try {
+        memory_->zeros->cover(base_ + ranges[i].offset, ranges[i].size);
       } catch (...) {
       }
     }
@@ -139,13 +142,62 @@ void KVSpace::map_pages(const std::vector<std::int64_t>& pages) {
       if (pages[j] == pages[i]) throw InvalidArgument("page " + std::to_string(pages[i]) + " listed twice");
     }
   }
+  // Several pages: uncover their zero chunks together first, so neighbouring
+  // pages split a coarse chunk once instead of re-covering the rest page by page.
+  const bool batch_uncover = memory_->zeros != nullptr && pages.size() > 1;
+  if (batch_uncover) uncover_pages_locked(pages);
   std::size_t done = 0;
+  bool inside_map_one = false;
   try {
-    for (; done < pages.size(); ++done) map_one_locked(pages[done], take_backing_locked());
+    for (; done < pages.size(); ++done) {
+      PageBacking backing = take_backing_locked();
+      inside_map_one = true;
+      map_one_locked(pages[done], std::move(backing), batch_uncover);
+      inside_map_one = false;
+    }
   } catch (...) {
     for (std::size_t i = 0; i < done; ++i) {
       try {
         unmap_one_locked(pages[i]);
+      } catch (...) {
+      }
+    }
+    // map_one_locked restores the zeros of the page it failed on; pages never
+    // reached were uncovered by the batch and get theirs back here.
+    for (std::size_t i = inside_map_one ? done + 1 : done; batch_uncover && i < pages.size(); ++i) {
+      for (const ByteRange& range : layout_.page_ranges(pages[i])) {
+        try {
+          memory_->zeros->cover(base_ + range.offset, range.size);
+        } catch (...) {
+        }
+      }
+    }
+    throw;
+  }
+}
+
+void KVSpace::uncover_pages_locked(const std::vector<std::int64_t>& pages) {
+  std::vector<ByteRange> ranges;
+  for (std::int64_t page : pages) {
+    for (const ByteRange& range : layout_.page_ranges(page)) ranges.push_back(range);
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::vector<ByteRange> merged;
+  for (const ByteRange& range : ranges) {
+    if (!merged.empty() && merged.back().offset + merged.back().size == range.offset) {
+      merged.back().size += range.size;
+    } else {
+      merged.push_back(range);
+    }
+  }
+  std::size_t done = 0;
+  try {
+    for (; done < merged.size(); ++done) memory_->zeros->uncover(base_ + merged[done].offset, merged[done].size);
+  } catch (...) {
+    for (std::size_t i = 0; i < done; ++i) {
+      try {
+        memory_->zeros->cover(base_ + merged[i].offset, merged[i].size);
       } catch (...) {
       }
     }

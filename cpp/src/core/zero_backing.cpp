@@ -89,7 +89,7 @@ class SharedZeroChunks final : public ZeroBacking {
       // Keep zeros on the parts of the chunk outside the requested range.
       if (chunk_start < address) cover(chunk_start, address - chunk_start);
       if (chunk_end > end) cover(end, chunk_end - end);
-      it = mappings_.lower_bound(chunk_end > end ? chunk_end : end);
+      it = mappings_.lower_bound(chunk_end);  // the next chunk; re-covered parts lie outside the range
     }
   }
 
