@@ -64,6 +64,10 @@ class KVCACHED_EXPORT VmmBackend {
   // Make mapped memory readable and writable by this device.
   virtual void set_access(VirtualAddress address, std::size_t size_bytes) = 0;
 
+  // Set mapped, accessible memory to zero and wait until it is done (used once
+  // per shared zero allocation, so it need not be fast).
+  virtual void zero_fill(VirtualAddress address, std::size_t size_bytes) = 0;
+
   // Wait until work already queued on the device is done (used before unmap,
   // because unmap does not wait for kernels in flight).
   virtual void synchronize() = 0;

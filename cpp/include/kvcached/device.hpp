@@ -61,6 +61,7 @@ class KVCACHED_EXPORT PhysicalAllocation {
   PhysicalHandle handle() const noexcept { return handle_; }
   std::size_t size_bytes() const noexcept { return size_bytes_; }
   bool valid() const noexcept { return device_ != nullptr; }
+  const Device* device() const noexcept { return device_.get(); }
   // Raises InvalidArgument while any mapping of it exists. Idempotent.
   void release();
 
@@ -94,7 +95,7 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   MemoryInfo memory_info() const { return backend_->memory_info(); }
   DeviceCounters counters() const;
 
-  // alignment_bytes 0 means the minimum granularity.
+  // alignment_bytes 0 means the recommended granularity.
   Reservation reserve(std::size_t size_bytes, std::size_t alignment_bytes = 0);
   PhysicalAllocation create(std::size_t size_bytes);
   // Maps the whole allocation at `address` (inside a live reservation, on
@@ -107,6 +108,8 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   // map + set_access, undone if set_access fails.
   void map_accessible(VirtualAddress address, const PhysicalAllocation& allocation);
   void synchronize() { backend_->synchronize(); }
+  // Range must be mapped and accessible.
+  void zero_fill(VirtualAddress address, std::size_t size_bytes);
   bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes);
 
  private:

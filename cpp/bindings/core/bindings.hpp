@@ -1,0 +1,15 @@
+// Entry points of the kvcached._core module's parts, one per concern.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace kvcached::bindings {
+
+// Device, Reservation, PhysicalAllocation (the backend contract).
+void bind_device(nanobind::module_& m);
+// MemoryBudget, DeviceRegistry / RegistryBudget (shared per-device budget).
+void bind_registry(nanobind::module_& m);
+// KVSpace, BlockManager, PageOps, FixedBudget. Call after bind_registry (needs MemoryBudget).
+void bind_kv(nanobind::module_& m);
+
+}  // namespace kvcached::bindings

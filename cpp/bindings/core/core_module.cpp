@@ -1,0 +1,13 @@
+// kvcached._core: the allocator and the host backend; GPU backends plug in as capsules.
+#include <nanobind/nanobind.h>
+
+#include "bindings.hpp"
+#include "error_translation.hpp"
+
+NB_MODULE(_core, m) {
+  m.doc() = "kvcached core: VMM contract, host backend, KV pools (low-level API)";
+  kvcached::bindings::install_error_translator();
+  kvcached::bindings::bind_device(m);
+  kvcached::bindings::bind_registry(m);
+  kvcached::bindings::bind_kv(m);
+}

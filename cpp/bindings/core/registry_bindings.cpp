@@ -1,0 +1,164 @@
+// Python bindings of the shared per-device registry: DeviceRegistry and RegistryBudget.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/bindings.hpp"
+#include "kvcached/device_registry.hpp"
+
+namespace kvcached::bindings {
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// Byte counts come from Python as signed ints so a negative one is a clear
+// ValueError instead of an overflow or a TypeError about unsigned conversion.
+std::size_t checked_bytes(const char* what, std::int64_t bytes) {
+  if (bytes < 0) throw InvalidArgument(std::string(what) + " must be >= 0, got " + std::to_string(bytes));
+  return static_cast<std::size_t>(bytes);
+}
+
+std::optional<std::size_t> checked_optional_bytes(const char* what,
+                                                  std::optional<std::int64_t> bytes) {
+  if (!bytes) return std::nullopt;
+  return checked_bytes(what, *bytes);
+}
+
+nb::dict entry_to_dict(const RegistryEntryInfo& info) {
+  nb::dict entry;
+  entry["slot"] = info.slot;
+  entry["instance_id"] = info.instance_id;
+  entry["name"] = info.name;
+  entry["pid"] = info.pid;
+  entry["start_time_ticks"] = info.start_time_ticks;
+  entry["alive"] = info.alive;
+  entry["limit_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
+  entry["mapped_bytes"] = info.mapped_bytes;
+  entry["used_bytes"] = info.used_bytes;
+  entry["reserved_bytes"] = info.reserved_bytes;
+  entry["wanted_bytes"] = info.wanted_bytes;
+  return entry;
+}
+
+// Binds a bare MemoryBudget only when nobody has, so RegistryBudget can name it
+// as its base (a pool taking a MemoryBudget then accepts a RegistryBudget).
+void ensure_memory_budget_bound(nb::module_& m) {
+  if (nb::type<MemoryBudget>().is_valid()) return;
+  nb::class_<MemoryBudget>(m, "MemoryBudget",
+                           "Where a pool's allowance of physical memory comes from.")
+      .def("try_acquire", [](MemoryBudget& self, std::int64_t bytes) {
+             const std::size_t checked = checked_bytes("bytes", bytes);
+             nb::gil_scoped_release unlocked;
+             return self.try_acquire(checked);
+           }, "bytes"_a, "Takes `bytes` if the budget allows; False (nothing taken) otherwise.")
+      .def("release", [](MemoryBudget& self, std::int64_t bytes) {
+             self.release(checked_bytes("bytes", bytes));
+           }, "bytes"_a, "Returns bytes taken earlier, once they are no longer mapped.")
+      .def_prop_ro("available_bytes", &MemoryBudget::available_bytes,
+                   "What try_acquire could grant now (a hint).")
+      .def_prop_ro("external_limit_bytes", &MemoryBudget::external_limit_bytes,
+                   "A limit set from outside the pool, or None.")
+      .def("report_usage", [](MemoryBudget& self, std::int64_t used_bytes, std::int64_t mapped_bytes) {
+             self.report_usage(checked_bytes("used_bytes", used_bytes),
+                               checked_bytes("mapped_bytes", mapped_bytes));
+           }, "used_bytes"_a, "mapped_bytes"_a, "Publishes the pool's usage.");
+}
+
+}  // namespace
+
+void bind_registry(nb::module_& m) {
+  nb::exception<RegistryNotFound>(m, "RegistryNotFoundError", PyExc_FileNotFoundError);
+  m.attr("REGISTRY_CAPACITY") = kRegistryCapacity;
+  ensure_memory_budget_bound(m);
+
+  nb::class_<RegistryBudget, MemoryBudget>(
+      m, "RegistryBudget",
+      "One registered instance's share of a device's budget (a MemoryBudget).\n\n"
+      "Unregisters when dropped or on unregister(); usable as a context manager.")
+      .def_prop_ro("name", &RegistryBudget::name)
+      .def_prop_ro("slot", &RegistryBudget::slot)
+      .def_prop_ro("instance_id", &RegistryBudget::instance_id)
+      .def_prop_ro("registered", &RegistryBudget::registered,
+                   "False once unregistered or reclaimed as stale.")
+      .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes,
+                   "This instance's own limit (set by kvctl), or None.")
+      .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
+                   "Bytes this instance holds against the device budget.")
+      .def_prop_ro("pressure_bytes", &RegistryBudget::pressure_bytes,
+                   "Bytes other instances were refused in the last second: give reserve back.")
+      .def("unregister", &RegistryBudget::unregister, nb::call_guard<nb::gil_scoped_release>(),
+           "Removes the entry now; bytes still counted return to the budget.")
+      .def("__enter__", [](std::shared_ptr<RegistryBudget> self) { return self; })
+      .def("__exit__", [](RegistryBudget& self, nb::handle, nb::handle, nb::handle) {
+             nb::gil_scoped_release unlocked;
+             self.unregister();
+           }, "exc_type"_a.none(), "exc_value"_a.none(), "traceback"_a.none());
+
+  nb::class_<DeviceRegistry>(
+      m, "DeviceRegistry",
+      "The shared-memory registry of one device: its budget and its instances.")
+      .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes) {
+             const auto budget = checked_optional_bytes("budget_bytes", budget_bytes);
+             nb::gil_scoped_release unlocked;
+             return DeviceRegistry::open(device, budget);
+           }),
+           "device"_a, "budget_bytes"_a = nb::none(),
+           "Opens the registry of `device`, creating it with `budget_bytes` if it does not "
+           "exist (an existing registry keeps its budget). Without a budget a missing "
+           "registry raises RegistryNotFoundError (a FileNotFoundError).")
+      .def_static("segment_path", &DeviceRegistry::segment_path, "device"_a,
+                  "Where the registry file of `device` lives (KVCACHED_REGISTRY_DIR or /dev/shm).")
+      .def_prop_ro("device", &DeviceRegistry::device)
+      .def_prop_ro("path", &DeviceRegistry::path)
+      .def_prop_rw("budget_bytes", &DeviceRegistry::budget_bytes,
+                   [](DeviceRegistry& self, std::int64_t budget_bytes) {
+                     const std::size_t budget = checked_bytes("budget_bytes", budget_bytes);
+                     nb::gil_scoped_release unlocked;
+                     self.set_budget_bytes(budget);
+                   },
+                   "Device-wide budget shared by all instances; setting it takes effect at once.")
+      .def_prop_ro("mapped_bytes", &DeviceRegistry::mapped_bytes,
+                   "Bytes mapped by all instances (dead ones too, until reclaimed).")
+      .def_prop_ro("available_bytes", &DeviceRegistry::available_bytes)
+      .def("entries", [](const DeviceRegistry& self) {
+             std::vector<RegistryEntryInfo> snapshot;
+             {
+               nb::gil_scoped_release unlocked;
+               snapshot = self.entries();
+             }
+             nb::list entries;
+             for (const RegistryEntryInfo& info : snapshot) entries.append(entry_to_dict(info));
+             return entries;
+           }, nb::sig("def entries(self) -> list[dict[str, typing.Any]]"),
+           "Snapshot of the live table: one dict per registered instance.")
+      .def("set_limit", [](DeviceRegistry& self, const std::variant<std::int64_t, std::string>& name_or_pid,
+                           std::optional<std::int64_t> limit_bytes) {
+             const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
+             nb::gil_scoped_release unlocked;
+             return self.set_limit(name_or_pid, limit);
+           }, "name_or_pid"_a, "limit_bytes"_a.none(),
+           "Sets (None: clears) the limit of instances matching a pid (int) or name (str); "
+           "returns how many matched.")
+      .def("clean_stale", &DeviceRegistry::clean_stale, nb::call_guard<nb::gil_scoped_release>(),
+           "Frees entries of dead processes (their memory returns to the budget); returns how many.")
+      .def("register", [](DeviceRegistry& self, const std::string& name,
+                          std::optional<std::int64_t> pid, std::optional<std::int64_t> limit_bytes) {
+             const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
+             nb::gil_scoped_release unlocked;
+             return self.register_instance(name, pid, limit);
+           }, "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(),
+           "Registers an instance (default pid: this process) and returns its RegistryBudget.")
+      .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Test hook: takes the registry lock and never releases it.");
+}
+
+}  // namespace kvcached::bindings

@@ -1,0 +1,44 @@
+// kvcached._hip: finds HIP (AMD) devices and opens them as VmmBackend capsules for kvcached._core.
+#include <nanobind/nanobind.h>
+
+#include <memory>
+
+#include "error_translation.hpp"
+#include "gpu/backend_capsule.hpp"
+#include "hip/hip_backend.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_hip, m) {
+  kvcached::bindings::install_error_translator();
+  m.doc() =
+      "HIP backend of kvcached (hipMem*, for AMD GPUs). Linked against libamdhip64: on a "
+      "machine without the HIP runtime, importing this module fails with ImportError.";
+
+  m.def("device_count", &kvcached::hip_device_count,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Number of HIP devices; 0 when the runtime reports none (hipErrorNoDevice).\n\n"
+        "Raises BackendUnavailableError when the runtime is present but cannot start; the "
+        "message carries its own error.");
+  m.def("vmm_supported", &kvcached::hip_vmm_supported, "ordinal"_a,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Whether HIP device ``ordinal`` supports virtual memory management (False if absent).");
+  m.def("driver_version", &kvcached::hip_driver_version,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "hipDriverGetVersion's value, e.g. 50221153 for HIP 5.2.");
+  m.def(
+      "open_backend",
+      [](int ordinal) {
+        std::shared_ptr<kvcached::VmmBackend> backend;
+        {
+          nb::gil_scoped_release unlocked;
+          backend = kvcached::make_hip_backend(ordinal);
+        }
+        return kvcached::bindings::backend_capsule(std::move(backend));
+      },
+      "ordinal"_a = 0,
+      "Open HIP device ``ordinal`` and return a PyCapsule named 'kvcached.VmmBackend' for\n"
+      "kvcached._core. Raises BackendUnavailableError when there is no such device or it\n"
+      "lacks virtual memory management.");
+}

@@ -1,0 +1,125 @@
+// ZeroBacking implementations: free anonymous zero pages on host, coarse
+// shared zero allocations split on first use on GPUs.
+#include "kvcached/zero_backing.hpp"
+
+#include <utility>
+
+namespace kvcached {
+
+namespace {
+
+class HostZeroPages final : public ZeroBacking {
+ public:
+  explicit HostZeroPages(std::shared_ptr<Device> device) : device_(std::move(device)) {}
+  void cover(VirtualAddress address, std::size_t size_bytes) override {
+    device_->map_free_zero_pages(address, size_bytes);
+  }
+  void uncover(VirtualAddress, std::size_t) override {}  // a fixed mapping replaces it
+  std::size_t mapping_count() const override { return 0; }
+
+ private:
+  std::shared_ptr<Device> device_;
+};
+
+class SharedZeroChunks final : public ZeroBacking {
+ public:
+  SharedZeroChunks(std::shared_ptr<Device> device, VirtualAddress base, std::size_t unit_bytes,
+                   std::size_t max_chunk_bytes)
+      : device_(std::move(device)), base_(base), unit_bytes_(unit_bytes) {
+    std::size_t levels = 1;
+    while ((unit_bytes_ << levels) <= max_chunk_bytes) ++levels;
+    zero_chunks_.resize(levels);
+  }
+
+  ~SharedZeroChunks() override {
+    // Unmap before the shared allocations go; never throw from here.
+    for (const auto& [address, level] : mappings_) {
+      try {
+        device_->unmap(address, unit_bytes_ << level);
+      } catch (...) {
+      }
+    }
+  }
+
+  void cover(VirtualAddress address, std::size_t size_bytes) override {
+    // Greedy buddy decomposition: at each step the largest chunk that is
+    // aligned (relative to the reservation base) and fits.
+    VirtualAddress cursor = address;
+    const VirtualAddress end = address + size_bytes;
+    while (cursor < end) {
+      std::size_t level = zero_chunks_.size() - 1;
+      while (level > 0) {
+        const std::size_t chunk = unit_bytes_ << level;
+        if ((cursor - base_) % chunk == 0 && cursor + chunk <= end) break;
+        --level;
+      }
+      map_chunk(cursor, level);
+      cursor += unit_bytes_ << level;
+    }
+  }
+
+  void uncover(VirtualAddress address, std::size_t size_bytes) override {
+    const VirtualAddress end = address + size_bytes;
+    auto it = mappings_.upper_bound(address);
+    if (it != mappings_.begin()) --it;
+    while (it != mappings_.end() && it->first < end) {
+      const VirtualAddress chunk_start = it->first;
+      const VirtualAddress chunk_end = chunk_start + (unit_bytes_ << it->second);
+      if (chunk_end <= address) {
+        ++it;
+        continue;
+      }
+      device_->unmap(chunk_start, chunk_end - chunk_start);
+      it = mappings_.erase(it);
+      // Keep zeros on the parts of the chunk outside the requested range.
+      if (chunk_start < address) cover(chunk_start, address - chunk_start);
+      if (chunk_end > end) cover(end, chunk_end - end);
+      it = mappings_.lower_bound(chunk_end > end ? chunk_end : end);
+    }
+  }
+
+  std::size_t mapping_count() const override { return mappings_.size(); }
+
+ private:
+  void map_chunk(VirtualAddress address, std::size_t level) {
+    PhysicalAllocation& zeros = zero_chunk(level, address);
+    if (mappings_.count(address) != 0) return;  // zero_chunk mapped it while filling it
+    device_->map_accessible(address, zeros);
+    mappings_.emplace(address, level);
+  }
+
+  // The shared zero allocation of this level, created (and zero-filled through
+  // its first mapping, at `address`) on first use.
+  PhysicalAllocation& zero_chunk(std::size_t level, VirtualAddress address) {
+    PhysicalAllocation& chunk = zero_chunks_[level];
+    if (!chunk.valid()) {
+      PhysicalAllocation fresh = device_->create(unit_bytes_ << level);
+      device_->map_accessible(address, fresh);
+      try {
+        device_->zero_fill(address, unit_bytes_ << level);
+      } catch (...) {
+        device_->unmap(address, unit_bytes_ << level);
+        throw;
+      }
+      mappings_.emplace(address, level);
+      chunk = std::move(fresh);
+    }
+    return chunk;
+  }
+
+  std::shared_ptr<Device> device_;
+  VirtualAddress base_;
+  std::size_t unit_bytes_;
+  std::vector<PhysicalAllocation> zero_chunks_;     // index: level (size unit << level)
+  std::map<VirtualAddress, std::size_t> mappings_;  // address -> level
+};
+
+}  // namespace
+
+std::unique_ptr<ZeroBacking> ZeroBacking::create(std::shared_ptr<Device> device, VirtualAddress base,
+                                                 std::size_t unit_bytes, std::size_t max_chunk_bytes) {
+  if (device->backend_name() == "host") return std::make_unique<HostZeroPages>(std::move(device));
+  return std::make_unique<SharedZeroChunks>(std::move(device), base, unit_bytes, max_chunk_bytes);
+}
+
+}  // namespace kvcached

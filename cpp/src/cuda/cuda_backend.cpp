@@ -1,0 +1,263 @@
+// The CUDA backend: each VmmBackend call is one cuMem* driver call, made with
+// the device's primary context current on the calling thread.
+//
+// The primary context is the one the CUDA runtime (and so PyTorch) uses, so
+// memory mapped here is usable by their kernels without any peer set-up.
+#include "cuda/cuda_backend.hpp"
+
+#include <cuda.h>
+
+#include <string>
+
+namespace kvcached {
+namespace {
+
+constexpr const char* kBackendName = "cuda";
+
+// "CUDA_ERROR_OUT_OF_MEMORY: out of memory", in the driver's own words.
+std::string driver_message(CUresult code) {
+  const char* name = nullptr;
+  const char* description = nullptr;
+  if (cuGetErrorName(code, &name) != CUDA_SUCCESS || name == nullptr) {
+    name = "unknown CUresult";
+  }
+  if (cuGetErrorString(code, &description) != CUDA_SUCCESS || description == nullptr) {
+    description = "no description from the driver";
+  }
+  return std::string(name) + ": " + description;
+}
+
+[[noreturn]] void throw_driver_error(const char* call, CUresult code) {
+  if (code == CUDA_ERROR_OUT_OF_MEMORY) {
+    throw DeviceOutOfMemory(kBackendName, call, code, driver_message(code));
+  }
+  throw DriverError(kBackendName, call, code, driver_message(code));
+}
+
+void check(const char* call, CUresult code) {
+  if (code != CUDA_SUCCESS) throw_driver_error(call, code);
+}
+
+// Makes `context` current for the lifetime of the guard and restores the
+// caller's context afterwards, so callers (PyTorch threads, the pool's
+// worker thread) never see their current context changed behind their back.
+// Costs two thread-local reads/writes in the driver when already current.
+class ScopedContext {
+ public:
+  explicit ScopedContext(CUcontext context) {
+    check("cuCtxGetCurrent", cuCtxGetCurrent(&previous_));
+    if (previous_ != context) {
+      check("cuCtxSetCurrent", cuCtxSetCurrent(context));
+      switched_ = true;
+    }
+  }
+  ~ScopedContext() {
+    // Best effort: a failure here cannot be reported from a destructor.
+    if (switched_) (void)cuCtxSetCurrent(previous_);
+  }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+};
+
+// cuInit for the free functions below; the driver makes repeated calls cheap.
+CUresult initialise_driver() { return cuInit(0); }
+
+int checked_device_count() {
+  int count = 0;
+  check("cuDeviceGetCount", cuDeviceGetCount(&count));
+  return count;
+}
+
+class CudaBackend final : public VmmBackend {
+ public:
+  CudaBackend(int ordinal, CUdevice device) : ordinal_(ordinal), device_(device) {
+    check("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&context_, device_));
+    try {
+      granularity_ = query_granularity();
+    } catch (...) {
+      (void)cuDevicePrimaryCtxRelease(device_);
+      throw;
+    }
+  }
+
+  ~CudaBackend() override {
+    // At interpreter exit the driver may already be shut down
+    // (CUDA_ERROR_DEINITIALIZED); there is nothing left to release then.
+    (void)cuDevicePrimaryCtxRelease(device_);
+  }
+
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string name() const override { return kBackendName; }
+  int device_ordinal() const override { return ordinal_; }
+  DLDeviceType dlpack_device_type() const override { return DLDeviceType::kCUDA; }
+  Granularity granularity() const override { return granularity_; }
+
+  MemoryInfo memory_info() const override {
+    ScopedContext scope(context_);
+    std::size_t free_bytes = 0;
+    std::size_t total_bytes = 0;
+    check("cuMemGetInfo", cuMemGetInfo(&free_bytes, &total_bytes));
+    return {free_bytes, total_bytes};
+  }
+
+  VirtualAddress reserve(std::size_t size_bytes, std::size_t alignment_bytes) override {
+    ScopedContext scope(context_);
+    CUdeviceptr base = 0;
+    const CUdeviceptr no_fixed_address = 0;
+    const unsigned long long no_flags = 0;
+    check("cuMemAddressReserve",
+          cuMemAddressReserve(&base, size_bytes, alignment_bytes, no_fixed_address, no_flags));
+    return static_cast<VirtualAddress>(base);
+  }
+
+  void free_range(VirtualAddress base, std::size_t size_bytes) override {
+    ScopedContext scope(context_);
+    check("cuMemAddressFree", cuMemAddressFree(static_cast<CUdeviceptr>(base), size_bytes));
+  }
+
+  PhysicalHandle create(std::size_t size_bytes) override {
+    ScopedContext scope(context_);
+    const CUmemAllocationProp prop = device_allocation_prop();
+    CUmemGenericAllocationHandle handle = 0;
+    const unsigned long long no_flags = 0;
+    check("cuMemCreate", cuMemCreate(&handle, size_bytes, &prop, no_flags));
+    return static_cast<PhysicalHandle>(handle);
+  }
+
+  void release(PhysicalHandle handle) override {
+    ScopedContext scope(context_);
+    check("cuMemRelease", cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)));
+  }
+
+  void map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) override {
+    ScopedContext scope(context_);
+    // CUDA refuses non-zero offsets ("operation not supported"): always whole allocations.
+    const std::size_t whole_allocation_offset = 0;
+    const unsigned long long no_flags = 0;
+    check("cuMemMap", cuMemMap(static_cast<CUdeviceptr>(address), size_bytes,
+                               whole_allocation_offset,
+                               static_cast<CUmemGenericAllocationHandle>(handle), no_flags));
+  }
+
+  void unmap(VirtualAddress address, std::size_t size_bytes) override {
+    ScopedContext scope(context_);
+    check("cuMemUnmap", cuMemUnmap(static_cast<CUdeviceptr>(address), size_bytes));
+  }
+
+  void set_access(VirtualAddress address, std::size_t size_bytes) override {
+    ScopedContext scope(context_);
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const std::size_t one_descriptor = 1;
+    check("cuMemSetAccess",
+          cuMemSetAccess(static_cast<CUdeviceptr>(address), size_bytes, &access, one_descriptor));
+  }
+
+  void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
+    ScopedContext scope(context_);
+    check("cuMemsetD8", cuMemsetD8(static_cast<CUdeviceptr>(address), 0, size_bytes));
+    check("cuCtxSynchronize", cuCtxSynchronize());
+  }
+
+  void synchronize() override {
+    ScopedContext scope(context_);
+    check("cuCtxSynchronize", cuCtxSynchronize());
+  }
+
+ private:
+  // Pinned device memory with no export handle types: the cheapest kind, and
+  // what cuMemGetAllocationGranularity must be asked about too.
+  CUmemAllocationProp device_allocation_prop() const {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device_;
+    return prop;
+  }
+
+  Granularity query_granularity() const {
+    ScopedContext scope(context_);
+    const CUmemAllocationProp prop = device_allocation_prop();
+    Granularity result{0, 0};
+    check("cuMemGetAllocationGranularity",
+          cuMemGetAllocationGranularity(&result.minimum_bytes, &prop,
+                                        CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    check("cuMemGetAllocationGranularity",
+          cuMemGetAllocationGranularity(&result.recommended_bytes, &prop,
+                                        CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    return result;
+  }
+
+  const int ordinal_;
+  const CUdevice device_;
+  CUcontext context_ = nullptr;
+  Granularity granularity_{0, 0};
+};
+
+}  // namespace
+
+int cuda_device_count() {
+  const CUresult init = initialise_driver();
+  if (init == CUDA_ERROR_NO_DEVICE) return 0;
+  if (init != CUDA_SUCCESS) {
+    throw BackendUnavailable("CUDA driver unusable: cuInit returned " + driver_message(init));
+  }
+  return checked_device_count();
+}
+
+bool cuda_vmm_supported(int ordinal) {
+  if (initialise_driver() != CUDA_SUCCESS) return false;
+  int count = 0;
+  if (cuDeviceGetCount(&count) != CUDA_SUCCESS || ordinal < 0 || ordinal >= count) return false;
+  CUdevice device = 0;
+  if (cuDeviceGet(&device, ordinal) != CUDA_SUCCESS) return false;
+  int supported = 0;
+  if (cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                           device) != CUDA_SUCCESS) {
+    return false;
+  }
+  return supported != 0;
+}
+
+int cuda_driver_version() {
+  int version = 0;
+  const CUresult result = cuDriverGetVersion(&version);
+  if (result != CUDA_SUCCESS) {
+    throw BackendUnavailable("CUDA driver unusable: cuDriverGetVersion returned " +
+                             driver_message(result));
+  }
+  return version;
+}
+
+std::shared_ptr<VmmBackend> make_cuda_backend(int ordinal) {
+  const CUresult init = initialise_driver();
+  if (init != CUDA_SUCCESS) {
+    throw BackendUnavailable("no CUDA device: cuInit returned " + driver_message(init));
+  }
+  const int count = checked_device_count();
+  if (ordinal < 0 || ordinal >= count) {
+    throw BackendUnavailable("no CUDA device " + std::to_string(ordinal) + ": the driver reports " +
+                             std::to_string(count) + " device(s)");
+  }
+  CUdevice device = 0;
+  check("cuDeviceGet", cuDeviceGet(&device, ordinal));
+  int vmm_supported = 0;
+  check("cuDeviceGetAttribute",
+        cuDeviceGetAttribute(&vmm_supported,
+                             CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device));
+  if (vmm_supported == 0) {
+    throw BackendUnavailable("CUDA device " + std::to_string(ordinal) +
+                             " does not support virtual memory management (cuMemMap)");
+  }
+  return std::make_shared<CudaBackend>(ordinal, device);
+}
+
+}  // namespace kvcached

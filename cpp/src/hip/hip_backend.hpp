@@ -1,0 +1,28 @@
+// The HIP backend: VmmBackend over HIP's virtual memory API (hipMem*), for AMD GPUs.
+//
+// This header needs no HIP header, so code that only creates the backend
+// (the _hip module, the benchmark) compiles without the HIP include path.
+#pragma once
+
+#include <memory>
+
+#include "kvcached/backend.hpp"
+
+namespace kvcached {
+
+// Number of HIP devices. 0 when the runtime reports none (hipErrorNoDevice);
+// throws BackendUnavailable when the runtime cannot start for another reason.
+int hip_device_count();
+
+// Whether device `ordinal` supports virtual memory management. False for an
+// ordinal that does not exist or when there is no usable runtime.
+bool hip_vmm_supported(int ordinal);
+
+// hipDriverGetVersion's value (e.g. 50221153 for HIP 5.2).
+int hip_driver_version();
+
+// Opens device `ordinal`. Throws BackendUnavailable ("no HIP device: ...")
+// when there is no such device or it lacks virtual memory management.
+std::shared_ptr<VmmBackend> make_hip_backend(int ordinal);
+
+}  // namespace kvcached

@@ -1,0 +1,177 @@
+// Host backend: reservations are PROT_NONE anonymous mappings, physical
+// allocations are memfd files, and mapping one maps the file MAP_SHARED at a
+// fixed address, so two mappings of one allocation share bytes, as on a GPU.
+#include "host_backend.hpp"
+
+#include <errno.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+namespace kvcached {
+
+namespace {
+
+constexpr std::size_t kRecommendedGranularityBytes = 2u << 20;  // matches CUDA's 2 MiB pages
+constexpr int kReservationFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+
+[[noreturn]] void throw_errno(const char* call, int error) {
+  if (error == ENOMEM) throw DeviceOutOfMemory("host", call, error, std::strerror(error));
+  throw DriverError("host", call, error, std::strerror(error));
+}
+
+// Smallest of the cgroup v2 / v1 memory limit and MemTotal, in bytes.
+std::size_t machine_memory_limit_bytes() {
+  std::size_t limit = static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  for (const char* path : {"/sys/fs/cgroup/memory.max",
+                           "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream file(path);
+    std::string text;
+    if (file >> text && text != "max") {
+      try {
+        const std::size_t cgroup_limit = std::stoull(text);
+        if (cgroup_limit > 0 && cgroup_limit < limit) limit = cgroup_limit;
+      } catch (...) {
+      }
+    }
+  }
+  return limit;
+}
+
+class HostBackend final : public VmmBackend {
+ public:
+  explicit HostBackend(std::size_t capacity_bytes)
+      : capacity_bytes_(capacity_bytes),
+        page_bytes_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))) {}
+
+  std::string name() const override { return "host"; }
+  int device_ordinal() const override { return 0; }
+  DLDeviceType dlpack_device_type() const override { return DLDeviceType::kCPU; }
+  Granularity granularity() const override {
+    return Granularity{page_bytes_, kRecommendedGranularityBytes};
+  }
+  MemoryInfo memory_info() const override {
+    const std::size_t used = created_bytes_.load();
+    return MemoryInfo{capacity_bytes_ > used ? capacity_bytes_ - used : 0, capacity_bytes_};
+  }
+
+  VirtualAddress reserve(std::size_t size_bytes, std::size_t alignment_bytes) override {
+    // Over-reserve, then trim both ends so the base is aligned.
+    const std::size_t padded = size_bytes + alignment_bytes;
+    void* raw = mmap(nullptr, padded, PROT_NONE, kReservationFlags, -1, 0);
+    if (raw == MAP_FAILED) throw_errno("mmap(PROT_NONE)", errno);
+    const auto start = reinterpret_cast<VirtualAddress>(raw);
+    const VirtualAddress base = (start + alignment_bytes - 1) / alignment_bytes * alignment_bytes;
+    if (base > start) munmap(raw, base - start);
+    const VirtualAddress end = start + padded;
+    if (end > base + size_bytes) munmap(reinterpret_cast<void*>(base + size_bytes), end - (base + size_bytes));
+    return base;
+  }
+
+  void free_range(VirtualAddress base, std::size_t size_bytes) override {
+    if (munmap(reinterpret_cast<void*>(base), size_bytes) != 0) throw_errno("munmap", errno);
+  }
+
+  PhysicalHandle create(std::size_t size_bytes) override {
+    // Capacity is checked and taken atomically so concurrent creates cannot overshoot.
+    std::size_t used = created_bytes_.load();
+    do {
+      if (used + size_bytes > capacity_bytes_) {
+        throw DeviceOutOfMemory(
+            "host", "create", ENOMEM,
+            "host backend capacity exhausted: " + std::to_string(used) + " of " +
+                std::to_string(capacity_bytes_) + " bytes in use, " + std::to_string(size_bytes) +
+                " more requested (set KVCACHED_HOST_CAPACITY_BYTES to change the capacity)");
+      }
+    } while (!created_bytes_.compare_exchange_weak(used, used + size_bytes));
+    const int fd = memfd_create("kvcached", MFD_CLOEXEC);
+    if (fd < 0) {
+      created_bytes_ -= size_bytes;
+      throw_errno("memfd_create", errno);
+    }
+    if (ftruncate(fd, static_cast<off_t>(size_bytes)) != 0) {
+      const int error = errno;
+      close(fd);
+      created_bytes_ -= size_bytes;
+      throw_errno("ftruncate", error);
+    }
+    return static_cast<PhysicalHandle>(fd);
+  }
+
+  void release(PhysicalHandle handle) override {
+    const int fd = static_cast<int>(handle);
+    struct stat info {};
+    if (fstat(fd, &info) != 0) throw_errno("fstat", errno);
+    if (close(fd) != 0) throw_errno("close", errno);
+    created_bytes_ -= static_cast<std::size_t>(info.st_size);
+  }
+
+  void map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) override {
+    // PROT_NONE until set_access, like a fresh GPU mapping.
+    void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_NONE,
+                        MAP_SHARED | MAP_FIXED, static_cast<int>(handle), 0);
+    if (result == MAP_FAILED) throw_errno("mmap(MAP_FIXED)", errno);
+  }
+
+  void unmap(VirtualAddress address, std::size_t size_bytes) override {
+    // Re-reserve in place rather than munmap, so nothing else can land in the hole.
+    void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_NONE,
+                        kReservationFlags | MAP_FIXED, -1, 0);
+    if (result == MAP_FAILED) throw_errno("mmap(PROT_NONE)", errno);
+  }
+
+  void set_access(VirtualAddress address, std::size_t size_bytes) override {
+    if (mprotect(reinterpret_cast<void*>(address), size_bytes, PROT_READ | PROT_WRITE) != 0) {
+      throw_errno("mprotect", errno);
+    }
+  }
+
+  void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
+    std::memset(reinterpret_cast<void*>(address), 0, size_bytes);
+  }
+
+  void synchronize() override {}  // host work is synchronous
+
+  bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes) override {
+    // Reads of a private anonymous read-only mapping hit the kernel's shared
+    // zero page: zeros at no physical cost and no per-page bookkeeping.
+    void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_READ,
+                        kReservationFlags | MAP_FIXED, -1, 0);
+    if (result == MAP_FAILED) throw_errno("mmap(PROT_READ)", errno);
+    return true;
+  }
+
+ private:
+  const std::size_t capacity_bytes_;
+  const std::size_t page_bytes_;
+  std::atomic<std::size_t> created_bytes_{0};
+};
+
+}  // namespace
+
+std::size_t default_host_capacity_bytes() {
+  if (const char* text = std::getenv("KVCACHED_HOST_CAPACITY_BYTES")) {
+    try {
+      const std::size_t value = std::stoull(text);
+      if (value > 0) return value;
+    } catch (...) {
+    }
+    throw InvalidArgument(std::string("KVCACHED_HOST_CAPACITY_BYTES must be a positive integer, got '") +
+                          text + "'");
+  }
+  return machine_memory_limit_bytes() / 2;
+}
+
+std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {
+  if (capacity_bytes == 0) capacity_bytes = default_host_capacity_bytes();
+  return std::make_shared<HostBackend>(capacity_bytes);
+}
+
+}  // namespace kvcached

@@ -1,0 +1,20 @@
+// Host backend: the VMM contract over host memory (memfd_create + mmap).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "kvcached/backend.hpp"
+
+namespace kvcached {
+
+// Capacity used when none is given: KVCACHED_HOST_CAPACITY_BYTES if set, else
+// half of the machine's or container's (cgroup) memory limit, so that filling
+// kvcached's host pools raises a MemoryError long before the kernel's OOM
+// killer would step in.
+std::size_t default_host_capacity_bytes();
+
+// capacity_bytes 0 means default_host_capacity_bytes().
+std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes = 0);
+
+}  // namespace kvcached

@@ -1,0 +1,5 @@
+"""``python -m kvcached``: same as the ``kvcached`` command."""
+
+from kvcached.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The ``kvcached`` command: ``info`` (backends, devices, granularity, memory) and more."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+from kvcached.devices import backends, open_device
+from kvcached.errors import KvcachedError
+
+
+def _format_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{count} B"
+
+
+def collect_info() -> dict:
+    """Backends, their devices, granularity and memory, as plain data."""
+    report: dict = {"backends": []}
+    for status in backends():
+        entry: dict = {
+            "name": status.name,
+            "available": status.available,
+            "reason": status.reason,
+            "driver_version": status.driver_version,
+            "devices": [],
+        }
+        for ordinal in range(status.device_count if status.available else 0):
+            spec = "cpu" if status.name == "host" else f"{status.name}:{ordinal}"
+            try:
+                device = open_device(spec)
+                free_bytes, total_bytes = device.memory_info()
+                minimum, recommended = device.granularity
+                entry["devices"].append(
+                    {
+                        "device": device.name,
+                        "dlpack_device_type": device.dlpack_device_type,
+                        "granularity_min_bytes": minimum,
+                        "granularity_recommended_bytes": recommended,
+                        "free_bytes": free_bytes,
+                        "total_bytes": total_bytes,
+                    }
+                )
+            except KvcachedError as exc:
+                entry["devices"].append({"device": spec, "error": str(exc)})
+        report["backends"].append(entry)
+    return report
+
+
+def _print_info(report: dict) -> None:
+    for backend in report["backends"]:
+        state = "available" if backend["available"] else f"unavailable: {backend['reason']}"
+        print(f"{backend['name']:5s} {state}")
+        for dev in backend["devices"]:
+            if "error" in dev:
+                print(f"  {dev['device']}: {dev['error']}")
+                continue
+            print(
+                f"  {dev['device']}: granularity {_format_bytes(dev['granularity_min_bytes'])} min / "
+                f"{_format_bytes(dev['granularity_recommended_bytes'])} recommended, "
+                f"memory {_format_bytes(dev['free_bytes'])} free of {_format_bytes(dev['total_bytes'])}"
+            )
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    report = collect_info()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_info(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcached", description="Elastic KV cache for LLM serving.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="backends, devices, granularity and memory")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        return int(args.func(args))
+    except KvcachedError as exc:
+        print(f"kvcached: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

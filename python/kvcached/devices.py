@@ -1,0 +1,138 @@
+"""Finding backends and opening devices.
+
+The host backend lives in the core module and is always there. Each GPU
+backend is a separate extension module linked with its vendor library
+(``kvcached._cuda`` with libcuda, ``kvcached._hip`` with libamdhip64), so a
+machine without a driver can still ``import kvcached``; asking it for a GPU
+then raises :class:`~kvcached.errors.BackendUnavailableError` saying what is
+missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+from typing import Optional
+
+from kvcached import _core
+from kvcached.errors import BackendUnavailableError, KvcachedError
+
+logger = logging.getLogger(__name__)
+
+# Backend name -> extension module providing it.
+GPU_BACKEND_MODULES = {"cuda": "kvcached._cuda", "hip": "kvcached._hip"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend can be used in this process, and if not, why."""
+
+    name: str
+    available: bool
+    device_count: int
+    reason: str = ""
+    driver_version: Optional[int] = None
+
+
+def _probe_gpu_backend(name: str) -> BackendStatus:
+    module_name = GPU_BACKEND_MODULES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if getattr(exc, "name", None) == module_name:
+            reason = f"{module_name} was not built (no {name} headers at build time)"
+        else:
+            reason = f"{module_name} cannot load its driver library: {exc}"
+        return BackendStatus(name, False, 0, reason)
+    try:
+        count = int(module.device_count())
+        version = int(module.driver_version())
+    except KvcachedError as exc:
+        return BackendStatus(name, False, 0, str(exc))
+    if count == 0:
+        return BackendStatus(name, False, 0, f"no {name} device found", version)
+    return BackendStatus(name, True, count, "", version)
+
+
+_status_cache: dict[str, BackendStatus] = {}
+_devices: dict[str, _core.Device] = {}
+_lock = threading.Lock()
+
+
+def backend_status(name: str) -> BackendStatus:
+    """Status of one backend ("host", "cuda" or "hip"); probed once per process."""
+    if name == "host":
+        return BackendStatus("host", True, 1)
+    if name not in GPU_BACKEND_MODULES:
+        raise ValueError(f"unknown backend {name!r}; expected 'host', 'cuda' or 'hip'")
+    with _lock:
+        if name not in _status_cache:
+            _status_cache[name] = _probe_gpu_backend(name)
+        return _status_cache[name]
+
+
+def backends() -> list[BackendStatus]:
+    """Status of every backend kvcached knows, host first."""
+    return [backend_status(name) for name in ("host", "cuda", "hip")]
+
+
+def parse_device(spec: str) -> tuple[str, int]:
+    """Split a device string into (backend, ordinal).
+
+    ``"cpu"`` is the host backend. ``"cuda:N"`` names the N-th GPU of whichever
+    GPU backend is present: like PyTorch's ROCm build, it also names an AMD GPU
+    when HIP is the GPU backend here. ``"hip:N"`` asks for HIP explicitly.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(spec).__name__}")
+    text = spec.strip().lower()
+    if text in ("cpu", "host"):
+        return "host", 0
+    kind, _, index = text.partition(":")
+    if kind not in ("cuda", "hip", "rocm") or (index and not index.isdigit()):
+        raise ValueError(f"bad device {spec!r}; expected 'cpu', 'cuda[:N]' or 'hip[:N]'")
+    ordinal = int(index) if index else 0
+    if kind == "rocm":
+        kind = "hip"
+    if kind == "cuda" and not backend_status("cuda").available and backend_status("hip").available:
+        kind = "hip"
+    return kind, ordinal
+
+
+def open_device(spec: str = "cpu") -> _core.Device:
+    """Open (once per process) and return the device named by ``spec``."""
+    backend, ordinal = parse_device(spec)
+    key = f"{backend}:{ordinal}"
+    with _lock:
+        device = _devices.get(key)
+    if device is not None:
+        return device
+    if backend == "host":
+        device = _core.open_host_device()
+    else:
+        status = backend_status(backend)
+        if not status.available:
+            raise BackendUnavailableError(f"cannot open {spec!r}: {status.reason}")
+        if ordinal >= status.device_count:
+            raise BackendUnavailableError(
+                f"cannot open {spec!r}: only {status.device_count} {backend} device(s) present"
+            )
+        module = importlib.import_module(GPU_BACKEND_MODULES[backend])
+        device = _core.open_backend_capsule(module.open_backend(ordinal))
+    with _lock:
+        device = _devices.setdefault(key, device)
+    logger.debug("opened %s (%s backend)", device.name, device.backend)
+    return device
+
+
+def default_device() -> str:
+    """The first GPU if one can be opened, else "cpu"."""
+    for name in ("cuda", "hip"):
+        if backend_status(name).available:
+            return f"{name}:0"
+    return "cpu"
+
+
+__all__ = ["BackendStatus", "backend_status", "backends", "parse_device", "open_device", "default_device"]

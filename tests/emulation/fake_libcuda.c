@@ -1,0 +1,317 @@
+/* EMULATION (test only, never installed): a fake CUDA driver, libcuda.so.1,
+ * with one device whose memory is host memory (see emulated_vmm.h).
+ *
+ * Implements only what kvcached's CUDA backend calls, defined against cuda.h's
+ * prototypes so the versioned names (cuMemGetInfo_v2 ...) come out right.
+ * Enforces the driver's rules: cuInit first, a current context for memory
+ * calls (so a thread that forgot to make the primary context current fails, as
+ * on a real GPU), 2 MiB granularity, whole-allocation mappings. */
+#include <cuda.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "emulated_vmm.h"
+
+static const size_t kGranularityBytes = (size_t)2 << 20; /* what an H200 reports */
+static const int kDeviceCount = 1;
+static const int kComputeCapabilityMajor = 9;
+static const char kDeviceName[] = "kvcached emulated CUDA device (host memory)";
+
+/* The device's primary context: CUcontext is an opaque pointer in cuda.h. */
+struct CUctx_st { int retain_count; };
+static struct CUctx_st g_primary_context;
+static pthread_mutex_t g_context_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_initialised;
+static __thread CUcontext t_current_context;
+
+static CUresult to_cuda(evmm_status status) {
+  switch (status) {
+    case EVMM_OK: return CUDA_SUCCESS;
+    case EVMM_INVALID_VALUE: return CUDA_ERROR_INVALID_VALUE;
+    case EVMM_OUT_OF_MEMORY: return CUDA_ERROR_OUT_OF_MEMORY;
+    case EVMM_NOT_SUPPORTED: return CUDA_ERROR_NOT_SUPPORTED;
+    case EVMM_ALREADY_MAPPED: return CUDA_ERROR_ALREADY_MAPPED;
+    case EVMM_NOT_MAPPED: return CUDA_ERROR_NOT_MAPPED;
+    case EVMM_STILL_MAPPED: return CUDA_ERROR_ILLEGAL_STATE;
+    case EVMM_UNKNOWN_HANDLE: return CUDA_ERROR_INVALID_HANDLE;
+    case EVMM_OS_ERROR: return CUDA_ERROR_OPERATING_SYSTEM;
+  }
+  return CUDA_ERROR_UNKNOWN;
+}
+
+static CUresult require_initialised(void) {
+  return __atomic_load_n(&g_initialised, __ATOMIC_ACQUIRE) ? CUDA_SUCCESS
+                                                           : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+/* Memory calls need the primary context current on this thread, and alive. */
+static CUresult require_context(const char* call) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (t_current_context == NULL) {
+    evmm_trace(call, "no current context on this thread");
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  pthread_mutex_lock(&g_context_lock);
+  int alive = t_current_context->retain_count > 0;
+  pthread_mutex_unlock(&g_context_lock);
+  if (!alive) {
+    evmm_trace(call, "the current context was released");
+    return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+  }
+  return CUDA_SUCCESS;
+}
+
+static int is_this_device(CUmemLocation location) {
+  return location.type == CU_MEM_LOCATION_TYPE_DEVICE && location.id == 0;
+}
+
+CUresult CUDAAPI cuInit(unsigned int flags) {
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  evmm_init(kGranularityBytes);
+  __atomic_store_n(&g_initialised, 1, __ATOMIC_RELEASE);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDriverGetVersion(int* version) {
+  if (!version) return CUDA_ERROR_INVALID_VALUE;
+  *version = CUDA_VERSION;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuGetErrorName(CUresult error, const char** text) {
+  if (!text) return CUDA_ERROR_INVALID_VALUE;
+  switch (error) {
+#define KVCACHED_NAME(code) case code: *text = #code; return CUDA_SUCCESS;
+    KVCACHED_NAME(CUDA_SUCCESS)
+    KVCACHED_NAME(CUDA_ERROR_INVALID_VALUE)
+    KVCACHED_NAME(CUDA_ERROR_OUT_OF_MEMORY)
+    KVCACHED_NAME(CUDA_ERROR_NOT_INITIALIZED)
+    KVCACHED_NAME(CUDA_ERROR_INVALID_DEVICE)
+    KVCACHED_NAME(CUDA_ERROR_INVALID_CONTEXT)
+    KVCACHED_NAME(CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    KVCACHED_NAME(CUDA_ERROR_ALREADY_MAPPED)
+    KVCACHED_NAME(CUDA_ERROR_NOT_MAPPED)
+    KVCACHED_NAME(CUDA_ERROR_OPERATING_SYSTEM)
+    KVCACHED_NAME(CUDA_ERROR_INVALID_HANDLE)
+    KVCACHED_NAME(CUDA_ERROR_ILLEGAL_STATE)
+    KVCACHED_NAME(CUDA_ERROR_NOT_SUPPORTED)
+    KVCACHED_NAME(CUDA_ERROR_UNKNOWN)
+#undef KVCACHED_NAME
+    default: *text = NULL; return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+
+CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
+  if (!text) return CUDA_ERROR_INVALID_VALUE;
+  switch (error) {
+    case CUDA_SUCCESS: *text = "no error"; break;
+    case CUDA_ERROR_INVALID_VALUE: *text = "invalid argument"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *text = "out of memory"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *text = "initialization error"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *text = "invalid device ordinal"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED: *text = "context is destroyed"; break;
+    case CUDA_ERROR_ALREADY_MAPPED: *text = "resource already mapped"; break;
+    case CUDA_ERROR_NOT_MAPPED: *text = "resource not mapped"; break;
+    case CUDA_ERROR_OPERATING_SYSTEM: *text = "OS call failed or operation not supported on this OS"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
+    case CUDA_ERROR_ILLEGAL_STATE: *text = "the operation cannot be performed in the present state"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
+    case CUDA_ERROR_UNKNOWN: *text = "unknown error"; break;
+    default: *text = NULL; return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetCount(int* count) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!count) return CUDA_ERROR_INVALID_VALUE;
+  *count = kDeviceCount;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!device) return CUDA_ERROR_INVALID_VALUE;
+  if (ordinal < 0 || ordinal >= kDeviceCount) return CUDA_ERROR_INVALID_DEVICE;
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetName(char* name, int length, CUdevice device) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!name || length <= 0) return CUDA_ERROR_INVALID_VALUE;
+  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  strncpy(name, kDeviceName, (size_t)length - 1);
+  name[length - 1] = '\0';
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceTotalMem(size_t* total_bytes, CUdevice device) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!total_bytes) return CUDA_ERROR_INVALID_VALUE;
+  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *total_bytes = evmm_capacity_bytes();
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice device) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!value) return CUDA_ERROR_INVALID_VALUE;
+  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  switch (attribute) {
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = 1; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = kComputeCapabilityMajor; break;
+    default: *value = 0; break;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!context) return CUDA_ERROR_INVALID_VALUE;
+  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  pthread_mutex_lock(&g_context_lock);
+  g_primary_context.retain_count++;
+  pthread_mutex_unlock(&g_context_lock);
+  *context = &g_primary_context;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice device) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  pthread_mutex_lock(&g_context_lock);
+  if (g_primary_context.retain_count == 0) {
+    result = CUDA_ERROR_INVALID_CONTEXT; /* released more often than retained */
+  } else {
+    g_primary_context.retain_count--;
+  }
+  pthread_mutex_unlock(&g_context_lock);
+  return result;
+}
+
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext* context) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!context) return CUDA_ERROR_INVALID_VALUE;
+  *context = t_current_context;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (context != NULL && context != &g_primary_context) return CUDA_ERROR_INVALID_CONTEXT;
+  t_current_context = context;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSynchronize(void) { return require_context("cuCtxSynchronize"); }
+
+/* Device memory is host memory here: memset faults like a kernel would if the
+   range is not mapped with access. */
+CUresult CUDAAPI cuMemsetD8(CUdeviceptr ptr, unsigned char value, size_t count) {
+  CUresult result = require_context("cuMemsetD8");
+  if (result != CUDA_SUCCESS) return result;
+  memset((void*)(uintptr_t)ptr, value, count);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  CUresult result = require_context("cuMemGetInfo");
+  if (result != CUDA_SUCCESS) return result;
+  if (!free_bytes || !total_bytes) return CUDA_ERROR_INVALID_VALUE;
+  evmm_memory_info(free_bytes, total_bytes);
+  return CUDA_SUCCESS;
+}
+
+static int is_pinned_device_prop(const CUmemAllocationProp* prop) {
+  return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED && is_this_device(prop->location);
+}
+
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity,
+                                               const CUmemAllocationProp* prop,
+                                               CUmemAllocationGranularity_flags option) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!granularity || !is_pinned_device_prop(prop)) return CUDA_ERROR_INVALID_VALUE;
+  if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+      option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  *granularity = kGranularityBytes;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment,
+                                     CUdeviceptr addr, unsigned long long flags) {
+  CUresult result = require_context("cuMemAddressReserve");
+  if (result != CUDA_SUCCESS) return result;
+  if (!ptr || addr != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE; /* no fixed addresses */
+  uintptr_t base = 0;
+  result = to_cuda(evmm_reserve(size, alignment, &base));
+  if (result == CUDA_SUCCESS) *ptr = (CUdeviceptr)base;
+  return result;
+}
+
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  CUresult result = require_context("cuMemAddressFree");
+  return result != CUDA_SUCCESS ? result : to_cuda(evmm_free_range((uintptr_t)ptr, size));
+}
+
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
+                             const CUmemAllocationProp* prop, unsigned long long flags) {
+  CUresult result = require_context("cuMemCreate");
+  if (result != CUDA_SUCCESS) return result;
+  if (!handle || !is_pinned_device_prop(prop) || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  uint64_t id = 0;
+  result = to_cuda(evmm_create(size, &id));
+  if (result == CUDA_SUCCESS) *handle = (CUmemGenericAllocationHandle)id;
+  return result;
+}
+
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  CUresult result = require_context("cuMemRelease");
+  return result != CUDA_SUCCESS ? result : to_cuda(evmm_release((uint64_t)handle));
+}
+
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                          CUmemGenericAllocationHandle handle, unsigned long long flags) {
+  CUresult result = require_context("cuMemMap");
+  if (result != CUDA_SUCCESS) return result;
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  return to_cuda(evmm_map((uintptr_t)ptr, size, offset, (uint64_t)handle));
+}
+
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  CUresult result = require_context("cuMemUnmap");
+  return result != CUDA_SUCCESS ? result : to_cuda(evmm_unmap((uintptr_t)ptr, size));
+}
+
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
+                                size_t count) {
+  CUresult result = require_context("cuMemSetAccess");
+  if (result != CUDA_SUCCESS) return result;
+  if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  int access = EVMM_ACCESS_NONE;
+  for (size_t i = 0; i < count; i++) {
+    if (!is_this_device(desc[i].location)) return CUDA_ERROR_INVALID_DEVICE;
+    switch (desc[i].flags) {
+      case CU_MEM_ACCESS_FLAGS_PROT_NONE: access = EVMM_ACCESS_NONE; break;
+      case CU_MEM_ACCESS_FLAGS_PROT_READ: access = EVMM_ACCESS_READ; break;
+      case CU_MEM_ACCESS_FLAGS_PROT_READWRITE: access = EVMM_ACCESS_READ_WRITE; break;
+      default: return CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  return to_cuda(evmm_set_access((uintptr_t)ptr, size, access));
+}

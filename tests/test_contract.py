@@ -1,0 +1,342 @@
+"""The backend contract, as a specification every backend must meet.
+
+Runs against every backend usable in this process: host always; CUDA or HIP
+when a GPU (or, in CI, the driver emulation) is present. Every misuse must
+raise and leave the device usable and its counters unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import kvcached
+from kvcached import _core
+
+
+def page(device) -> int:
+    return device.granularity[1]
+
+
+def zero_counters(device) -> dict:
+    c = device.counters()
+    return {k: c[k] for k in ("reserved_bytes", "created_bytes", "mapped_bytes")}
+
+
+@pytest.fixture(autouse=True)
+def nothing_leaks(device):
+    before = zero_counters(device)
+    yield
+    assert zero_counters(device) == before
+
+
+def test_granularity_is_sane(device):
+    minimum, recommended = device.granularity
+    assert minimum > 0 and recommended >= minimum
+    assert recommended % minimum == 0
+    assert recommended & (recommended - 1) == 0
+
+
+def test_memory_info_reports_free_within_total(device):
+    free_bytes, total_bytes = device.memory_info()
+    assert 0 < total_bytes
+    assert 0 <= free_bytes <= total_bytes
+
+
+def test_reserve_and_free_round_trip(device):
+    size = 64 * page(device)
+    r = device.reserve(size)
+    assert r.size == size and r.address % page(device) == 0
+    assert device.counters()["reserved_bytes"] >= size
+    r.free()
+    assert not r.valid
+    r.free()  # idempotent
+
+
+def test_reserve_with_alignment(device):
+    alignment = 16 * page(device)
+    r = device.reserve(page(device), alignment)
+    assert r.address % alignment == 0
+    r.free()
+
+
+def test_create_and_release_round_trip(device):
+    a = device.create(page(device))
+    assert a.size == page(device)
+    a.release()
+    assert not a.valid
+    a.release()  # idempotent
+
+
+def test_mapped_memory_holds_data(device, access):
+    p = page(device)
+    r = device.reserve(4 * p)
+    a = device.create(p)
+    device.map(r.address, a)
+    device.set_access(r.address, p)
+    payload = bytes(range(256)) * 16
+    access.write(r.address + 123, payload)
+    assert access.read(r.address + 123, len(payload)) == payload
+    device.unmap(r.address, p)
+    a.release()
+    r.free()
+
+
+def test_two_mappings_of_one_allocation_share_bytes(device, access):
+    p = page(device)
+    r = device.reserve(4 * p)
+    a = device.create(p)
+    first, second = r.address, r.address + 2 * p
+    device.map(first, a)
+    device.map(second, a)
+    device.set_access(first, p)
+    device.set_access(second, p)
+    access.write(first + 7, b"written through the first mapping")
+    assert access.read(second + 7, 33) == b"written through the first mapping"
+    device.unmap(first, p)
+    device.unmap(second, p)
+    a.release()
+    r.free()
+
+
+def test_unmap_then_remap_keeps_the_allocation_contents(device, access):
+    p = page(device)
+    r = device.reserve(4 * p)
+    a = device.create(p)
+    device.map(r.address, a)
+    device.set_access(r.address, p)
+    access.write(r.address, b"kept")
+    device.unmap(r.address, p)
+    device.map(r.address + 3 * p, a)
+    device.set_access(r.address + 3 * p, p)
+    assert access.read(r.address + 3 * p, 4) == b"kept"
+    device.unmap(r.address + 3 * p, p)
+    a.release()
+    r.free()
+
+
+def test_unmap_covers_adjacent_whole_mappings(device):
+    p = page(device)
+    r = device.reserve(4 * p)
+    a, b = device.create(p), device.create(p)
+    mapped_before = device.counters()["mapped_bytes"]
+    device.map(r.address, a)
+    device.map(r.address + p, b)
+    device.set_access(r.address, 2 * p)  # one call spanning two mappings
+    assert device.counters()["mapped_bytes"] == mapped_before + 2 * p
+    device.unmap(r.address, 2 * p)  # one call spanning two mappings
+    assert device.counters()["mapped_bytes"] == mapped_before
+    a.release()
+    b.release()
+    r.free()
+
+
+def test_a_multi_page_allocation_maps_as_one(device, access):
+    p = page(device)
+    r = device.reserve(8 * p)
+    a = device.create(4 * p)
+    device.map(r.address + 4 * p, a)
+    device.set_access(r.address + 4 * p, 4 * p)
+    access.write(r.address + 8 * p - 4, b"tail")
+    assert access.read(r.address + 8 * p - 4, 4) == b"tail"
+    device.unmap(r.address + 4 * p, 4 * p)
+    a.release()
+    r.free()
+
+
+def test_freeing_a_reservation_unmaps_what_is_inside(device):
+    p = page(device)
+    r = device.reserve(2 * p)
+    a = device.create(p)
+    mapped_before = device.counters()["mapped_bytes"]
+    device.map(r.address, a)
+    r.free()
+    assert device.counters()["mapped_bytes"] == mapped_before
+    a.release()  # no longer mapped, so release is allowed
+
+
+# ---- misuse: clear errors, nothing changed ------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 3 * 1024 + 1])
+def test_unaligned_or_zero_sizes_are_refused(device, size):
+    with pytest.raises(ValueError, match="granularity"):
+        device.reserve(size)
+    with pytest.raises(ValueError, match="granularity"):
+        device.create(size)
+
+
+def test_unaligned_alignment_is_refused(device):
+    with pytest.raises(ValueError, match="alignment"):
+        device.reserve(page(device), 12345)
+
+
+def test_mapping_outside_a_reservation_is_refused(device):
+    p = page(device)
+    r = device.reserve(2 * p)
+    a = device.create(2 * p)
+    with pytest.raises(ValueError, match="reserved range"):
+        device.map(r.address + p, a)  # would run past the end
+    a.release()
+    r.free()
+
+
+def test_mapping_at_an_unaligned_address_is_refused(device):
+    p = page(device)
+    r = device.reserve(2 * p)
+    a = device.create(p)
+    with pytest.raises(ValueError, match="granularity"):
+        device.map(r.address + 1, a)
+    a.release()
+    r.free()
+
+
+def test_mapping_over_a_mapped_range_is_refused_and_harmless(device, access):
+    p = page(device)
+    r = device.reserve(4 * p)
+    a, b = device.create(2 * p), device.create(2 * p)
+    device.map(r.address, a)
+    device.set_access(r.address, 2 * p)
+    access.write(r.address + p, b"original")
+    with pytest.raises(ValueError, match="mapped|overlaps"):
+        device.map(r.address + p, b)
+    with pytest.raises(ValueError, match="mapped|overlaps"):
+        device.map(r.address, b)
+    assert access.read(r.address + p, 8) == b"original"
+    device.unmap(r.address, 2 * p)
+    a.release()
+    b.release()
+    r.free()
+
+
+def test_unmapping_what_is_not_mapped_is_refused(device):
+    p = page(device)
+    r = device.reserve(4 * p)
+    with pytest.raises(ValueError, match="no mapping"):
+        device.unmap(r.address, p)
+    a = device.create(2 * p)
+    device.map(r.address, a)
+    with pytest.raises(ValueError, match="split"):
+        device.unmap(r.address, p)  # half of a mapping
+    with pytest.raises(ValueError, match="gap|whole"):
+        device.unmap(r.address, 3 * p)  # past the mapping
+    device.unmap(r.address, 2 * p)
+    a.release()
+    r.free()
+
+
+def test_set_access_on_unmapped_memory_is_refused(device):
+    p = page(device)
+    r = device.reserve(2 * p)
+    with pytest.raises(ValueError, match="not mapped"):
+        device.set_access(r.address, p)
+    r.free()
+
+
+def test_releasing_a_mapped_allocation_is_refused(device, access):
+    p = page(device)
+    r = device.reserve(p)
+    a = device.create(p)
+    device.map(r.address, a)
+    device.set_access(r.address, p)
+    with pytest.raises(ValueError, match="still mapped"):
+        a.release()
+    assert a.valid
+    access.write(r.address, b"still usable")
+    assert access.read(r.address, 12) == b"still usable"
+    device.unmap(r.address, p)
+    a.release()
+    r.free()
+
+
+def test_asking_for_more_memory_than_the_device_has_is_a_memory_error(device):
+    p = page(device)
+    _, total_bytes = device.memory_info()
+    too_much = (total_bytes // p + 1) * p
+    with pytest.raises(kvcached.DeviceOutOfMemoryError) as info:
+        device.create(too_much)
+    assert isinstance(info.value, MemoryError)
+    assert isinstance(info.value, kvcached.DriverError)
+    assert info.value.backend == device.backend and info.value.call
+    # The device is still usable afterwards.
+    a = device.create(p)
+    a.release()
+
+
+def test_objects_dropped_without_cleanup_release_everything(device):
+    before = zero_counters(device)
+    p = page(device)
+    r = device.reserve(2 * p)
+    a = device.create(p)
+    device.map(r.address, a)
+    del a  # still mapped: the destructor unmaps, then releases
+    del r
+    assert zero_counters(device) == before
+
+
+# ---- host specifics -----------------------------------------------------------------------
+
+
+def _fds_and_maps() -> tuple[int, int]:
+    fds = len(os.listdir("/proc/self/fd"))
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return fds, maps
+
+
+def test_host_leaves_no_file_descriptors_or_mappings(host_device):
+    p = page(host_device)
+    before = _fds_and_maps()
+    for _ in range(3):
+        r = host_device.reserve(64 * p)
+        allocs = [host_device.create(p) for _ in range(8)]
+        for i, a in enumerate(allocs):
+            host_device.map(r.address + 2 * i * p, a)
+            host_device.set_access(r.address + 2 * i * p, p)
+        for i, a in enumerate(allocs):
+            host_device.unmap(r.address + 2 * i * p, p)
+            a.release()
+        r.free()
+    assert _fds_and_maps() == before
+
+
+def test_host_capacity_is_enforced_as_memory_error():
+    device = _core.open_host_device(8 * 2**20)
+    assert device.memory_info() == (8 * 2**20, 8 * 2**20)
+    a = device.create(6 * 2**20)
+    with pytest.raises(MemoryError, match="capacity"):
+        device.create(4 * 2**20)
+    b = device.create(2 * 2**20)
+    assert device.memory_info()[0] == 0
+    a.release()
+    b.release()
+    assert device.memory_info()[0] == 8 * 2**20
+
+
+def test_host_default_capacity_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", str(64 * 2**20))
+    assert _core.default_host_capacity_bytes() == 64 * 2**20
+    assert _core.open_host_device().memory_info()[1] == 64 * 2**20
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", "lots")
+    with pytest.raises(ValueError, match="KVCACHED_HOST_CAPACITY_BYTES"):
+        _core.default_host_capacity_bytes()
+
+
+def test_host_views_are_numpy_and_torch_visible(host_device):
+    import numpy as np
+
+    p = page(host_device)
+    r = host_device.reserve(p)
+    a = host_device.create(p)
+    host_device.map(r.address, a)
+    host_device.set_access(r.address, p)
+    view = np.from_dlpack(host_device.view(r.address, p, r))
+    view[:4] = [1, 2, 3, 4]
+    torch = pytest.importorskip("torch")
+    t = torch.from_dlpack(host_device.view(r.address, p, r))
+    assert t.device.type == "cpu" and t[:4].tolist() == [1, 2, 3, 4]
+    del view, t
+    host_device.unmap(r.address, p)
+    a.release()
+    r.free()

@@ -1,0 +1,153 @@
+"""kvctl and kvtop through their real entry points (python -m), against a live registry."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvcached.registry import DeviceRegistry
+
+PAGE_BYTES = 2 * 1024 * 1024
+DEVICE = "cpu"
+BUDGET_BYTES = 64 * PAGE_BYTES
+COMMAND_TIMEOUT_S = 60
+# Wide enough that kvtop's table never elides a column.
+TERMINAL_COLUMNS = "160"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path))
+    return {**os.environ, "COLUMNS": TERMINAL_COLUMNS}
+
+
+@pytest.fixture
+def registry(env):
+    return DeviceRegistry(DEVICE, BUDGET_BYTES)
+
+
+def run(env, module, *args, expect_rc=0):
+    done = subprocess.run(
+        [sys.executable, "-m", f"kvcached.{module}", *args],
+        env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+    )
+    assert done.returncode == expect_rc, done.stderr
+    return done
+
+
+def kvctl_json(env, *args, expect_rc=0):
+    return json.loads(run(env, "kvctl", *args, "--json", expect_rc=expect_rc).stdout)
+
+
+def child_register_and_exit(name: str) -> None:
+    budget = DeviceRegistry(DEVICE).register(name)
+    assert budget.try_acquire(PAGE_BYTES)
+    os.kill(os.getpid(), signal.SIGKILL)  # die without unregistering
+
+
+def test_kvctl_list_shows_instances_and_device_totals(env, registry):
+    engine = registry.register("llama", limit_bytes=8 * PAGE_BYTES)
+    assert engine.try_acquire(3 * PAGE_BYTES)
+    engine.report_usage(PAGE_BYTES, 3 * PAGE_BYTES)
+    listing = kvctl_json(env, "list")
+    assert (listing["device"], listing["exists"], listing["budget_bytes"]) == (DEVICE, True, BUDGET_BYTES)
+    assert listing["mapped_bytes"] == 3 * PAGE_BYTES
+    (entry,) = listing["instances"]
+    assert (entry["name"], entry["pid"], entry["alive"]) == ("llama", os.getpid(), True)
+    assert (entry["limit_bytes"], entry["used_bytes"], entry["reserved_bytes"]) == (
+        8 * PAGE_BYTES, PAGE_BYTES, 2 * PAGE_BYTES)
+    human = run(env, "kvctl").stdout  # no command means list
+    assert "llama" in human and "6.0 MiB" in human and "16.0 MiB" in human
+
+
+def test_kvctl_options_go_before_or_after_the_command(env, registry):
+    engine = registry.register("a")  # kept: dropping unregisters
+    assert engine.registered
+    before = json.loads(run(env, "kvctl", "--json", "--device", DEVICE, "list").stdout)
+    after = json.loads(run(env, "kvctl", "list", "--device", DEVICE, "--json").stdout)
+    assert before == after
+
+
+def test_kvctl_list_of_an_unused_device_is_empty_not_an_error(env):
+    listing = kvctl_json(env, "--device", "cuda:0", "list")
+    assert listing["exists"] is False and listing["instances"] == []
+
+
+def test_kvctl_limits_reach_the_running_instance(env, registry):
+    engine = registry.register("qwen")
+    other = registry.register("other")
+    result = kvctl_json(env, "set-limit", "qwen", "4MiB")
+    assert (result["matched"], result["limit_bytes"]) == (1, 2 * PAGE_BYTES)
+    assert engine.limit_bytes == 2 * PAGE_BYTES and other.limit_bytes is None
+    assert engine.try_acquire(2 * PAGE_BYTES) and not engine.try_acquire(PAGE_BYTES)
+    assert kvctl_json(env, "set-limit", str(os.getpid()), "16M")["matched"] == 2, "by pid: both of ours"
+    assert kvctl_json(env, "clear-limit", "qwen")["limit_bytes"] is None
+    assert engine.limit_bytes is None and other.limit_bytes == 8 * PAGE_BYTES
+
+
+def test_kvctl_unknown_instance_or_bad_size_fails_clearly(env, registry):
+    failed = kvctl_json(env, "set-limit", "nobody", "1G", expect_rc=1)
+    assert failed["matched"] == 0 and "nobody" in failed["error"]
+    bad_size = run(env, "kvctl", "set-limit", "x", "lots", expect_rc=1)
+    assert "not a size" in bad_size.stderr
+
+
+def test_kvctl_set_budget_takes_effect_at_once(env, registry):
+    engine = registry.register("engine")
+    assert engine.try_acquire(10 * PAGE_BYTES)
+    result = kvctl_json(env, "set-budget", "8MiB")
+    assert (result["previous_budget_bytes"], result["budget_bytes"]) == (BUDGET_BYTES, 4 * PAGE_BYTES)
+    assert registry.budget_bytes == 4 * PAGE_BYTES
+    assert not engine.try_acquire(PAGE_BYTES)
+    assert engine.external_limit_bytes == 4 * PAGE_BYTES, "told to shrink to the new budget"
+    fresh = kvctl_json(env, "--device", "cuda:1", "set-budget", "1GiB")
+    assert fresh["previous_budget_bytes"] is None and DeviceRegistry("cuda:1").budget_bytes == 2**30
+
+
+def test_kvctl_clean_reclaims_dead_instances(env, registry):
+    child = multiprocessing.get_context("spawn").Process(target=child_register_and_exit, args=("crashed",))
+    child.start()
+    child.join(COMMAND_TIMEOUT_S)
+    assert child.exitcode == -signal.SIGKILL
+    (dead,) = kvctl_json(env, "list")["instances"]
+    assert dead["name"] == "crashed" and not dead["alive"]
+    assert kvctl_json(env, "clean") == {"device": DEVICE, "cleaned": 1}
+    assert registry.entries() == [] and registry.available_bytes == BUDGET_BYTES
+
+
+def test_kvtop_once_prints_one_frame_of_every_device(env, registry):
+    engine = registry.register("llama-8b", limit_bytes=32 * PAGE_BYTES)
+    assert engine.try_acquire(8 * PAGE_BYTES)
+    engine.report_usage(4 * PAGE_BYTES, 8 * PAGE_BYTES)
+    other_device = DeviceRegistry("cuda:0", BUDGET_BYTES).register("mistral-7b")  # kept: dropping unregisters
+    frame = run(env, "kvtop", "--once").stdout
+    for text in ("cpu", "cuda:0", "budget 128.0 MiB", "llama-8b", str(os.getpid()), "8.0M", "16M", "64M", "ok"):
+        assert text in frame, text
+    assert "█" in frame and "▒" in frame, "usage bars drawn"
+    only_cuda = run(env, "kvtop", "--once", "--device", "cuda:0").stdout
+    assert "mistral-7b" in only_cuda and "llama-8b" not in only_cuda
+    assert other_device.registered
+
+
+def test_kvtop_once_without_any_registry_says_so(env):
+    assert "no kvcached registry under" in run(env, "kvtop", "--once").stdout
+
+
+def test_kvtop_live_view_refreshes_until_interrupted(env, registry):
+    engine = registry.register("live-engine")  # kept: dropping unregisters
+    view = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.kvtop", "--interval", "0.1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(2.0)
+    view.send_signal(signal.SIGINT)
+    out, err = view.communicate(timeout=COMMAND_TIMEOUT_S)
+    assert view.returncode == 0, err
+    assert "live-engine" in out and engine.registered
