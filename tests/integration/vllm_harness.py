@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 # Small enough to run on two CPU cores, big enough that one 2 MiB kvcached page
-# holds few tokens (8 KV heads x 64 dims x K+V x fp32 = 4 KiB per token per
-# layer, so 512 tokens per page) and memory visibly follows load.
+# holds few tokens: 4 KV heads x (64 K + 64 V) x fp32 = 2 KiB per token and
+# layer, so a page holds 1024 tokens = 8 blocks of 128, and memory visibly
+# follows load.
 TINY_LLAMA = dict(
     vocab_size=512,
     hidden_size=256,
@@ -126,9 +127,11 @@ def _touch(path: str | None) -> None:
 def run(spec: dict) -> dict:
     """Runs the phases of ``spec`` on one engine.
 
-    spec keys: model (dir), prefix_caching (bool), kv_cache_bytes (int, vLLM's
-    own KV size when kvcached is off), max_num_seqs, phases: list of
-    {prompts: [[ids]], max_tokens, wait_for (file), signal (file), hold_s}.
+    spec keys: model (dir), prefix_caching (bool), kv_cache_bytes (vLLM's
+    ``kv_cache_memory_bytes``: its KV size without kvcached, the engine's
+    limit with it), max_num_seqs, phases: a list of {prompts: [[ids]],
+    max_tokens, probe_during (bool), wait_for (file), signal (file)}. A phase
+    without prompts only waits and signals.
     """
     from vllm import LLM, SamplingParams
 
@@ -152,6 +155,10 @@ def run(spec: dict) -> dict:
     outputs = []
     for i, phase in enumerate(spec["phases"]):
         _wait_for(phase.get("wait_for"))
+        if not phase.get("prompts"):  # a pure synchronisation phase
+            _touch(phase.get("signal"))
+            outputs.append([])
+            continue
         params = SamplingParams(
             max_tokens=phase.get("max_tokens", 16),
             temperature=0.0,
@@ -184,8 +191,6 @@ def run(spec: dict) -> dict:
         time.sleep(phase.get("settle_s", 0.5))  # let the idle flush reach the worker
         _probe(llm, f"phase{i}_done", probes)
         _touch(phase.get("signal"))
-        if phase.get("hold_s"):
-            time.sleep(phase["hold_s"])
     result = {"outputs": outputs, "probes": probes, "init_s": init_s, "total_s": time.time() - t0}
     llm.llm_engine.engine_core.shutdown()  # stops the EngineCore and worker processes
     return result

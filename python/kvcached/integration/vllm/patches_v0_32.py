@@ -61,7 +61,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .registry_hook import register_engine
+from .registry_hook import ensure_registry, register_engine
 from .settings import Settings
 
 logger = logging.getLogger("vllm.kvcached")
@@ -107,8 +107,10 @@ class KVGeometry:
     num_layers: int
     page_bytes: int
 
-    def kwargs(self) -> dict[str, int]:
-        return asdict(self)
+    def kwargs(self) -> dict[str, Any]:
+        """Arguments of BlockManager and KVSpace: one buffer (vLLM keeps K||V
+        in one cell), per-layer layout (vLLM's own strides)."""
+        return dict(asdict(self), num_buffers=1, layout="per_layer")
 
 
 def _refuse_unsupported(vllm_config: Any) -> None:
@@ -202,6 +204,7 @@ class EngineKV:
         stats = dict(self.manager.stats())
         stats.update(
             name=self.name,
+            pid=os.getpid(),
             available_blocks=int(self.manager.available()),
             sent_seq=self.sent_seq,
             acked_seq=self.acked_seq,
@@ -389,19 +392,18 @@ def _engine_name(vllm_config: Any, settings: Settings) -> str:
     return f"vllm:{model}:{os.getpid()}"
 
 
-def _engine_device(vllm_config: Any) -> str:
-    """The device the workers map on, named without touching the device here."""
+def _registry_device(vllm_config: Any) -> str:
+    """The registry name of the device the workers map on, found without opening it.
+
+    With tensor parallelism every worker maps the same pages on its own device;
+    the engine registers on the first one (rank 0: local device 0).
+    """
     kind = str(vllm_config.device_config.device_type or "cpu")
     if kind == "cpu":
         return "cpu"
-    try:
-        import torch
+    import torch
 
-        if getattr(torch.version, "hip", None):
-            kind = "hip"
-    except ImportError:
-        pass
-    return f"{kind}:0"
+    return f"{'rocm' if getattr(torch.version, 'hip', None) else kind}:0"
 
 
 def _physical_limit(vllm_config: Any, settings: Settings) -> int | None:
@@ -460,13 +462,25 @@ def _wrap_scheduler_init(original: Any) -> Any:
 
         _refuse_unsupported(vllm_config)
         name = _engine_name(vllm_config, _settings)
+        # The device's shared budget; the engine's own limit lives in the
+        # registry too, so that ``kvctl set-limit`` can change it while it runs.
+        budget = register_engine(
+            name,
+            device=_registry_device(vllm_config),
+            limit_bytes=_physical_limit(vllm_config, _settings),
+        )
         manager = kvcached.BlockManager(
             **geometry.kwargs(),
-            limit_bytes=_physical_limit(vllm_config, _settings),
+            num_mirrors=1,
+            budget=budget,
+            # Page ops are taken at each schedule(); a thread producing them
+            # in between would only make the order harder to reason about.
+            background_worker=False,
             name=name,
         )
         manager.alloc_ids([0])  # vLLM's null block: always mapped, never handed out
         engine = EngineKV(manager, geometry, name)
+        engine.registry_handle = budget
         token = _building.set(engine)
         try:
             original(self, vllm_config, kv_cache_config, *args, **kwargs)
@@ -477,17 +491,6 @@ def _wrap_scheduler_init(original: Any) -> Any:
             raise RuntimeError("kvcached: vLLM did not build its BlockPool through kvcached's subclass")
         self._kvcached = engine
         engine.block_pool = pool
-        engine.registry_handle = register_engine(
-            manager,
-            name=name,
-            device=_engine_device(vllm_config),
-            info={
-                "engine": "vllm",
-                "model": str(vllm_config.model_config.model),
-                "pid": os.getpid(),
-                **geometry.kwargs(),
-            },
-        )
 
     return __init__
 
@@ -540,6 +543,7 @@ def _flush_if_idle(engine_core: Any) -> None:
     if engine is None or scheduler.has_requests() or getattr(engine_core, "batch_queue", None):
         return
     engine.block_pool.release_cached_blocks(keep_bytes=_settings.idle_cache_bytes)
+    engine.manager.trim()  # reserve pages too: an idle engine holds only the null block's page
     ops = engine.take_ops()
     if ops is None:
         return
@@ -588,10 +592,11 @@ class WorkerKV:
 
     def stats(self) -> dict[str, Any]:
         page_cost = self.geometry.page_bytes * self.geometry.num_layers
+        mapped_pages = int(getattr(self.space, "mapped_pages", len(self.mapped_pages)))
         return {
             "pid": os.getpid(),
-            "mapped_pages": len(self.mapped_pages),
-            "mapped_bytes": len(self.mapped_pages) * page_cost,
+            "mapped_pages": mapped_pages,
+            "mapped_bytes": mapped_pages * page_cost,
             "applied_seq": self.applied_seq,
         }
 
@@ -618,13 +623,16 @@ def worker_kv_stats(worker: Any = None) -> dict[str, Any] | None:
     return state.stats() if state is not None else None
 
 
-def _kvcached_device(device: Any) -> str:
+def _kvcached_device(device: Any, for_registry: bool = False) -> str:
+    """kvcached's name of a torch device ("cpu", "cuda:N", "hip:N"; registry: "rocm:N")."""
     import torch
 
     device = torch.device(device)
     if device.type == "cpu":
         return "cpu"
-    kind = "hip" if device.type == "cuda" and getattr(torch.version, "hip", None) else device.type
+    kind = device.type
+    if kind == "cuda" and getattr(torch.version, "hip", None):  # PyTorch's ROCm build
+        kind = "rocm" if for_registry else "hip"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return f"{kind}:{index}"
 
@@ -769,14 +777,18 @@ def _wrap_gpu_determine_available_memory(original: Any) -> Any:
 
 
 def _virtual_capacity(worker: Any) -> int:
-    if _settings.virtual_bytes is not None:
-        return _settings.virtual_bytes
+    """Virtual KV bytes to plan for; also makes sure the device's registry exists
+    (the worker has the device open, the EngineCore must not open it)."""
     import torch
 
-    device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
+    device = torch.device(getattr(worker, "device", None) or "cpu")
     if device.type == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return torch.cuda.mem_get_info(device)[1]
+        total_bytes = None  # the registry sizes the host budget itself
+        default_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        total_bytes = default_bytes = torch.cuda.mem_get_info(device)[1]
+    ensure_registry(_kvcached_device(device, for_registry=True), total_bytes)
+    return _settings.virtual_bytes if _settings.virtual_bytes is not None else default_bytes
 
 
 def _wrap_request_memory(original: Any) -> Any:

@@ -1,41 +1,23 @@
 """Environment settings of the vLLM integration (version-independent).
 
-Every knob is one ``KVCACHED_*`` environment variable, read when it is needed so
-that spawned engine processes see what their parent exported.
+Options kvcached already has (page size, virtual capacity) come from
+:mod:`kvcached.config`; the two that only make sense for an engine are read
+here. Everything is read when needed, so spawned engine processes see what their
+parent exported.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 _TRUE = {"1", "true", "yes", "on"}
 
-#: Page size both sides agree on unless ``KVCACHED_PAGE_BYTES`` says otherwise:
-#: the EngineCore decides page ids without a device, so it cannot ask the
-#: driver for its granularity. 2 MiB is the CUDA/HIP recommended granularity
-#: and the host backend's default.
+#: Page size when ``KVCACHED_PAGE_BYTES`` is unset: the EngineCore decides page
+#: ids without opening the device, so it cannot ask the driver for its
+#: granularity. 2 MiB is CUDA's and HIP's recommended granularity and the host
+#: backend's default.
 DEFAULT_PAGE_BYTES = 2 << 20
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """Parses ``"2147483648"``, ``"2GiB"``, ``"512 MiB"`` or ``"1.5g"`` (binary units)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a byte size: {text!r} (use e.g. 4294967296, 4GiB or 512MiB)")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value < 0:
-        raise ValueError(f"byte size must not be negative: {text!r}")
-    return int(value)
 
 
 def is_enabled() -> bool:
@@ -47,11 +29,13 @@ def is_enabled() -> bool:
 
 
 def _env_bytes(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    if not value:
+    from kvcached.registry import parse_bytes
+
+    text = os.environ.get(name, "").strip()
+    if not text:
         return None
     try:
-        return parse_bytes(value)
+        return parse_bytes(text)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
 
@@ -60,27 +44,28 @@ def _env_bytes(name: str) -> int | None:
 class Settings:
     """What the vLLM integration reads from the environment."""
 
-    #: Virtual KV capacity per worker that vLLM plans blocks for
-    #: (``KVCACHED_VIRTUAL_BYTES``); None: the device's total memory.
+    #: Virtual KV capacity per worker that vLLM plans its blocks for
+    #: (``KVCACHED_VIRTUAL_CAPACITY_BYTES``); None: the device's total memory.
     virtual_bytes: int | None
-    #: Physical limit of this engine's KV cache (``KVCACHED_LIMIT_BYTES``);
-    #: None: vLLM's ``kv_cache_memory_bytes`` if set, else only the shared budget.
+    #: This engine's own physical limit (``KVCACHED_LIMIT_BYTES``); None: vLLM's
+    #: ``kv_cache_memory_bytes`` if set, else only the device's shared budget.
     limit_bytes: int | None
-    #: Page size used by the EngineCore's BlockManager and the workers' KVSpaces.
+    #: Page size of the EngineCore's BlockManager and the workers' KVSpaces.
     page_bytes: int
-    #: Name under which the engine registers (``KVCACHED_NAME``); None: derived.
+    #: Name in the device registry (``KVCACHED_NAME``); None: derived.
     name: str | None
     #: Prefix-cache memory an idle engine keeps (``KVCACHED_IDLE_CACHE_BYTES``);
-    #: default 0: an engine with no requests returns all its KV memory.
+    #: default 0: an engine with no requests returns all of its KV memory.
     idle_cache_bytes: int = 0
 
     @classmethod
     def from_env(cls) -> "Settings":
-        page_bytes = _env_bytes("KVCACHED_PAGE_BYTES") or DEFAULT_PAGE_BYTES
+        from kvcached import config
+
         return cls(
-            virtual_bytes=_env_bytes("KVCACHED_VIRTUAL_BYTES"),
+            virtual_bytes=config.get("virtual_capacity_bytes") or None,
             limit_bytes=_env_bytes("KVCACHED_LIMIT_BYTES"),
-            page_bytes=page_bytes,
+            page_bytes=config.get("page_bytes") or DEFAULT_PAGE_BYTES,
             name=os.environ.get("KVCACHED_NAME") or None,
             idle_cache_bytes=_env_bytes("KVCACHED_IDLE_CACHE_BYTES") or 0,
         )
