@@ -11,9 +11,9 @@ any other version is refused with a message naming the supported ones.
 How it works (vLLM 0.32; details in ``patches_v0_32``):
 
 - workers report a *virtual* KV capacity instead of profiled free memory, and
-  back vLLM's KV views with a kvcached :class:`kvcached.KVSpace`;
+  back vLLM's KV views with a kvcached :class:`kvcached.pool.KVSpace`;
 - the EngineCore's ``BlockPool`` is a subclass whose blocks come from a
-  device-less :class:`kvcached.BlockManager`; running out becomes preemption;
+  device-less :class:`kvcached.pool.BlockManager`; running out becomes preemption;
 - page map/unmap lists ride on each ``SchedulerOutput`` to every worker, in step
   order; workers acknowledge on their ``ModelRunnerOutput``; an idle engine
   flushes pending unmaps with one ordered RPC.
@@ -52,7 +52,9 @@ def _vllm_release(version: str) -> tuple[int, int]:
     try:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
-        raise UnsupportedVLLMVersion(f"cannot parse vLLM version {version!r}") from None
+        raise UnsupportedVLLMVersion(
+            f"cannot parse vLLM version {version!r}; supported: {SUPPORTED_VERSIONS}"
+        ) from None
 
 
 def patch_module_for(version: str) -> ModuleType:

@@ -5,8 +5,8 @@ Rationale
 vLLM decides blocks in the EngineCore process (Scheduler -> KVCacheManager ->
 BlockPool) while the KV tensors live in worker processes (always on the CPU
 build, and on GPUs with tensor parallelism). kvcached splits the same way: a
-device-less :class:`kvcached.BlockManager` in the EngineCore decides which
-block ids (and so which pages) are in use, and one :class:`kvcached.KVSpace`
+device-less :class:`kvcached.pool.BlockManager` in the EngineCore decides which
+block ids (and so which pages) are in use, and one :class:`kvcached.pool.KVSpace`
 per worker maps and unmaps those pages in its own address space.
 
 Approach
@@ -31,7 +31,7 @@ needs their memory. If the budget is exhausted, ``allocate_slots`` returns
 None, which the scheduler turns into waiting or preemption.
 
 Ordering (option A): after every ``Scheduler.schedule`` the BlockManager's
-pending page ops are attached to the ``SchedulerOutput``, which vLLM delivers
+pending page ops (as a plain ``(seq, map, unmap)`` tuple) are attached to the ``SchedulerOutput``, which vLLM delivers
 to every worker in step order. ``Worker.execute_model`` applies them before the
 forward pass (``KVSpace.apply`` synchronises the device before unmapping) and
 acknowledges on the step's ``ModelRunnerOutput``; ``update_from_output`` passes
@@ -188,12 +188,14 @@ class EngineKV:
         self.registry_handle: Any = None
         self.block_pool: Any = None
 
-    def take_ops(self) -> Any | None:
+    def take_ops(self) -> tuple[int, list[int], list[int]] | None:
+        """The pending page ops as a plain ``(seq, map_pages, unmap_pages)``
+        tuple (what travels to the workers), or None when there are none."""
         ops = self.manager.take_page_ops()
         if not ops.map_pages and not ops.unmap_pages:
             return None
         self.sent_seq = ops.seq
-        return ops
+        return (int(ops.seq), list(ops.map_pages), list(ops.unmap_pages))
 
     def acknowledge(self, seq: int | None) -> None:
         if seq is not None and seq > self.acked_seq:
@@ -458,7 +460,7 @@ def _wrap_scheduler_init(original: Any) -> Any:
         geometry = getattr(kv_cache_config, _GEOMETRY_ATTR, None)
         if geometry is None:  # not planned by kvcached (e.g. attention-free model)
             return original(self, vllm_config, kv_cache_config, *args, **kwargs)
-        import kvcached
+        from kvcached.pool import BlockManager
 
         _refuse_unsupported(vllm_config)
         name = _engine_name(vllm_config, _settings)
@@ -469,7 +471,7 @@ def _wrap_scheduler_init(original: Any) -> Any:
             device=_registry_device(vllm_config),
             limit_bytes=_physical_limit(vllm_config, _settings),
         )
-        manager = kvcached.BlockManager(
+        manager = BlockManager(
             **geometry.kwargs(),
             num_mirrors=1,
             budget=budget,
@@ -583,10 +585,14 @@ class WorkerKV:
         self.applied_seq = 0
         self.pending_ack: int | None = None
 
-    def apply(self, ops: Any) -> int:
-        seq = self.space.apply(ops)
-        self.mapped_pages.difference_update(ops.unmap_pages)
-        self.mapped_pages.update(ops.map_pages)
+    def apply(self, wire_ops: tuple[int, list[int], list[int]]) -> int:
+        from kvcached.pool import PageOps
+
+        ops = PageOps()
+        ops.seq, ops.map_pages, ops.unmap_pages = wire_ops
+        seq = self.space.apply(ops)  # synchronises the device before unmapping
+        self.mapped_pages.difference_update(wire_ops[2])
+        self.mapped_pages.update(wire_ops[1])
         self.applied_seq = seq
         return seq
 
@@ -612,7 +618,7 @@ def _current_worker() -> WorkerKV:
     return state
 
 
-def _worker_apply_page_ops(self: Any, ops: Any) -> int:
+def _worker_apply_page_ops(self: Any, ops: tuple[int, list[int], list[int]]) -> int:
     """Worker RPC ``kvcached_apply_page_ops`` (idle flush): apply, return the acknowledgement."""
     return _current_worker().apply(ops)
 
@@ -644,11 +650,12 @@ def _wrap_allocate_kv_cache(original: Any) -> Any:
         geometry = getattr(kv_cache_config, _GEOMETRY_ATTR, None)
         if geometry is None or getattr(_passthrough, "active", False):
             return original(kv_cache_config, device, layout, kernel_block_sizes)
-        import kvcached
         import torch
         from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
-        space = kvcached.KVSpace(**geometry.kwargs(), device=_kvcached_device(device), zero_backing=True)
+        from kvcached.pool import KVSpace
+
+        space = KVSpace(**geometry.kwargs(), device=_kvcached_device(device), zero_backing=True)
         (tensor,) = kv_cache_config.kv_cache_tensors
         (group,) = kv_cache_config.kv_cache_groups
         if geometry.num_layers > 1 and (
