@@ -167,20 +167,17 @@ def run(spec: dict) -> dict:
         )
         prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
         if phase.get("probe_during"):
-            # Submit, step until every request has produced a token, probe
-            # while they are all still running, then finish.
+            # Submit, then step the engine by hand, probing after every step.
             engine = llm.llm_engine
             for j, prompt in enumerate(prompts):
                 engine.add_request(f"p{i}-{j}", prompt, params)
             done: dict[str, list[int]] = {}
-            probed = False
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = list(out.outputs[0].token_ids)
-                if not probed and engine.get_num_unfinished_requests() == len(prompts):
+                if engine.has_unfinished_requests():  # probe every step under load
                     _probe(llm, f"phase{i}_running", probes)
-                    probed = True
             result = [done[f"p{i}-{j}"] for j in range(len(prompts))]
         else:
             result = [

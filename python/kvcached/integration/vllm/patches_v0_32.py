@@ -184,7 +184,8 @@ class EngineKV:
         self.name = name
         self.sent_seq = 0  # last page-op sequence number sent to the workers
         self.acked_seq = 0  # last sequence number the workers acknowledged
-        self.num_exhausted = 0  # allocations refused for lack of memory
+        self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
+        self.num_preempted = 0  # requests vLLM preempted (for lack of KV memory)
         self.registry_handle: Any = None
         self.block_pool: Any = None
 
@@ -211,6 +212,7 @@ class EngineKV:
             sent_seq=self.sent_seq,
             acked_seq=self.acked_seq,
             num_exhausted=self.num_exhausted,
+            num_preempted=self.num_preempted,
             **{f"geometry_{k}": v for k, v in self.geometry.kwargs().items()},
         )
         return stats
@@ -526,6 +528,16 @@ def _wrap_schedule(original: Any) -> Any:
         return output
 
     return schedule
+
+
+def _wrap_preempt_request(original: Any) -> Any:
+    def _preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(self, "_kvcached", None)
+        if engine is not None:
+            engine.num_preempted += 1
+        return original(self, *args, **kwargs)
+
+    return _preempt_request
 
 
 def _wrap_update_from_output(original: Any) -> Any:
@@ -855,6 +867,7 @@ def install(settings: Settings) -> None:
     _patch(scheduler.Scheduler, "__init__", _wrap_scheduler_init)
     _patch(scheduler.Scheduler, "schedule", _wrap_schedule)
     _patch(scheduler.Scheduler, "update_from_output", _wrap_update_from_output)
+    _patch(scheduler.Scheduler, "_preempt_request", _wrap_preempt_request)
     _patch(kv_cache_manager.KVCacheManager, "allocate_slots", _wrap_allocate_slots)
     for method in ("step", "step_with_batch_queue", "abort_requests"):
         _patch(core.EngineCore, method, _wrap_flushing)
