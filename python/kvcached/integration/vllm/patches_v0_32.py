@@ -554,7 +554,14 @@ def _flush_if_idle(engine_core: Any) -> None:
     """Sends pending page ops to every worker when no step will carry them."""
     scheduler = getattr(engine_core, "scheduler", None)
     engine = getattr(scheduler, "_kvcached", None)
-    if engine is None or scheduler.has_requests() or getattr(engine_core, "batch_queue", None):
+    # Unfinished requests mean another schedule() will carry the ops. Finished
+    # ones whose ids are still to be reported do not: an in-process front end
+    # stops stepping as soon as it has their outputs.
+    if (
+        engine is None
+        or scheduler.get_num_unfinished_requests() > 0
+        or getattr(engine_core, "batch_queue", None)
+    ):
         return
     engine.block_pool.release_cached_blocks(keep_bytes=_settings.idle_cache_bytes)
     engine.manager.trim()  # reserve pages too: an idle engine holds only the null block's page
