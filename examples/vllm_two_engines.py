@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from typing import Any
 
 
 def make_tiny_llama(path: str, seed: int) -> str:
@@ -40,14 +41,16 @@ def make_tiny_llama(path: str, seed: int) -> str:
     return path
 
 
-def run_engine(name: str, model: str, args: argparse.Namespace, start_after: float) -> None:
+def run_engine(name: str, model: str, args: argparse.Namespace, ready: Any, delay_s: float) -> None:
     os.environ["KVCACHED_ENABLE"] = "1"  # read by the plugin in every vLLM process
     os.environ["KVCACHED_NAME"] = name  # how kvctl and kvtop show this engine
     from vllm import LLM, SamplingParams
 
     engine_args = dict(model=model, max_model_len=2048, enforce_eager=True)
     if args.tiny:
-        engine_args.update(skip_tokenizer_init=True, dtype="float32")
+        # On CPU an explicit KV size skips vLLM's check that the node has
+        # gpu_memory_utilization x RAM free; with kvcached it is this engine's limit.
+        engine_args.update(skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=512 << 20)
     else:
         engine_args.update(gpu_memory_utilization=args.gpu_memory_utilization)
     llm = LLM(**engine_args)
@@ -59,15 +62,23 @@ def run_engine(name: str, model: str, args: argparse.Namespace, start_after: flo
               f"{stats['used_bytes'] / 2**20:8.1f} MiB in blocks", flush=True)
 
     kv("idle")
-    time.sleep(max(0.0, start_after - time.time()))
+    ready.wait()  # both engines loaded
+    time.sleep(delay_s)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, detokenize=not args.tiny)
     if args.tiny:
         prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(300)]} for i in range(24)]
     else:
         prompts = [f"Write a short story about engine number {i}." for i in range(64)]
     t0 = time.time()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    print(f"[{name}] {len(outputs)} requests in {time.time() - t0:.1f} s", flush=True)
+    engine = llm.llm_engine  # stepped by hand to watch KV memory follow the load
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", prompt, params)
+    finished = peak_bytes = 0
+    while engine.has_unfinished_requests():
+        finished += sum(out.finished for out in engine.step())
+        peak_bytes = max(peak_bytes, client.call_utility("kvcached_stats")["mapped_bytes"])
+    print(f"[{name}] {finished} requests in {time.time() - t0:.1f} s, "
+          f"peak {peak_bytes / 2**20:.1f} MiB mapped", flush=True)
     time.sleep(1.0)  # the idle engine flushes its unmaps to the worker
     kv("finished")
     llm.llm_engine.engine_core.shutdown()
@@ -80,7 +91,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="two tiny random Llamas (CPU, no download)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                         help="each engine's share for weights and activations; KV memory is elastic")
-    parser.add_argument("--stagger-s", type=float, default=20.0,
+    parser.add_argument("--stagger-s", type=float, default=5.0,
                         help="engine B starts its load this long after engine A")
     args = parser.parse_args()
     if args.tiny:
@@ -90,12 +101,12 @@ def main() -> None:
     elif not (args.model_a and args.model_b):
         parser.error("give --model-a and --model-b, or --tiny")
 
-    # Engines load for a while first; then A serves a burst, B a later one.
-    start = time.time() + 90.0
+    # Both engines load; then A serves a burst, and B a later one.
     ctx = mp.get_context("spawn")
+    ready = ctx.Barrier(2)
     engines = [
-        ctx.Process(target=run_engine, args=("engine-a", args.model_a, args, start)),
-        ctx.Process(target=run_engine, args=("engine-b", args.model_b, args, start + args.stagger_s)),
+        ctx.Process(target=run_engine, args=("engine-a", args.model_a, args, ready, 0.0)),
+        ctx.Process(target=run_engine, args=("engine-b", args.model_b, args, ready, args.stagger_s)),
     ]
     for proc in engines:
         proc.start()
