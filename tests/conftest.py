@@ -10,6 +10,19 @@ import pytest
 import kvcached
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_registry(tmp_path_factory):
+    """Pools register in a per-device shared-memory registry: give the test
+    session its own, so tests never see (or fill) another process's budget."""
+    previous = os.environ.get("KVCACHED_REGISTRY_DIR")
+    os.environ["KVCACHED_REGISTRY_DIR"] = str(tmp_path_factory.mktemp("registry"))
+    yield
+    if previous is None:
+        os.environ.pop("KVCACHED_REGISTRY_DIR", None)
+    else:
+        os.environ["KVCACHED_REGISTRY_DIR"] = previous
+
+
 def available_device_specs() -> list[str]:
     """'cpu' always, plus the first device of each GPU backend usable here."""
     specs = ["cpu"]

@@ -326,6 +326,7 @@ def test_host_default_capacity_follows_the_environment(monkeypatch):
 def test_host_views_are_numpy_and_torch_visible(host_device):
     import numpy as np
 
+    torch = pytest.importorskip("torch")
     p = page(host_device)
     r = host_device.reserve(p)
     a = host_device.create(p)
@@ -333,7 +334,6 @@ def test_host_views_are_numpy_and_torch_visible(host_device):
     host_device.set_access(r.address, p)
     view = np.from_dlpack(host_device.view(r.address, p, r))
     view[:4] = [1, 2, 3, 4]
-    torch = pytest.importorskip("torch")
     t = torch.from_dlpack(host_device.view(r.address, p, r))
     assert t.device.type == "cpu" and t[:4].tolist() == [1, 2, 3, 4]
     del view, t

@@ -7,6 +7,7 @@ Backends: CUDA (driver VMM API), HIP, and host memory with the same semantics.
 
 from __future__ import annotations
 
+from kvcached import geometry
 from kvcached.devices import BackendStatus, backends, default_device, open_device, parse_device
 from kvcached.errors import (
     BackendUnavailableError,
@@ -15,16 +16,24 @@ from kvcached.errors import (
     KvcachedError,
     OutOfMemoryError,
 )
+from kvcached.manager import KVCacheManager
+from kvcached.pool import BlockManager, KVPool, KVSpace, PageOps
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatus",
+    "geometry",
     "BackendUnavailableError",
+    "BlockManager",
     "DeviceOutOfMemoryError",
     "DriverError",
+    "KVCacheManager",
+    "KVPool",
+    "KVSpace",
     "KvcachedError",
     "OutOfMemoryError",
+    "PageOps",
     "backends",
     "default_device",
     "open_device",

@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from kvcached.demo.command import add_arguments as add_demo_arguments
+from kvcached.demo.command import run_command as run_demo_command
 from kvcached.devices import backends, open_device
 from kvcached.errors import KvcachedError
 
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="backends, devices, granularity and memory")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
+    demo = sub.add_parser("demo", help="engines sharing one device elastically vs a static split, live")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=run_demo_command)
     return parser
 
 

@@ -17,6 +17,8 @@ reads zeros).
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -25,6 +27,7 @@ from kvcached import _core, config
 from kvcached.devices import default_device, open_device
 
 BlockIds = Union[Sequence[int], np.ndarray]
+_pool_numbers = itertools.count()
 PageOps = _core.PageOps
 
 
@@ -209,6 +212,12 @@ class BlockManager(_core.BlockManager):
         self.block_bytes = block_bytes
         self.null_block = null_block
 
+    def resize(self, limit_bytes: Optional[int]) -> None:
+        """Set the limit in bytes (None: no limit). Below current use, memory returns as blocks are freed."""
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        super().resize(limit_bytes)
+
     def available_bytes(self) -> int:
         """Physical bytes alloc could still take (``available()`` blocks, all layers)."""
         return self.available() * self.block_id_bytes
@@ -235,7 +244,11 @@ class KVPool(BlockManager):
         zero_backing: unmapped regions read as zeros (``KVCACHED_ZERO_BACKING``).
         limit_bytes: most physical memory this pool may hold (None: no limit).
         null_block: reserve block 0, which is never handed out or freed.
-        budget: a budget shared with other pools (e.g. the device registry's).
+        budget: a budget shared with other pools. By default (``register=True``)
+            the pool registers itself in its device's shared registry and
+            takes its pages from the device-wide budget there, so pools in
+            other processes on the same device (and ``kvctl`` / ``kvtop``) see it.
+        register: register in the device registry when no budget is given.
     """
 
     def __init__(
@@ -256,6 +269,7 @@ class KVPool(BlockManager):
         min_reserve_pages: Optional[int] = None,
         max_reserve_pages: Optional[int] = None,
         name: Optional[str] = None,
+        register: bool = True,
     ) -> None:
         _check_counts(num_layers, num_buffers)
         if limit_bytes is not None and limit_bytes < 0:
@@ -271,7 +285,13 @@ class KVPool(BlockManager):
             zero_backing=zero_backing,
             capacity_bytes=capacity_bytes,
         )
+        self._registration = None
         try:
+            if budget is None and register:
+                from kvcached.registry import registry_for
+
+                name = name or f"pool-{os.getpid()}-{next(_pool_numbers)}"
+                budget = self._registration = registry_for(space.device.name).register(name)
             super().__init__(
                 None,
                 block_bytes,
@@ -289,6 +309,8 @@ class KVPool(BlockManager):
             )
         except BaseException:
             space.close()
+            if self._registration is not None:
+                self._registration.unregister()
             raise
         self.space = space
         self.device = space.device
@@ -308,6 +330,8 @@ class KVPool(BlockManager):
         """Unmap everything and stop the worker; live tensors then read zeros. Idempotent."""
         super().close()
         self.space.close()
+        if self._registration is not None:
+            self._registration.unregister()
 
     @property
     def closed(self) -> bool:

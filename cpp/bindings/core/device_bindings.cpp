@@ -87,6 +87,8 @@ void bind_device(nb::module_& m) {
            "Map the whole allocation at `address`; not accessible until set_access.")
       .def("unmap", &Device::unmap, "address"_a, "size"_a, Released(),
            "Unmap whole mappings exactly covering [address, address + size).")
+      .def("map_accessible", &Device::map_accessible, "address"_a, "allocation"_a, Released(),
+           "map + set_access in one call; the mapping is undone if set_access fails.")
       .def("set_access", &Device::set_access, "address"_a, "size"_a, Released(),
            "Make mapped memory readable and writable by the device.")
       .def("synchronize", &Device::synchronize, Released(),
@@ -98,7 +100,7 @@ void bind_device(nb::module_& m) {
                  reinterpret_cast<void*>(address), 1, shape, owner, nullptr,
                  nb::dtype<uint8_t>(), static_cast<int>(d.dlpack_device_type()), d.ordinal());
            },
-           "address"_a, "size"_a, "owner"_a,
+           "address"_a, "size"_a, "owner"_a.none(),
            "A DLPack byte array over [address, address + size) that keeps `owner` alive. "
            "Low-level: the caller guarantees the memory is mapped and accessible.");
 

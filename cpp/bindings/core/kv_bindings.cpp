@@ -5,6 +5,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
@@ -71,6 +72,7 @@ nb::dict stats_dict(const BlockManagerStats& s) {
   d["pending_pages"] = s.pending_pages;
   d["limit_pages"] = s.limit_pages;
   d["limit_bytes"] = s.limit_bytes ? nb::cast(*s.limit_bytes) : nb::none();
+  d["slow_allocs"] = s.slow_allocs;
   d["used_bytes"] = s.used_blocks * s.block_bytes;
   d["mapped_bytes"] = s.mapped_pages * s.page_bytes;
   d["held_bytes"] = (s.mapped_pages + s.spare_pages + s.pending_pages) * s.page_bytes;
@@ -139,8 +141,15 @@ void bind_kv(nb::module_& m) {
       .def("unmap_pages", &KVSpace::unmap_pages, "pages"_a, Released(),
            "Synchronise the device, then unmap page ids.")
       .def("is_mapped", &KVSpace::is_mapped, "page"_a)
+      .def("prepare_pages", &KVSpace::prepare_pages, "pages"_a, Released(),
+           "Split zero chunks around these unmapped pages ahead of use (GPU; no-op on host).")
       .def_prop_ro("mapped_pages", &KVSpace::mapped_pages)
       .def_prop_ro("spare_pages", &KVSpace::spare_pages)
+      .def("add_spares", &KVSpace::add_spares, "count"_a, Released(),
+           "Pre-create allocations for `count` page ids (best effort); returns how many were made.")
+      .def("trim_spares", &KVSpace::trim_spares, "keep"_a, Released(), "Release spares beyond `keep`.")
+      .def("set_max_spare_pages", &KVSpace::set_max_spare_pages, "count"_a,
+           "Unmapped allocations kept for reuse instead of released.")
       .def("apply",
            [](KVSpace& s, const PageOps& ops) {
              nb::gil_scoped_release release;

@@ -45,6 +45,7 @@ struct BlockManagerStats {
   std::size_t mapped_pages, used_pages, free_pages, spare_pages, pending_pages;
   std::size_t limit_pages;
   std::optional<std::size_t> limit_bytes;
+  std::size_t slow_allocs;  // allocs that had to map pages themselves (reserve missed)
 };
 
 class KVCACHED_EXPORT BlockManager {
@@ -140,6 +141,11 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t mapped_pages_ = 0, spare_pages_ = 0, pending_pages_ = 0;
   std::size_t used_blocks_ = 0, free_mapped_blocks_ = 0;
   std::size_t free_pages_ = 0;  // mapped pages with every block free (bucket blocks_per_page)
+  std::size_t slow_allocs_ = 0;
+  // Bumped by every alloc and free; the worker sees an idle pool when it stops moving.
+  std::uint64_t activity_ = 0;
+  std::uint64_t activity_seen_ = 0;
+  int idle_rounds_ = 0;
   std::size_t cached_device_free_pages_;
   bool closed_ = false;
 

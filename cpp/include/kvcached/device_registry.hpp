@@ -142,7 +142,7 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
 
   // Bytes other instances were recently refused: a hint for this pool's
   // background worker to give its free reserve back.
-  std::size_t pressure_bytes() const noexcept;
+  std::size_t pressure_bytes() const noexcept override;
   std::optional<std::size_t> limit_bytes() const noexcept;
   std::size_t mapped_bytes() const noexcept;
   std::size_t slot() const noexcept { return slot_; }

@@ -30,6 +30,7 @@ struct KVSpaceOptions {
   bool zero_backing = true;
   std::size_t zero_chunk_bytes = 64u << 20;  // largest shared zero allocation on GPUs
   std::size_t max_spare_pages = 0;           // unmapped allocations kept for reuse
+  std::size_t zero_frontier_pages = 4;       // page ids whose zero chunks are split at set-up
 };
 
 class KVCACHED_EXPORT KVSpace {
@@ -52,6 +53,9 @@ class KVCACHED_EXPORT KVSpace {
   // Unmapped allocations are kept as spares up to max_spare_pages.
   void unmap_pages(const std::vector<std::int64_t>& pages);
   bool is_mapped(std::int64_t page) const;
+  // Split coarse zero chunks around these (unmapped) pages ahead of use, so
+  // mapping them later is one zero page swapped for real memory. No-op on host.
+  void prepare_pages(const std::vector<std::int64_t>& pages);
   std::size_t mapped_pages() const;
 
   // Pre-create physical allocations for `count` more page ids (stops early,
@@ -80,6 +84,7 @@ class KVCACHED_EXPORT KVSpace {
   VirtualAddress base_;
   mutable std::mutex mutex_;
   std::vector<PageBacking> mapped_;  // by page id; empty when unmapped
+  std::vector<std::uint8_t> prepared_;  // by page id: zero chunks already split
   std::vector<PageBacking> spares_;
   std::size_t mapped_count_ = 0;
   bool closed_ = false;

@@ -25,6 +25,9 @@ class KVCACHED_EXPORT MemoryBudget {
   // A limit set from outside the pool (e.g. by kvctl) that the pool must
   // respect, shrinking lazily if it is below current use; nullopt when none.
   virtual std::optional<std::size_t> external_limit_bytes() const { return std::nullopt; }
+  // Bytes other users of the budget are waiting for right now; a pool seeing
+  // pressure gives its free reserve back instead of sitting on it.
+  virtual std::size_t pressure_bytes() const noexcept { return 0; }
   // Lets the budget publish the pool's usage (used = bytes of pages with
   // blocks in use; mapped = pages mapped, including free reserve pages).
   virtual void report_usage(std::size_t used_bytes, std::size_t mapped_bytes) noexcept {

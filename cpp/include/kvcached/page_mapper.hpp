@@ -34,6 +34,8 @@ class KVCACHED_EXPORT PageMapper {
   virtual std::size_t add_spares(std::size_t count) { (void)count; return 0; }
   // Release spares beyond `keep`; returns how many were released.
   virtual std::size_t trim_spares(std::size_t keep) { (void)keep; return 0; }
+  // Get these unmapped pages ready to be mapped quickly (best effort).
+  virtual void prepare_pages(const std::vector<std::int64_t>& pages) { (void)pages; }
   // Device memory still free, when the mapper knows it (cached; may be stale).
   virtual std::optional<std::size_t> device_free_bytes() const { return std::nullopt; }
 };
@@ -45,6 +47,7 @@ class KVCACHED_EXPORT LocalPageMapper final : public PageMapper {
   UnmapOutcome unmap_pages(const std::vector<std::int64_t>& pages) override;
   std::size_t spare_pages() const override { return space_->spare_pages(); }
   std::size_t add_spares(std::size_t count) override { return space_->add_spares(count); }
+  void prepare_pages(const std::vector<std::int64_t>& pages) override { space_->prepare_pages(pages); }
   std::size_t trim_spares(std::size_t keep) override;
   std::optional<std::size_t> device_free_bytes() const override {
     return space_->device()->memory_info().free_bytes;

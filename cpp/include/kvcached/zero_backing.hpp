@@ -26,6 +26,10 @@ class KVCACHED_EXPORT ZeroBacking {
   // Remove the zero mappings overlapping [address, address + size) so real
   // memory can be mapped there; the rest of any split chunk stays covered.
   virtual void uncover(VirtualAddress address, std::size_t size_bytes) = 0;
+  // Split ahead of use: afterwards [address, address + size) is covered by
+  // unit-sized zero pieces, so mapping real memory there later replaces one
+  // piece instead of splitting a coarse chunk on the grow path.
+  virtual void prepare(VirtualAddress address, std::size_t size_bytes) = 0;
   // Number of zero mappings currently in place (0 on host, where it is free).
   virtual std::size_t mapping_count() const = 0;
 

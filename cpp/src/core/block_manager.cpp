@@ -13,6 +13,12 @@ namespace {
 
 // How often the worker re-checks the reserve when nobody wakes it.
 constexpr auto kWorkerPeriod = std::chrono::milliseconds(50);
+// Worker rounds without any alloc or free after which the pool counts as idle
+// and its reserve shrinks to the minimum (well inside the 1 s target).
+constexpr int kIdleRounds = 6;
+// Unmapped page ids (lowest first: the next to be grown) the worker gets ready
+// ahead of use (on GPUs: zero chunks split around them).
+constexpr std::size_t kFrontierPages = 8;
 constexpr std::size_t kUnlimited = std::numeric_limits<std::size_t>::max();
 
 }  // namespace
@@ -300,6 +306,7 @@ bool BlockManager::try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& ou
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock() || closed_ || free_mapped_blocks_ < n) return false;
   take_blocks_locked(n, out);
+  ++activity_;
   if (options_.background_worker && free_pages_ < options_.reserve.min_free_pages) wake_worker();
   return true;
 }
@@ -312,6 +319,7 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     if (closed_) throw InvalidArgument("the block manager is closed");
     if (free_mapped_blocks_ >= n) {
       take_blocks_locked(n, blocks);
+      ++activity_;
       // Wake the worker only when the reserve needs it: a wake-up costs a syscall.
       if (options_.background_worker && free_pages_ < options_.reserve.min_free_pages) wake_worker();
       return blocks;
@@ -325,6 +333,8 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
+  ++activity_;
+  const bool had_to_map = free_mapped_blocks_ < n;
   std::vector<std::int64_t> grown;
   auto roll_back = [&] {
     if (grown.empty()) return;
@@ -338,6 +348,12 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     const std::size_t growable = growable_pages_locked();
     if (growable < needed) {
       const std::size_t can = free_mapped_blocks_ + growable * blocks_per_page_;
+      if (budget_) {
+        // Ask the budget anyway: a refusal there is recorded as pressure, which
+        // tells the other pools on the device to give their idle reserve back.
+        const std::size_t wanted = (needed - std::min(needed, spare_pages_)) * page_bytes_;
+        if (wanted > 0 && budget_->try_acquire(wanted)) budget_->release(wanted);
+      }
       roll_back();
       throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: only " +
                             std::to_string(can) + " are available (limit " +
@@ -354,6 +370,8 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
     }
   }
   take_blocks_locked(n, blocks);
+  if (had_to_map) ++slow_allocs_;
+  report_usage_locked();  // the fast path leaves this to the worker's next round
   return blocks;
 }
 
@@ -436,6 +454,7 @@ void BlockManager::free(const std::int64_t* ids, std::size_t count) {
       throw InvalidArgument(problem);
     }
     give_blocks_locked(ids, count);
+    ++activity_;
     wake = options_.background_worker && reserve_off_target_locked();
   }
   if (wake) wake_worker();
@@ -496,23 +515,36 @@ void BlockManager::maintain() {
   if (closed_) return;
   const ReserveTargets targets = options_.reserve;
 
-  // 1. A limit below what we hold: give back spares, then free pages.
+  // 1. A limit below what we hold: give back spares, then free pages. The space
+  //    may keep the pages it unmaps as spares, so spares are trimmed once more.
   const std::size_t limit = limit_pages_locked();
-  if (held_pages_locked() > limit && spare_pages_ > 0) {
-    const std::size_t excess = held_pages_locked() - limit;
-    const std::size_t keep = spare_pages_ > excess ? spare_pages_ - excess : 0;
-    lock.unlock();
-    const std::size_t released = mapper_->trim_spares(keep);
-    lock.lock();
-    spare_pages_ -= std::min(spare_pages_, released);
-    release_pages_budget(released);
+  for (int pass = 0; pass < 2; ++pass) {
+    if (held_pages_locked() > limit && spare_pages_ > 0) {
+      const std::size_t excess = held_pages_locked() - limit;
+      const std::size_t keep = spare_pages_ > excess ? spare_pages_ - excess : 0;
+      lock.unlock();
+      const std::size_t released = mapper_->trim_spares(keep);
+      lock.lock();
+      spare_pages_ -= std::min(spare_pages_, released);
+      release_pages_budget(released);
+    }
+    if (pass == 0 && held_pages_locked() > limit) shrink_locked(lock, held_pages_locked() - limit);
   }
-  if (held_pages_locked() > limit) shrink_locked(lock, held_pages_locked() - limit);
 
-  // 2. Keep the number of mapped free pages within [min, max].
+  // 2. Keep the number of mapped free pages within [min, max]; an idle pool
+  //    (no alloc or free for a while) goes down to the minimum.
+  if (activity_ != activity_seen_) {
+    activity_seen_ = activity_;
+    idle_rounds_ = 0;
+  } else if (idle_rounds_ < kIdleRounds) {
+    ++idle_rounds_;
+  }
+  const bool others_waiting = budget_ && budget_->pressure_bytes() > 0;
+  const std::size_t keep_free =
+      (idle_rounds_ >= kIdleRounds || others_waiting) ? targets.min_free_pages : targets.max_free_pages;
   const std::size_t free_pages = free_pages_count_locked();
-  if (free_pages > targets.max_free_pages) {
-    shrink_locked(lock, free_pages - targets.max_free_pages);
+  if (free_pages > keep_free) {
+    shrink_locked(lock, free_pages - keep_free);
   } else if (free_pages < targets.min_free_pages) {
     const std::size_t want = std::min(targets.min_free_pages - free_pages, growable_pages_locked());
     try {
@@ -547,6 +579,18 @@ void BlockManager::maintain() {
     release_pages_budget(released);
   }
   report_usage_locked();
+
+  // 4. Get the next pages to be grown ready (cheap when already done).
+  std::vector<std::int64_t> frontier;
+  for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < kFrontierPages; ++it) {
+    frontier.push_back(*it);
+  }
+  lock.unlock();
+  try {
+    mapper_->prepare_pages(frontier);
+  } catch (...) {
+    // Best effort: an unprepared page is still mapped correctly, only slower.
+  }
 }
 
 void BlockManager::close() {
@@ -622,6 +666,7 @@ BlockManagerStats BlockManager::stats() const {
   s.pending_pages = pending_pages_;
   s.limit_pages = limit_pages_locked();
   s.limit_bytes = options_.limit_bytes;
+  s.slow_allocs = slow_allocs_;
   return s;
 }
 

@@ -31,6 +31,25 @@ KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const K
       memory_->zeros->cover(base_ + region.offset, region.size);
     }
   }
+  prepared_.assign(layout_.num_pages(), 0);
+  std::vector<std::int64_t> frontier;
+  for (std::size_t p = 0; p < std::min(options_.zero_frontier_pages, layout_.num_pages()); ++p) {
+    frontier.push_back(static_cast<std::int64_t>(p));
+  }
+  prepare_pages(frontier);
+}
+
+void KVSpace::prepare_pages(const std::vector<std::int64_t>& pages) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_ || !memory_->zeros) return;
+  for (std::int64_t page : pages) {
+    check_page(page);
+    if (prepared_[page] || !mapped_[page].empty()) continue;
+    for (const ByteRange& range : layout_.page_ranges(page)) {
+      memory_->zeros->prepare(base_ + range.offset, range.size);
+    }
+    prepared_[page] = 1;
+  }
 }
 
 KVSpace::~KVSpace() {
@@ -89,6 +108,7 @@ void KVSpace::map_one_locked(std::size_t page, PageBacking&& backing) {
     throw;
   }
   mapped_[page] = std::move(backing);
+  prepared_[page] = 0;
   ++mapped_count_;
 }
 
@@ -101,6 +121,7 @@ void KVSpace::unmap_one_locked(std::size_t page) {
   }
   PageBacking backing = std::move(mapped_[page]);
   mapped_[page].clear();
+  prepared_[page] = 1;  // re-covered with unit-sized zero pieces
   --mapped_count_;
   if (spares_.size() < options_.max_spare_pages) spares_.push_back(std::move(backing));
   // else: the allocations are released as `backing` goes out of scope

@@ -15,6 +15,7 @@ class HostZeroPages final : public ZeroBacking {
     device_->map_free_zero_pages(address, size_bytes);
   }
   void uncover(VirtualAddress, std::size_t) override {}  // a fixed mapping replaces it
+  void prepare(VirtualAddress, std::size_t) override {}   // nothing to split
   std::size_t mapping_count() const override { return 0; }
 
  private:
@@ -43,18 +44,32 @@ class SharedZeroChunks final : public ZeroBacking {
 
   void cover(VirtualAddress address, std::size_t size_bytes) override {
     // Greedy buddy decomposition: at each step the largest chunk that is
-    // aligned (relative to the reservation base) and fits.
+    // aligned (relative to the reservation base) and fits. Access is granted
+    // once for the whole run, not per chunk: set_access is the costly call.
     VirtualAddress cursor = address;
     const VirtualAddress end = address + size_bytes;
-    while (cursor < end) {
-      std::size_t level = zero_chunks_.size() - 1;
-      while (level > 0) {
-        const std::size_t chunk = unit_bytes_ << level;
-        if ((cursor - base_) % chunk == 0 && cursor + chunk <= end) break;
-        --level;
+    try {
+      while (cursor < end) {
+        std::size_t level = zero_chunks_.size() - 1;
+        while (level > 0) {
+          const std::size_t chunk = unit_bytes_ << level;
+          if ((cursor - base_) % chunk == 0 && cursor + chunk <= end) break;
+          --level;
+        }
+        map_chunk(cursor, level);
+        cursor += unit_bytes_ << level;
       }
-      map_chunk(cursor, level);
-      cursor += unit_bytes_ << level;
+      device_->set_access(address, size_bytes);
+    } catch (...) {
+      // Leave no half-covered run behind: unmap what this call mapped.
+      for (auto it = mappings_.lower_bound(address); it != mappings_.end() && it->first < cursor;) {
+        try {
+          device_->unmap(it->first, unit_bytes_ << it->second);
+        } catch (...) {
+        }
+        it = mappings_.erase(it);
+      }
+      throw;
     }
   }
 
@@ -78,13 +93,26 @@ class SharedZeroChunks final : public ZeroBacking {
     }
   }
 
+  void prepare(VirtualAddress address, std::size_t size_bytes) override {
+    for (VirtualAddress unit = address; unit < address + size_bytes; unit += unit_bytes_) {
+      auto it = mappings_.upper_bound(unit);
+      if (it == mappings_.begin()) continue;  // not covered (real memory there)
+      --it;
+      const bool covers = it->first + (unit_bytes_ << it->second) > unit;
+      if (!covers || it->second == 0) continue;  // real memory, or already a single unit
+      uncover(unit, unit_bytes_);
+      cover(unit, unit_bytes_);
+    }
+  }
+
   std::size_t mapping_count() const override { return mappings_.size(); }
 
  private:
+  // Maps (without access; cover grants it for the whole run).
   void map_chunk(VirtualAddress address, std::size_t level) {
     PhysicalAllocation& zeros = zero_chunk(level, address);
     if (mappings_.count(address) != 0) return;  // zero_chunk mapped it while filling it
-    device_->map_accessible(address, zeros);
+    device_->map(address, zeros);
     mappings_.emplace(address, level);
   }
 

@@ -1,0 +1,355 @@
+"""Runs the demo: spawns the engines, drives the elastic and static runs, samples memory.
+
+Both runs serve the same seeded schedule with the same engine processes and the
+same device budget; only the memory rule differs. The registry lives in a
+private temporary directory (``KVCACHED_REGISTRY_DIR`` in this process and in
+every engine), so concurrent demos and tests never share a budget. Memory per
+instance is sampled from that registry, exactly what ``kvtop`` would show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import time
+from typing import Any, Optional, Protocol
+
+from kvcached.demo.engine import PoolShape, RunSpec, engine_main
+from kvcached.demo.traffic import TrafficProfile, generate, make_profile
+from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry
+
+logger = logging.getLogger(__name__)
+
+RUN_NAMES = ("elastic", "static")
+MIB = 1 << 20
+# Small KV geometry: 2 layers x K,V x 64 KiB blocks make a block id 256 KiB and
+# (with 2 MiB pages) a page id 8 MiB of 32 blocks, so a request spans 0.5-3
+# pages, as a few thousand tokens do in a real engine; much smaller blocks let
+# a few long requests pin many half-empty pages.
+DEFAULT_NUM_LAYERS = 2
+DEFAULT_NUM_BUFFERS = 2
+DEFAULT_BLOCK_BYTES = 64 << 10
+DEFAULT_ENGINES = 3
+DEFAULT_DURATION_S = 15.0
+# 30 page ids of 8 MiB: divides evenly among 2, 3, 5 or 6 engines, and the busy
+# engine's peak (~60 % of it) is far above a third.
+DEFAULT_BUDGET_BYTES = 240 * MIB
+DEFAULT_WAIT_TIMEOUT_S = 1.0
+SAMPLE_INTERVAL_S = 0.1
+# Engines import torch and build their pools: allow for a slow, busy machine.
+READY_TIMEOUT_S = 120.0
+# Extra time a run may take past its schedule before the demo gives up on it.
+RUN_GRACE_S = 60.0
+START_DELAY_S = 0.3  # lets every engine see "go" before the clock starts
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on."""
+
+    engines: int = DEFAULT_ENGINES
+    duration_s: float = DEFAULT_DURATION_S
+    seed: int = 0
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    device: str = "cpu"
+    wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+    num_layers: int = DEFAULT_NUM_LAYERS
+    num_buffers: int = DEFAULT_NUM_BUFFERS
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+
+    def validate(self) -> None:
+        """Raises ValueError on settings the demo cannot run with."""
+        if self.engines < 1:
+            raise ValueError(f"--engines must be at least 1, got {self.engines}")
+        if self.duration_s <= 0:
+            raise ValueError(f"--duration must be positive, got {self.duration_s}")
+        if self.wait_timeout_s < 0:
+            raise ValueError(f"--wait-timeout must not be negative, got {self.wait_timeout_s}")
+        if self.budget_bytes <= 0:
+            raise ValueError("--budget must be positive")
+
+
+@dataclasses.dataclass
+class Geometry:
+    """Sizes that follow from the config and the device's page size."""
+
+    block_id_bytes: int
+    page_id_bytes: int
+    blocks_per_page: int
+    num_blocks: int
+    budget_blocks: int
+    static_limit_bytes: int
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """What one run produced: engine results and the memory samples."""
+
+    name: str
+    limit_bytes: Optional[int]
+    times_s: list[float] = dataclasses.field(default_factory=list)
+    mapped_bytes: list[list[int]] = dataclasses.field(default_factory=list)  # per engine, per sample
+    used_bytes: list[list[int]] = dataclasses.field(default_factory=list)
+    results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    registry_mapped_after_bytes: int = 0
+    registry_entries_after: int = 0
+    wall_s: float = 0.0
+
+
+class Observer(Protocol):
+    """Watches the runs as they happen (the live view)."""
+
+    def begin_run(self, run_name: str, profile: TrafficProfile, limit_bytes: Optional[int]) -> None:
+        """A run is about to start; ``limit_bytes`` is each pool's cap (None: shared budget only)."""
+
+    def sample(self, time_s: float, mapped_bytes: list[int], counters: list[dict[str, int]]) -> None:
+        """Memory each engine holds (registry) and the engines' latest counters."""
+
+    def end_run(self) -> None:
+        """The run is over (every engine has reported)."""
+
+
+def engine_name(engine: int) -> str:
+    """The name an engine registers under."""
+    return f"demo-engine-{engine}"
+
+
+def measure_geometry(config: DemoConfig) -> Geometry:
+    """Block and page sizes, from a throwaway pool on the demo's device (address space only)."""
+    from kvcached.pool import KVPool
+
+    probe = KVPool(
+        num_layers=config.num_layers,
+        block_bytes=config.block_bytes,
+        num_buffers=config.num_buffers,
+        num_blocks=1,
+        layout="per_layer",
+        device=config.device,
+        background_worker=False,
+    )
+    try:
+        block_id_bytes, page_id_bytes = probe.block_id_bytes, probe.page_id_bytes
+        blocks_per_page = probe.blocks_per_page
+    finally:
+        probe.close()
+    if config.budget_bytes < page_id_bytes * config.engines:
+        raise ValueError(
+            f"--budget {config.budget_bytes} bytes is too small: each of {config.engines} engines needs at "
+            f"least one page id of {page_id_bytes} bytes in the static split"
+        )
+    # Every engine may grow to the whole budget: its virtual capacity is the budget, whole pages.
+    budget_pages = -(-config.budget_bytes // page_id_bytes)
+    return Geometry(
+        block_id_bytes=block_id_bytes,
+        page_id_bytes=page_id_bytes,
+        blocks_per_page=blocks_per_page,
+        num_blocks=budget_pages * blocks_per_page,
+        budget_blocks=config.budget_bytes // block_id_bytes,
+        static_limit_bytes=config.budget_bytes // config.engines,
+    )
+
+
+def _process_context() -> Any:
+    """Fresh engine processes, with torch imported once rather than once per engine.
+
+    Like spawn, forkserver children never inherit this process's threads or
+    device state; they are forked from a clean server that has imported torch
+    and the engine code, which saves several seconds of CPU per engine (and
+    their slow exit) on a small machine. Where forkserver is missing, spawn.
+    """
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "kvcached.demo.engine"])
+        return context
+    return multiprocessing.get_context("spawn")
+
+
+class EngineFleet:
+    """The engine processes and the two queues per engine that talk to them."""
+
+    def __init__(self, config: DemoConfig, geometry: Geometry, registry_dir: str) -> None:
+        context = _process_context()
+        shape = PoolShape(
+            device=config.device,
+            num_layers=config.num_layers,
+            num_buffers=config.num_buffers,
+            block_bytes=config.block_bytes,
+            num_blocks=geometry.num_blocks,
+        )
+        self.events = context.Queue()
+        self.commands = [context.Queue() for _ in range(config.engines)]
+        self.processes = [
+            context.Process(
+                target=engine_main,
+                args=(engine, engine_name(engine), shape, registry_dir, self.commands[engine], self.events,
+                      logging.getLogger().getEffectiveLevel()),
+                name=engine_name(engine),
+                daemon=True,
+            )
+            for engine in range(config.engines)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def send(self, engine: int, message: tuple) -> None:
+        self.commands[engine].put(message)
+
+    def next_event(self, timeout_s: float) -> Optional[tuple]:
+        """The next message from any engine, or None after ``timeout_s``; raises if one died."""
+        try:
+            event = self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            event = None
+        if event is not None and event[0] == "error":
+            raise RuntimeError(f"{engine_name(event[1])} failed:\n{event[3]}")
+        for process in self.processes:
+            if event is None and process.exitcode not in (None, 0):
+                raise RuntimeError(f"{process.name} exited with code {process.exitcode}")
+        return event
+
+    def stop(self) -> None:
+        """Asks every engine to exit; terminates (only) our own engines that do not."""
+        for engine, process in enumerate(self.processes):
+            if process.is_alive():
+                self.send(engine, ("stop",))
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                logger.warning("%s did not stop; terminating it", process.name)
+                process.terminate()
+                process.join(timeout=5)
+
+
+def _sample(
+    registry: DeviceRegistry, names: list[str], counters: list[dict[str, int]], record: RunRecord, time_s: float
+) -> list[int]:
+    # Mapped bytes come from the registry (what the device budget counts);
+    # used bytes from the engines' own latest report (the registry's can lag).
+    by_name = {entry["name"]: entry for entry in registry.entries()}
+    record.times_s.append(time_s)
+    for engine, name in enumerate(names):
+        entry = by_name.get(name)
+        record.mapped_bytes[engine].append(entry["mapped_bytes"] if entry else 0)
+        record.used_bytes[engine].append(counters[engine].get("used_block_bytes", 0) if entry else 0)
+    return [column[-1] for column in record.mapped_bytes]
+
+
+def _drive_run(
+    fleet: EngineFleet,
+    registry: DeviceRegistry,
+    config: DemoConfig,
+    profile: TrafficProfile,
+    schedules: list,
+    run_name: str,
+    limit_bytes: Optional[int],
+    observer: Optional[Observer],
+) -> RunRecord:
+    names = [engine_name(engine) for engine in range(config.engines)]
+    record = RunRecord(
+        name=run_name,
+        limit_bytes=limit_bytes,
+        mapped_bytes=[[] for _ in names],
+        used_bytes=[[] for _ in names],
+        results=[{} for _ in names],
+    )
+    for engine in range(config.engines):
+        spec = RunSpec(
+            run_name=run_name,
+            limit_bytes=limit_bytes,
+            requests=schedules[engine],
+            decode_step_s=profile.decode_step_s,
+            wait_timeout_s=config.wait_timeout_s,
+            duration_s=config.duration_s,
+        )
+        fleet.send(engine, ("run", spec))
+    ready: set[int] = set()
+    ready_deadline = time.monotonic() + READY_TIMEOUT_S
+    while len(ready) < config.engines:
+        if time.monotonic() > ready_deadline:
+            raise RuntimeError(f"engines not ready after {READY_TIMEOUT_S:.0f} s")
+        event = fleet.next_event(timeout_s=1.0)
+        if event is not None and event[0] == "ready":
+            ready.add(event[1])
+    if observer is not None:
+        observer.begin_run(run_name, profile, limit_bytes)
+    start = time.monotonic() + START_DELAY_S
+    for engine in range(config.engines):
+        fleet.send(engine, ("go", start))
+    counters: list[dict[str, int]] = [{} for _ in names]
+    finished: set[int] = set()
+    next_sample = start
+    run_deadline = start + config.duration_s + config.wait_timeout_s + RUN_GRACE_S
+    while len(finished) < config.engines:
+        now = time.monotonic()
+        if now > run_deadline:
+            raise RuntimeError(f"the {run_name} run did not finish in time")
+        if now >= next_sample:
+            mapped = _sample(registry, names, counters, record, now - start)
+            if observer is not None:
+                observer.sample(now - start, mapped, counters)
+            next_sample += SAMPLE_INTERVAL_S
+            if next_sample < now:  # fell behind (busy machine): skip, do not burst
+                next_sample = now + SAMPLE_INTERVAL_S
+        event = fleet.next_event(timeout_s=max(0.0, min(next_sample - time.monotonic(), SAMPLE_INTERVAL_S)))
+        if event is None or event[2] != run_name:
+            continue
+        if event[0] == "progress":
+            counters[event[1]] = event[3]
+        elif event[0] == "result":
+            record.results[event[1]] = event[3]
+            finished.add(event[1])
+    _sample(registry, names, counters, record, time.monotonic() - start)
+    if observer is not None:
+        observer.end_run()
+    record.wall_s = time.monotonic() - start
+    record.registry_mapped_after_bytes = registry.mapped_bytes
+    record.registry_entries_after = len(registry.entries())
+    return record
+
+
+def run_demo(config: DemoConfig, observer: Optional[Observer] = None) -> dict[str, Any]:
+    """Runs both runs for real and returns their raw records (see :mod:`kvcached.demo.summary`)."""
+    config.validate()
+    started = time.monotonic()
+    private_dir = tempfile.mkdtemp(prefix="kvcached-demo-")
+    previous_dir = os.environ.get(REGISTRY_DIR_ENV)
+    # Set here for anything this process opens; the engines get the directory
+    # explicitly, because a forkserver started by an earlier demo would hand
+    # them its own, older environment.
+    os.environ[REGISTRY_DIR_ENV] = private_dir
+    fleet: Optional[EngineFleet] = None
+    try:
+        registry = DeviceRegistry(config.device, config.budget_bytes)
+        geometry = measure_geometry(config)
+        profile = make_profile(geometry.budget_blocks, config.engines, config.duration_s)
+        schedules = generate(profile, config.seed)
+        fleet = EngineFleet(config, geometry, private_dir)
+        runs = []
+        for run_name in RUN_NAMES:
+            limit = None if run_name == "elastic" else geometry.static_limit_bytes
+            runs.append(_drive_run(fleet, registry, config, profile, schedules, run_name, limit, observer))
+        fleet.stop()
+        fleet = None
+        return {
+            "config": config,
+            "geometry": geometry,
+            "profile": profile,
+            "runs": runs,
+            "elapsed_s": time.monotonic() - started,
+        }
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        if previous_dir is None:
+            os.environ.pop(REGISTRY_DIR_ENV, None)
+        else:
+            os.environ[REGISTRY_DIR_ENV] = previous_dir
+        shutil.rmtree(private_dir, ignore_errors=True)
+
+
+__all__ = ["DemoConfig", "EngineFleet", "Geometry", "RunRecord", "engine_name", "measure_geometry", "run_demo"]
