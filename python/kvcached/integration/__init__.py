@@ -1,0 +1,1 @@
+"""Integrations of kvcached into serving engines (one subpackage per engine)."""

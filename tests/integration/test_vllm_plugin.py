@@ -1,0 +1,94 @@
+"""The vLLM plugin entry: gating, version check, idempotence (no engine started)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+import pytest
+
+from kvcached.integration import vllm as plugin
+from kvcached.integration.vllm import settings
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def no_flags(monkeypatch):
+    for name in ("KVCACHED_ENABLE", "ENABLE_KVCACHED"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    "name,value,expected",
+    [
+        ("KVCACHED_ENABLE", "1", True),
+        ("KVCACHED_ENABLE", "true", True),
+        ("ENABLE_KVCACHED", "true", True),
+        ("ENABLE_KVCACHED", "1", True),
+        ("KVCACHED_ENABLE", "0", False),
+        ("KVCACHED_ENABLE", "", False),
+        ("ENABLE_KVCACHED", "false", False),
+    ],
+)
+def test_enabled_by_either_variable(no_flags, name, value, expected):
+    no_flags.setenv(name, value)
+    assert settings.is_enabled() is expected
+
+
+def test_register_is_a_no_op_when_disabled(no_flags):
+    before = dict(plugin._installed)
+    plugin.register()
+    assert plugin._installed == before
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.25.0+cu124", "dev"])
+def test_other_vllm_versions_are_refused_by_name(version):
+    with pytest.raises(plugin.UnsupportedVLLMVersion, match="supported: 0.32.x"):
+        plugin.patch_module_for(version)
+
+
+def test_supported_versions_resolve_to_one_module():
+    assert plugin.patch_module_for("0.32.0").__name__.endswith("patches_v0_32")
+    assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith("patches_v0_32")
+
+
+def test_register_logs_and_survives_an_unsupported_vllm(no_flags, caplog):
+    vllm = pytest.importorskip("vllm")
+    no_flags.setenv("KVCACHED_ENABLE", "1")
+    no_flags.setattr(vllm, "__version__", "0.99.0")
+    no_flags.setattr(plugin, "_installed", {})
+    with caplog.at_level(logging.ERROR, logger="vllm.kvcached"):
+        plugin.register()  # must not raise: vLLM calls plugins unguarded
+    assert plugin._installed == {}
+    assert "kvcached is NOT active" in caplog.text and "0.32.x" in caplog.text
+
+
+def test_entry_point_is_installed():
+    pytest.importorskip("vllm")
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(p.name == "kvcached" and p.value == "kvcached.integration.vllm:register" for p in points)
+
+
+def test_patches_install_once_and_bind_the_block_pool(no_flags):
+    pytest.importorskip("vllm")
+    import vllm
+
+    if plugin._vllm_release(vllm.__version__) not in plugin._PATCH_MODULES:
+        pytest.skip(f"vLLM {vllm.__version__} is not a supported version")
+    from vllm.v1.core import kv_cache_coordinator
+    from vllm.v1.core.block_pool import BlockPool
+
+    no_flags.setenv("KVCACHED_ENABLE", "1")
+    plugin.register()
+    plugin.register()  # idempotent
+    pool_class = kv_cache_coordinator.BlockPool
+    assert issubclass(pool_class, BlockPool) and pool_class is not BlockPool
+    assert pool_class.__name__ == "KvcachedBlockPool"
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+    plugin._installed.clear()
+    plugin.register()  # a second install must not wrap twice
+    assert Scheduler.schedule is schedule

@@ -1,0 +1,203 @@
+"""Runs a real vLLM engine on a tiny random-weight Llama, for the vLLM integration tests.
+
+Used as a script so that every engine lives in its own process (vLLM's CPU build
+starts its EngineCore and worker with ``spawn``, which re-imports ``__main__``):
+
+    python tests/integration/vllm_harness.py SPEC.json RESULT.json
+
+SPEC is a JSON object (see ``run``); RESULT receives the generated token ids and
+the kvcached probes taken along the way. The model is built with transformers
+from a fixed seed, so no download is needed; prompts are token ids and
+``skip_tokenizer_init=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Small enough to run on two CPU cores, big enough that one 2 MiB kvcached page
+# holds few tokens: 4 KV heads x (64 K + 64 V) x fp32 = 2 KiB per token and
+# layer, so a page holds 1024 tokens = 8 blocks of 128, and memory visibly
+# follows load.
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
+    """Writes a random-weight Llama checkpoint to ``path`` (once) and returns it."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY_LLAMA, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    # Larger weights than the default init make greedy decoding less likely
+    # to sit on near-ties, so that token-level comparisons are meaningful.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def prompt_ids(n: int, length: int, seed: int = 1, shared_prefix: int = 0) -> list[list[int]]:
+    """``n`` deterministic prompts of ``length`` token ids; the first
+    ``shared_prefix`` tokens are the same in all of them (prefix-cache hits)."""
+    import random
+
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(shared_prefix)]
+    return [
+        prefix + [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(length - shared_prefix)]
+        for _ in range(n)
+    ]
+
+
+def _kvcached_enabled() -> bool:
+    return any(
+        os.environ.get(n, "").lower() in ("1", "true", "yes", "on")
+        for n in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
+    )
+
+
+def kvcached_engine_stats(llm) -> dict | None:
+    """The EngineCore's kvcached statistics, or None when kvcached is not active."""
+    if not _kvcached_enabled():
+        return None
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):
+        return client.call_utility("kvcached_stats")
+    return client.engine_core.kvcached_stats()  # in-process client
+
+
+def kvcached_worker_stats(llm) -> list | None:
+    """Per-worker kvcached mapping statistics (pages mapped in that process)."""
+    if not _kvcached_enabled():
+        return None
+    return llm.collective_rpc("kvcached_kv_stats")
+
+
+def _probe(llm, label: str, probes: list) -> None:
+    probes.append(
+        {
+            "label": label,
+            "time": time.time(),
+            "engine": kvcached_engine_stats(llm),
+            "workers": kvcached_worker_stats(llm),
+        }
+    )
+
+
+def _wait_for(path: str | None, timeout_s: float = 600.0) -> None:
+    if not path:
+        return
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            raise TimeoutError(f"waited {timeout_s} s for {path}")
+        time.sleep(0.2)
+
+
+def _touch(path: str | None) -> None:
+    if path:
+        Path(path).write_text("done")
+
+
+def run(spec: dict) -> dict:
+    """Runs the phases of ``spec`` on one engine.
+
+    spec keys: model (dir), prefix_caching (bool), kv_cache_bytes (vLLM's
+    ``kv_cache_memory_bytes``: its KV size without kvcached, the engine's
+    limit with it), max_num_seqs, phases: a list of {prompts: [[ids]],
+    max_tokens, probe_during (bool), wait_for (file), signal (file)}. A phase
+    without prompts only waits and signals.
+    """
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=spec.get("max_model_len", 2048),
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
+        block_size=spec.get("block_size", 128),
+        enforce_eager=True,
+        seed=0,
+    )
+    init_s = time.time() - t0
+    probes: list = []
+    _probe(llm, "after_init", probes)
+    outputs = []
+    for i, phase in enumerate(spec["phases"]):
+        _wait_for(phase.get("wait_for"))
+        if not phase.get("prompts"):  # a pure synchronisation phase
+            _touch(phase.get("signal"))
+            outputs.append([])
+            continue
+        params = SamplingParams(
+            max_tokens=phase.get("max_tokens", 16),
+            temperature=0.0,
+            ignore_eos=True,
+            detokenize=False,
+        )
+        prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
+        if phase.get("probe_during"):
+            # Submit, then step the engine by hand, probing after every step.
+            engine = llm.llm_engine
+            for j, prompt in enumerate(prompts):
+                engine.add_request(f"p{i}-{j}", prompt, params)
+            done: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = list(out.outputs[0].token_ids)
+                if engine.has_unfinished_requests():  # probe every step under load
+                    _probe(llm, f"phase{i}_running", probes)
+            result = [done[f"p{i}-{j}"] for j in range(len(prompts))]
+        else:
+            result = [
+                list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+        outputs.append(result)
+        time.sleep(phase.get("settle_s", 0.5))  # let the idle flush reach the worker
+        _probe(llm, f"phase{i}_done", probes)
+        _touch(phase.get("signal"))
+    result = {"outputs": outputs, "probes": probes, "init_s": init_s, "total_s": time.time() - t0}
+    llm.llm_engine.engine_core.shutdown()  # stops the EngineCore and worker processes
+    return result
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run(spec)
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    sys.stdout.flush()
+    # The engine processes are stopped; exit without waiting for vLLM's
+    # leftover non-daemon threads.
+    os._exit(0)
