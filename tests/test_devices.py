@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import kvcached
-from conftest import has_gpu
+from device_access import has_gpu
 
 
 def test_host_backend_is_always_available():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvcached
-from conftest import ByteAccess
+from device_access import ByteAccess
 
 LAYERS, BUFFERS, BLOCK_BYTES = 2, 2, 64 << 10
 

@@ -87,8 +87,8 @@ OPTIONS: dict[str, Option] = {
         "Unmapped regions read as zeros, so stray reads by kernels never fault.",
     ),
     "zero_chunk_bytes": Option(
-        "KVCACHED_ZERO_CHUNK_BYTES", 64 << 20, _parse_size,
-        "Largest shared zero allocation used for zero backing on GPUs.",
+        "KVCACHED_ZERO_CHUNK_BYTES", 256 << 20, _parse_size,
+        "Largest zero-filled allocation used for zero backing on GPUs (shared by the pools of a process).",
     ),
     "min_reserve_pages": Option(
         "KVCACHED_MIN_RESERVE_PAGES", 1, _parse_count,

@@ -124,7 +124,7 @@ void bind_kv(nb::module_& m) {
                                 options);
            },
            "device"_a, "num_layers"_a, "num_buffers"_a, "block_bytes"_a, "page_bytes"_a, "num_pages"_a,
-           "layout"_a, "zero_backing"_a = true, "zero_chunk_bytes"_a = 64u << 20, "max_spare_pages"_a = 0)
+           "layout"_a, "zero_backing"_a = true, "zero_chunk_bytes"_a = 256u << 20, "max_spare_pages"_a = 0)
       .def_prop_ro("base_address", &KVSpace::base)
       .def_prop_ro("size_bytes", &KVSpace::size_bytes)
       .def_prop_ro("num_pages", [](const KVSpace& s) { return s.layout().num_pages(); })

@@ -28,7 +28,7 @@ struct KVCACHED_EXPORT KVMemory {
 
 struct KVSpaceOptions {
   bool zero_backing = true;
-  std::size_t zero_chunk_bytes = 64u << 20;  // largest shared zero allocation on GPUs
+  std::size_t zero_chunk_bytes = 256u << 20;  // largest shared zero allocation on GPUs
   std::size_t max_spare_pages = 0;           // unmapped allocations kept for reuse
   std::size_t zero_frontier_pages = 4;       // page ids whose zero chunks are split at set-up
 };

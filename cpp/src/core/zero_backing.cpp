@@ -2,6 +2,7 @@
 // shared zero allocations split on first use on GPUs.
 #include "kvcached/zero_backing.hpp"
 
+#include <mutex>
 #include <utility>
 
 namespace kvcached {
@@ -21,6 +22,31 @@ class HostZeroPages final : public ZeroBacking {
  private:
   std::shared_ptr<Device> device_;
 };
+
+// Zero-filled allocations by (device, size), shared by the KV spaces of a
+// process: zero memory costs one set of chunks per device, not per pool. Weak
+// references, so the last KV space using a size releases it.
+class ZeroAllocationCache {
+ public:
+  std::shared_ptr<PhysicalAllocation> find(const Device* device, std::size_t size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find({device, size});
+    return it == entries_.end() ? nullptr : it->second.lock();
+  }
+  void remember(const Device* device, std::size_t size, const std::shared_ptr<PhysicalAllocation>& chunk) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_[{device, size}] = chunk;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<const Device*, std::size_t>, std::weak_ptr<PhysicalAllocation>> entries_;
+};
+
+ZeroAllocationCache& shared_zero_allocations() {
+  static ZeroAllocationCache* cache = new ZeroAllocationCache();  // never destroyed: used at exit
+  return *cache;
+}
 
 class SharedZeroChunks final : public ZeroBacking {
  public:
@@ -116,29 +142,33 @@ class SharedZeroChunks final : public ZeroBacking {
     mappings_.emplace(address, level);
   }
 
-  // The shared zero allocation of this level, created (and zero-filled through
-  // its first mapping, at `address`) on first use.
+  // The zero allocation of this level: shared with every other KV space of
+  // this device in the process, else created and zero-filled through its
+  // first mapping (at `address`).
   PhysicalAllocation& zero_chunk(std::size_t level, VirtualAddress address) {
-    PhysicalAllocation& chunk = zero_chunks_[level];
-    if (!chunk.valid()) {
-      PhysicalAllocation fresh = device_->create(unit_bytes_ << level);
+    std::shared_ptr<PhysicalAllocation>& chunk = zero_chunks_[level];
+    const std::size_t size = unit_bytes_ << level;
+    if (!chunk) chunk = shared_zero_allocations().find(device_.get(), size);
+    if (!chunk) {
+      PhysicalAllocation fresh = device_->create(size);
       device_->map_accessible(address, fresh);
       try {
-        device_->zero_fill(address, unit_bytes_ << level);
+        device_->zero_fill(address, size);
       } catch (...) {
-        device_->unmap(address, unit_bytes_ << level);
+        device_->unmap(address, size);
         throw;
       }
       mappings_.emplace(address, level);
-      chunk = std::move(fresh);
+      chunk = std::make_shared<PhysicalAllocation>(std::move(fresh));
+      shared_zero_allocations().remember(device_.get(), size, chunk);
     }
-    return chunk;
+    return *chunk;
   }
 
   std::shared_ptr<Device> device_;
   VirtualAddress base_;
   std::size_t unit_bytes_;
-  std::vector<PhysicalAllocation> zero_chunks_;     // index: level (size unit << level)
+  std::vector<std::shared_ptr<PhysicalAllocation>> zero_chunks_;  // index: level (size unit << level)
   std::map<VirtualAddress, std::size_t> mappings_;  // address -> level
 };
 
