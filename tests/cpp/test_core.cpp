@@ -1,0 +1,127 @@
+// C++ side of the contract and allocator tests, on the host backend: the same
+// rules the Python suite checks, without Python in the way. Prints
+// "N passed, M failed" and exits non-zero on any failure (run by CTest).
+#include <sys/mman.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvcached/block_manager.hpp"
+#include "kvcached/device.hpp"
+#include "kvcached/fixed_budget.hpp"
+#include "kvcached/kv_space.hpp"
+#include "../../cpp/src/host/host_backend.hpp"
+
+namespace {
+
+using namespace kvcached;
+
+int passed = 0, failed = 0;
+
+void check(bool condition, const char* what, int line) {
+  if (condition) {
+    ++passed;
+  } else {
+    ++failed;
+    std::fprintf(stderr, "FAILED line %d: %s\n", line, what);
+  }
+}
+#define CHECK(condition) check((condition), #condition, __LINE__)
+
+template <typename Exception>
+bool throws(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const Exception&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+  return false;
+}
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+void test_device_rules() {
+  auto device = Device::open(make_host_backend(64 * kMiB));
+  const std::size_t page = device->granularity().recommended_bytes;
+  {
+    Reservation range = device->reserve(4 * page);
+    PhysicalAllocation memory = device->create(page);
+    CHECK(throws<InvalidArgument>([&] { device->reserve(page + 1); }));
+    CHECK(throws<InvalidArgument>([&] { device->map(range.base() + 4 * page, memory); }));
+    device->map_accessible(range.base(), memory);
+    std::memset(reinterpret_cast<void*>(range.base()), 7, page);
+    CHECK(throws<InvalidArgument>([&] { device->map(range.base(), memory); }));          // over a mapping
+    CHECK(throws<InvalidArgument>([&] { memory.release(); }));                           // still mapped
+    CHECK(throws<InvalidArgument>([&] { device->unmap(range.base() + page, page); }));   // not mapped
+    device->map_accessible(range.base() + 2 * page, memory);  // a second mapping shares the bytes
+    CHECK(reinterpret_cast<unsigned char*>(range.base() + 2 * page)[5] == 7);
+    device->unmap(range.base(), page);
+    device->unmap(range.base() + 2 * page, page);
+    memory.release();
+    CHECK(throws<DeviceOutOfMemory>([&] { device->create(128 * kMiB); }));
+  }
+  const DeviceCounters counters = device->counters();
+  CHECK(counters.reserved_bytes == 0 && counters.created_bytes == 0 && counters.mapped_bytes == 0);
+}
+
+void test_block_manager_over_a_kv_space() {
+  auto device = Device::open(make_host_backend(256 * kMiB));
+  KVLayoutConfig config;
+  config.num_layers = 2;
+  config.num_buffers = 2;
+  config.block_bytes = 64 * 1024;
+  config.page_bytes = 2 * kMiB;
+  config.num_pages = 64;
+  const KVLayout layout(config);
+  auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
+  auto budget = std::make_shared<FixedBudget>(8 * layout.page_id_bytes());
+  {
+    BlockManager manager(layout, BlockManagerOptions{}, std::make_shared<LocalPageMapper>(space), budget);
+    std::vector<std::int64_t> blocks = manager.alloc(layout.blocks_per_page() + 1);
+    CHECK(manager.stats().mapped_pages == 2 && budget->used_bytes() == 2 * layout.page_id_bytes());
+    const std::vector<std::int64_t> twice = {blocks[0], blocks[0]};
+    CHECK(throws<InvalidArgument>([&] { manager.free(twice); }));
+    CHECK(manager.stats().used_blocks == blocks.size());  // nothing freed by the bad call
+    CHECK(throws<BudgetExhausted>([&] { manager.alloc(7 * layout.blocks_per_page()); }));
+    CHECK(manager.stats().mapped_pages == 2);  // rolled back
+    manager.free(blocks);
+    manager.trim();
+    CHECK(manager.stats().mapped_pages == 0 && budget->used_bytes() == 0);
+    manager.resize(layout.page_id_bytes());
+    CHECK(manager.available() == layout.blocks_per_page());
+  }
+  space->close();
+  CHECK(device->counters().mapped_bytes == 0);
+}
+
+void test_unmapped_regions_read_zero() {
+  auto device = Device::open(make_host_backend(64 * kMiB));
+  KVLayoutConfig config;
+  config.num_layers = 1;
+  config.num_buffers = 1;
+  config.block_bytes = 2 * kMiB;
+  config.page_bytes = 2 * kMiB;
+  config.num_pages = 4;
+  KVSpace space(device, KVLayout(config), KVSpaceOptions{});
+  const auto* bytes = reinterpret_cast<const unsigned char*>(space.base());
+  CHECK(bytes[3 * 2 * kMiB + 11] == 0);
+  space.map_pages({3});
+  reinterpret_cast<unsigned char*>(space.base())[3 * 2 * kMiB + 11] = 9;
+  space.unmap_pages({3});
+  CHECK(bytes[3 * 2 * kMiB + 11] == 0);
+}
+
+}  // namespace
+
+int main() {
+  test_device_rules();
+  test_block_manager_over_a_kv_space();
+  test_unmapped_regions_read_zero();
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
