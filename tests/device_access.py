@@ -10,11 +10,7 @@ import kvcached
 
 def available_device_specs() -> list[str]:
     """'cpu' always, plus the first device of each GPU backend usable here."""
-    specs = ["cpu"]
-    for status in kvcached.backends():
-        if status.name != "host" and status.available:
-            specs.append(f"{status.name}:0")
-    return specs
+    return kvcached.devices.usable_devices()
 
 
 def has_gpu() -> bool:

@@ -127,6 +127,11 @@ def open_device(spec: str = "cpu") -> _core.Device:
     return device
 
 
+def usable_devices() -> list[str]:
+    """"cpu", plus the first device of each GPU backend usable in this process."""
+    return ["cpu"] + [f"{s.name}:0" for s in backends() if s.name != "host" and s.available]
+
+
 def default_device() -> str:
     """The first GPU if one can be opened, else "cpu"."""
     for name in ("cuda", "hip"):
@@ -135,4 +140,12 @@ def default_device() -> str:
     return "cpu"
 
 
-__all__ = ["BackendStatus", "backend_status", "backends", "parse_device", "open_device", "default_device"]
+__all__ = [
+    "BackendStatus",
+    "backend_status",
+    "backends",
+    "parse_device",
+    "open_device",
+    "usable_devices",
+    "default_device",
+]

@@ -75,6 +75,11 @@ def _resolve_num_pages(
     return int(num_pages)
 
 
+def _check_limit(limit_bytes: Optional[int]) -> None:
+    if limit_bytes is not None and limit_bytes < 0:
+        raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+
+
 def _check_counts(num_layers: int, num_buffers: int) -> None:
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
@@ -171,8 +176,7 @@ class BlockManager(_core.BlockManager):
         _space: Optional[KVSpace] = None,
     ) -> None:
         _check_counts(num_layers, num_buffers)
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        _check_limit(limit_bytes)
         if num_mirrors < 1:
             raise ValueError(f"num_mirrors must be at least 1, got {num_mirrors}")
         if _space is not None:
@@ -214,8 +218,7 @@ class BlockManager(_core.BlockManager):
 
     def resize(self, limit_bytes: Optional[int]) -> None:
         """Set the limit in bytes (None: no limit). Below current use, memory returns as blocks are freed."""
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        _check_limit(limit_bytes)
         super().resize(limit_bytes)
 
     def available_bytes(self) -> int:
@@ -272,8 +275,7 @@ class KVPool(BlockManager):
         register: bool = True,
     ) -> None:
         _check_counts(num_layers, num_buffers)
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        _check_limit(limit_bytes)
         space = KVSpace(
             num_blocks,
             block_bytes,
