@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "kvcached/backend.hpp"
+#include "kvcached/device/backend.hpp"
 
 #if __has_include("host/host_backend.hpp")
 #include "host/host_backend.hpp"

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "kvcached/block_manager.hpp"
-#include "kvcached/device.hpp"
-#include "kvcached/fixed_budget.hpp"
-#include "kvcached/kv_space.hpp"
+#include "kvcached/blocks/block_manager.hpp"
+#include "kvcached/device/device.hpp"
+#include "kvcached/blocks/fixed_budget.hpp"
+#include "kvcached/space/kv_space.hpp"
 #include "../../cpp/src/host/host_backend.hpp"
 
 namespace {

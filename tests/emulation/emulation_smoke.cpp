@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "kvcached/backend.hpp"
+#include "kvcached/device/backend.hpp"
 #ifdef KVCACHED_SMOKE_CUDA
 #include <cuda.h>
 

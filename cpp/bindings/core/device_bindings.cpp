@@ -9,7 +9,7 @@
 
 #include "../../src/host/host_backend.hpp"
 #include "bindings.hpp"
-#include "kvcached/device.hpp"
+#include "kvcached/device/device.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

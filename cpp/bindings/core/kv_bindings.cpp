@@ -11,9 +11,9 @@
 #include <memory>
 
 #include "bindings.hpp"
-#include "kvcached/block_manager.hpp"
-#include "kvcached/fixed_budget.hpp"
-#include "kvcached/kv_space.hpp"
+#include "kvcached/blocks/block_manager.hpp"
+#include "kvcached/blocks/fixed_budget.hpp"
+#include "kvcached/space/kv_space.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

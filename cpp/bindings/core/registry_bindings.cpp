@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/bindings.hpp"
-#include "kvcached/device_registry.hpp"
+#include "kvcached/registry/device_registry.hpp"
 
 namespace kvcached::bindings {
 

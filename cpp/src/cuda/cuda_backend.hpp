@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "kvcached/backend.hpp"
+#include "kvcached/device/backend.hpp"
 
 namespace kvcached {
 

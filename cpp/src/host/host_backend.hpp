@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <memory>
 
-#include "kvcached/backend.hpp"
+#include "kvcached/device/backend.hpp"
 
 namespace kvcached {
 

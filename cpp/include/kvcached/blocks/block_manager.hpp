@@ -19,9 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include "kvcached/kv_layout.hpp"
-#include "kvcached/memory_budget.hpp"
-#include "kvcached/page_mapper.hpp"
+#include "kvcached/space/kv_layout.hpp"
+#include "kvcached/blocks/memory_budget.hpp"
+#include "kvcached/blocks/page_mapper.hpp"
 
 namespace kvcached {
 

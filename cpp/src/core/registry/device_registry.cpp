@@ -1,6 +1,6 @@
 // DeviceRegistry and RegistryBudget: the shared-memory table, its lock, and
 // the budget arithmetic that keeps all engines on one device within budget.
-#include "kvcached/device_registry.hpp"
+#include "kvcached/registry/device_registry.hpp"
 
 #include <fcntl.h>
 #include <pthread.h>

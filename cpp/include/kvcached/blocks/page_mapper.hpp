@@ -12,7 +12,7 @@
 #include <optional>
 #include <vector>
 
-#include "kvcached/kv_space.hpp"
+#include "kvcached/space/kv_space.hpp"
 
 namespace kvcached {
 

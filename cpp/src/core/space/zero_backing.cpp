@@ -1,6 +1,6 @@
 // ZeroBacking implementations: free anonymous zero pages on host, coarse
 // shared zero allocations split on first use on GPUs.
-#include "kvcached/zero_backing.hpp"
+#include "kvcached/space/zero_backing.hpp"
 
 #include <mutex>
 #include <utility>

@@ -1,5 +1,5 @@
 // Device: rule checks and bookkeeping in front of a VmmBackend (see device.hpp).
-#include "kvcached/device.hpp"
+#include "kvcached/device/device.hpp"
 
 #include <cstdio>
 #include <utility>

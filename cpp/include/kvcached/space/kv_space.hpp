@@ -10,9 +10,9 @@
 #include <mutex>
 #include <vector>
 
-#include "kvcached/device.hpp"
-#include "kvcached/kv_layout.hpp"
-#include "kvcached/zero_backing.hpp"
+#include "kvcached/device/device.hpp"
+#include "kvcached/space/kv_layout.hpp"
+#include "kvcached/space/zero_backing.hpp"
 
 namespace kvcached {
 

@@ -1,5 +1,5 @@
 // BlockManager: block accounting, best-fit page choice, limits, reserve worker.
-#include "kvcached/block_manager.hpp"
+#include "kvcached/blocks/block_manager.hpp"
 
 #include <algorithm>
 #include <chrono>

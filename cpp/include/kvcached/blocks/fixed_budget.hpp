@@ -5,7 +5,7 @@
 #include <atomic>
 #include <cstddef>
 
-#include "kvcached/memory_budget.hpp"
+#include "kvcached/blocks/memory_budget.hpp"
 
 namespace kvcached {
 

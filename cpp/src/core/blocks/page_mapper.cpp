@@ -1,5 +1,5 @@
 // Page mappers: apply decisions locally, or record them for mirrors.
-#include "kvcached/page_mapper.hpp"
+#include "kvcached/blocks/page_mapper.hpp"
 
 #include <algorithm>
 #include <string>

@@ -14,7 +14,7 @@
 #include <memory>
 #include <vector>
 
-#include "kvcached/device.hpp"
+#include "kvcached/device/device.hpp"
 
 namespace kvcached {
 

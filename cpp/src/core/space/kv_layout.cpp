@@ -1,5 +1,5 @@
 // KVLayout: validation and address arithmetic of the two KV layouts.
-#include "kvcached/kv_layout.hpp"
+#include "kvcached/space/kv_layout.hpp"
 
 #include <numeric>
 

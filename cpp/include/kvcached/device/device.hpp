@@ -15,7 +15,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "kvcached/backend.hpp"
+#include "kvcached/device/backend.hpp"
 
 namespace kvcached {
 

@@ -1,5 +1,5 @@
 // KVSpace: reservation set-up, page-id mapping with rollback, spare allocations.
-#include "kvcached/kv_space.hpp"
+#include "kvcached/space/kv_space.hpp"
 
 #include <algorithm>
 #include <string>

@@ -33,7 +33,7 @@
 #include <variant>
 #include <vector>
 
-#include "kvcached/memory_budget.hpp"
+#include "kvcached/blocks/memory_budget.hpp"
 
 namespace kvcached {
 
