@@ -13,6 +13,8 @@ import pytest
 
 from emulated_process import run_emulated
 
+pytestmark = pytest.mark.emulation
+
 MiB = 1 << 20
 
 SCENARIO = """

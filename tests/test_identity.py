@@ -13,6 +13,8 @@ import pytest
 
 import kvcached
 from emulated_process import run_emulated
+
+pytestmark = pytest.mark.emulation
 from kvcached.devices import canonical_device_name, device_name_from_torch
 
 CUDA_UUID = re.compile(r"cuda-GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")

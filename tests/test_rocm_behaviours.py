@@ -11,6 +11,8 @@ import pytest
 
 from emulated_process import run_emulated
 
+pytestmark = pytest.mark.emulation
+
 VMM_ATTRIBUTE = "hipDeviceAttributeVirtualMemoryManagementSupported"
 # Wider than any scheduling hiccup between a map and the next line of Python,
 # so work issued right after a map without the fence reliably lands inside it.
