@@ -1,18 +1,51 @@
 #!/usr/bin/env bash
-# Everything recorded from a GPU machine in one go: build and install kvcached
-# for CUDA (with the C++ benchmark), the test suite, bench_vmm, the Python
-# benchmarks and report, and the demo on the GPU. Each step is time-limited
-# and the next runs anyway; results land in OUT_DIR.
+# Everything recorded from a GPU machine in one go, for one GPU backend: the
+# backend's CMake preset built and its C++ tests run, kvcached installed for it,
+# kvcached info, bench_vmm at 1/2/4/8 threads, (HIP) the fresh-mapping probe,
+# bench/run_gpu_suite.sh (test suite, Python benchmarks, report), the demo on
+# the GPU, and one results file, OUT_DIR/RESULTS-<backend>.md, in the form of
+# bench/RESULTS.md. Each step is time-limited and the next runs anyway; the exit
+# code is 1 if any step failed, and the results file says which and why.
 #
-#   bench/run_gpu_all.sh OUT_DIR          (PYTHON=... to choose the interpreter)
+#   bench/run_gpu_all.sh [--backend cuda|hip] [--quick] [--demo-device DEV] OUT_DIR
+#
+#   --backend      cuda (default; preset cuda-release) or hip (AMD; preset rocm-release)
+#   --quick        short, for CI over the driver emulation: the contract and pool
+#                  tests only, fewer iterations and benchmarks, a 3-second demo
+#   --demo-device  where the demo runs (default: the backend's first GPU)
+#   PYTHON=...     the interpreter (default python3); its torch must be the GPU build
+#                  (ROCm build for hip) for the GPU tests and the demo
 set -u
-out=${1:?usage: $0 OUT_DIR}
+usage="usage: $0 [--backend cuda|hip] [--quick] [--demo-device DEV] OUT_DIR"
+backend=cuda
+quick=0
+demo_device=""
+out=""
+arguments="$*"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --backend) backend=${2:?--backend needs cuda or hip}; shift 2 ;;
+    --quick) quick=1; shift ;;
+    --demo-device) demo_device=${2:?--demo-device needs a device}; shift 2 ;;
+    -*) echo "$usage" >&2; exit 2 ;;
+    *) out=$1; shift ;;
+  esac
+done
+case "$backend" in
+  cuda) preset=cuda-release ;;
+  hip) preset=rocm-release ;;
+  *) echo "$0: --backend must be cuda or hip" >&2; exit 2 ;;
+esac
+[ -n "$out" ] || { echo "$usage" >&2; exit 2; }
+demo_device=${demo_device:-$backend:0}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 cd "$repo"
+: > "$out/exit_codes.txt"
+: > "$out/commands.txt"
 
 run() {  # run NAME LIMIT_SECONDS COMMAND...
   local name=$1 limit=$2
@@ -24,15 +57,105 @@ run() {  # run NAME LIMIT_SECONDS COMMAND...
   tail -n 4 "$out/$name.log"
 }
 
-run install 200 env KVCACHED_GPU_BACKENDS=cuda "$py" -m pip install --no-build-isolation --no-deps -v \
-  -C cmake.define.KVCACHED_BUILD_BENCH=ON -C build-dir=build/gpu .
-run info 30 "$py" -m kvcached info
-bench_vmm=$(find build/gpu -name bench_vmm -type f -perm -u+x | head -n 1)
-for threads in 1 2 4 8; do
-  run "bench_vmm_t$threads" 40 "$bench_vmm" --backend cuda --threads "$threads" --pages 64 --iters 5
-done
-PYTHON="$py" run suite 420 bash bench/run_gpu_suite.sh "$out/suite"
-if "$py" -m kvcached demo --help > /dev/null 2>&1; then
-  run demo 90 "$py" -m kvcached demo --device cuda:0 --json "$out/demo.json" --plot "$out/demo.png" --no-live
+if [ "$quick" = 1 ]; then
+  vmm_pages=8; vmm_iters=2; probe_iters=20; demo_args=(--duration 3 --engines 2)
+else
+  vmm_pages=64; vmm_iters=5; probe_iters=200; demo_args=()
 fi
+
+# C++: the preset's build (bench_vmm and the probe come from it) and its CTest.
+run preset 900 bash -c "cmake --preset $preset > /dev/null && cmake --build --preset $preset && ctest --preset $preset"
+run install 600 env KVCACHED_GPU_BACKENDS="$backend" "$py" -m pip install --no-build-isolation --no-deps -v \
+  -C build-dir="build/gpu-$backend" .
+run info 30 "$py" -m kvcached info
+bench_vmm="build/$preset/bench/cpp/bench_vmm"
+for threads in 1 2 4 8; do
+  run "bench_vmm_t$threads" 60 "$bench_vmm" --backend "$backend" --threads "$threads" \
+    --pages "$vmm_pages" --iters "$vmm_iters"
+done
+if [ "$backend" = hip ]; then
+  run fresh_mapping_probe 120 "build/$preset/bench/cpp/probe_fresh_mapping" --iters "$probe_iters"
+fi
+suite_args=(--backend "$backend")
+[ "$quick" = 1 ] && suite_args+=(--quick)
+PYTHON="$py" run suite 900 bash bench/run_gpu_suite.sh "${suite_args[@]}" "$out/suite"
+run demo 120 "$py" -m kvcached demo --device "$demo_device" "${demo_args[@]}" \
+  --json "$out/demo.json" --plot "$out/demo.png" --no-live
 echo "total seconds=$SECONDS" | tee -a "$out/exit_codes.txt"
+
+# ---- one results file ------------------------------------------------------------------------
+results="$out/RESULTS-$backend.md"
+fence() { echo '```'; cat "$@" 2>/dev/null; echo '```'; }
+failed_steps=$(grep -hE ' rc=[1-9]' "$out/exit_codes.txt" "$out/suite/exit_codes.txt" 2>/dev/null | cut -d' ' -f1)
+{
+  title=$(cat "$out/suite/title.txt" 2>/dev/null)
+  echo "# Results: $backend backend${title:+ — $title}"
+  echo
+  if [ "${KVCACHED_EMULATED_GPU:-0}" = 1 ]; then
+    echo "**EMULATION: these figures come from the test-only driver emulation over host memory"
+    echo "(tests/emulation), not from a GPU. They show that the run works end to end, nothing more.**"
+    echo
+  fi
+  echo "Date: $(date -u '+%Y-%m-%d %H:%M UTC'). Host: $(uname -srm). Code: commit \`$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\`$(git diff --quiet 2>/dev/null || echo ' (with local changes)')."
+  echo "Command, from the repository root:"
+  echo
+  echo '```bash'
+  echo "bash bench/run_gpu_all.sh $arguments"
+  echo '```'
+  echo
+  echo "## Steps"
+  echo
+  echo "| step | exit code | seconds |"
+  echo "|---|---|---|"
+  grep -hE ' rc=' "$out/exit_codes.txt" "$out/suite/exit_codes.txt" 2>/dev/null |
+    sed -E 's/^([^ ]+) rc=([0-9]+) seconds=([0-9]+)$/| \1 | \2 | \3 |/'
+  echo
+  if [ -n "$failed_steps" ]; then
+    echo "**Failed: $(echo $failed_steps)** (the end of each log below; everything in $out)."
+  else
+    echo "Every step passed."
+  fi
+  echo
+  echo "## Benchmarks against the targets (bench/report.py)"
+  echo
+  cat "$out/suite/RESULTS-gpu.md" 2>/dev/null
+  echo
+  echo "## Tests"
+  echo
+  fence <(tail -n 15 "$out/suite/tests.log" 2>/dev/null)
+  if [ "$backend" = hip ]; then
+    echo
+    echo "## Fresh mappings and GPU work (probe_fresh_mapping, C++)"
+    echo
+    fence "$out/fresh_mapping_probe.log"
+  fi
+  echo
+  echo "## bench_vmm (C++), $vmm_pages pages per thread, $vmm_iters iterations"
+  echo
+  for threads in 1 2 4 8; do fence "$out/bench_vmm_t$threads.log"; echo; done
+  echo "## The demo on $demo_device"
+  echo
+  fence "$out/demo.log"
+  echo
+  echo "## kvcached info"
+  echo
+  fence "$out/info.log"
+  echo
+  echo "## Environment"
+  echo
+  fence "$out/suite/environment.log"
+  echo
+  echo "## C++ build and tests ($preset)"
+  echo
+  fence <(tail -n 12 "$out/preset.log")
+  for name in $failed_steps; do
+    log="$out/$name.log"
+    [ -f "$log" ] || log="$out/suite/$name.log"
+    echo
+    echo "## Failed step: $name (last 30 lines of $log)"
+    echo
+    fence <(tail -n 30 "$log")
+  done
+} > "$results"
+echo "results: $results"
+[ -z "$failed_steps" ]

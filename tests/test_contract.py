@@ -75,6 +75,7 @@ def test_mapped_memory_holds_data(device, access):
     a = device.create(p)
     device.map(r.address, a)
     device.set_access(r.address, p)
+    device.fence_new_mappings()  # a fresh mapping is visible to device work after the fence
     payload = bytes(range(256)) * 16
     access.write(r.address + 123, payload)
     assert access.read(r.address + 123, len(payload)) == payload
@@ -92,6 +93,7 @@ def test_two_mappings_of_one_allocation_share_bytes(device, access):
     device.map(second, a)
     device.set_access(first, p)
     device.set_access(second, p)
+    device.fence_new_mappings()
     access.write(first + 7, b"written through the first mapping")
     assert access.read(second + 7, 33) == b"written through the first mapping"
     device.unmap(first, p)
@@ -106,10 +108,12 @@ def test_unmap_then_remap_keeps_the_allocation_contents(device, access):
     a = device.create(p)
     device.map(r.address, a)
     device.set_access(r.address, p)
+    device.fence_new_mappings()
     access.write(r.address, b"kept")
     device.unmap(r.address, p)
     device.map(r.address + 3 * p, a)
     device.set_access(r.address + 3 * p, p)
+    device.fence_new_mappings()
     assert access.read(r.address + 3 * p, 4) == b"kept"
     device.unmap(r.address + 3 * p, p)
     a.release()
@@ -138,6 +142,7 @@ def test_a_multi_page_allocation_maps_as_one(device, access):
     a = device.create(4 * p)
     device.map(r.address + 4 * p, a)
     device.set_access(r.address + 4 * p, 4 * p)
+    device.fence_new_mappings()
     access.write(r.address + 8 * p - 4, b"tail")
     assert access.read(r.address + 8 * p - 4, 4) == b"tail"
     device.unmap(r.address + 4 * p, 4 * p)
@@ -198,6 +203,7 @@ def test_mapping_over_a_mapped_range_is_refused_and_harmless(device, access):
     a, b = device.create(2 * p), device.create(2 * p)
     device.map(r.address, a)
     device.set_access(r.address, 2 * p)
+    device.fence_new_mappings()
     access.write(r.address + p, b"original")
     with pytest.raises(ValueError, match="mapped|overlaps"):
         device.map(r.address + p, b)
@@ -240,6 +246,7 @@ def test_releasing_a_mapped_allocation_is_refused(device, access):
     a = device.create(p)
     device.map(r.address, a)
     device.set_access(r.address, p)
+    device.fence_new_mappings()
     with pytest.raises(ValueError, match="still mapped"):
         a.release()
     assert a.valid
@@ -273,6 +280,33 @@ def test_objects_dropped_without_cleanup_release_everything(device):
     del a  # still mapped: the destructor unmaps, then releases
     del r
     assert zero_counters(device) == before
+
+
+def test_device_names_its_physical_identity(device):
+    identity = device.canonical_name
+    assert identity == kvcached.devices.canonical_device_name(device.name)
+    if device.backend == "host":
+        assert identity == "cpu"
+    else:
+        assert identity.startswith((f"{device.backend}-GPU-", f"{device.backend}-pci-"))
+
+
+def test_a_view_never_spans_two_reservations(device):
+    p = page(device)
+    first, second = device.reserve(2 * p), device.reserve(2 * p)
+    device.view(first.address, first.size, first)  # the whole reservation is fine
+    for address, size in [
+        (first.address, first.size + p),  # runs past the end (maybe into the other one)
+        (first.address + first.size - 1, 2),
+        (min(first.address, second.address), abs(second.address - first.address) + second.size),
+        (first.address - p, p),  # before the start
+    ]:
+        with pytest.raises(ValueError, match="inside one reserved range"):
+            device.view(address, size, None)
+    first.free()
+    with pytest.raises(ValueError, match="inside one reserved range"):
+        device.view(first.address, p, None)  # freed
+    second.free()
 
 
 # ---- host specifics -----------------------------------------------------------------------

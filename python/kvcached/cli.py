@@ -1,4 +1,4 @@
-"""The ``kvcached`` command: ``info`` (backends, devices, granularity, memory) and more."""
+"""The ``kvcached`` command: ``info`` (backends, devices and their identity, granularity, memory) and more."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from kvcached.demo.command import add_arguments as add_demo_arguments
 from kvcached.demo.command import run_command as run_demo_command
-from kvcached.devices import backends, open_device
+from kvcached.devices import backends, canonical_device_name, open_device
 from kvcached.errors import KvcachedError
 
 
@@ -23,8 +23,19 @@ def _format_bytes(count: int) -> str:
     return f"{count} B"
 
 
+def _identity(spec: str) -> Optional[str]:
+    try:
+        return canonical_device_name(spec)
+    except KvcachedError:
+        return None
+
+
 def collect_info() -> dict:
-    """Backends, their devices, granularity and memory, as plain data."""
+    """Backends, their devices (ordinal and physical identity), granularity and memory, as plain data.
+
+    A device that cannot be opened (no VMM support, say) is listed with its
+    identity and the error saying why.
+    """
     report: dict = {"backends": []}
     for status in backends():
         entry: dict = {
@@ -43,6 +54,7 @@ def collect_info() -> dict:
                 entry["devices"].append(
                     {
                         "device": device.name,
+                        "identity": device.canonical_name,
                         "dlpack_device_type": device.dlpack_device_type,
                         "granularity_min_bytes": minimum,
                         "granularity_recommended_bytes": recommended,
@@ -51,7 +63,7 @@ def collect_info() -> dict:
                     }
                 )
             except KvcachedError as exc:
-                entry["devices"].append({"device": spec, "error": str(exc)})
+                entry["devices"].append({"device": spec, "identity": _identity(spec), "error": str(exc)})
         report["backends"].append(entry)
     return report
 
@@ -61,11 +73,12 @@ def _print_info(report: dict) -> None:
         state = "available" if backend["available"] else f"unavailable: {backend['reason']}"
         print(f"{backend['name']:5s} {state}")
         for dev in backend["devices"]:
+            label = f"{dev['device']} = {dev['identity'] or 'unknown device'}"
             if "error" in dev:
-                print(f"  {dev['device']}: {dev['error']}")
+                print(f"  {label}: cannot be used: {dev['error']}")
                 continue
             print(
-                f"  {dev['device']}: granularity {_format_bytes(dev['granularity_min_bytes'])} min / "
+                f"  {label}: granularity {_format_bytes(dev['granularity_min_bytes'])} min / "
                 f"{_format_bytes(dev['granularity_recommended_bytes'])} recommended, "
                 f"memory {_format_bytes(dev['free_bytes'])} free of {_format_bytes(dev['total_bytes'])}"
             )

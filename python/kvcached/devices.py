@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 import logging
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 from kvcached import _core
 from kvcached.errors import BackendUnavailableError, KvcachedError
@@ -78,13 +78,39 @@ def backends() -> list[BackendStatus]:
     return [backend_status(name) for name in ("host", "cuda", "hip")]
 
 
-def parse_device(spec: str) -> tuple[str, int]:
-    """Split a device string into (backend, ordinal).
+def device_name_from_torch(device: Any) -> str:
+    """kvcached's device string for a torch device (or anything ``torch.device`` accepts).
+
+    ``"cpu"`` stays ``"cpu"``. PyTorch's ROCm build names AMD GPUs ``cuda:N`` and
+    sets ``torch.version.hip``; there ``cuda:N`` becomes ``"hip:N"``, elsewhere it
+    stays ``"cuda:N"``. A device without an index is the current one. This is the
+    one place a torch device becomes a kvcached device name.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"kvcached has no backend for torch device type {device.type!r}")
+    kind = "hip" if getattr(torch.version, "hip", None) else "cuda"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"{kind}:{index}"
+
+
+def parse_device(spec: Any) -> tuple[str, int]:
+    """Split a device into (backend, ordinal).
 
     ``"cpu"`` is the host backend. ``"cuda:N"`` names the N-th GPU of whichever
     GPU backend is present: like PyTorch's ROCm build, it also names an AMD GPU
-    when HIP is the GPU backend here. ``"hip:N"`` asks for HIP explicitly.
+    when HIP is the GPU backend here. ``"hip:N"`` and ``"rocm:N"`` ask for HIP
+    explicitly. A ``torch.device`` goes through :func:`device_name_from_torch`.
+    The ordinal is the one this process sees (after ``CUDA_VISIBLE_DEVICES``,
+    ``HIP_VISIBLE_DEVICES``, ``ROCR_VISIBLE_DEVICES``); see
+    :func:`canonical_device_name` for the physical device.
     """
+    if not isinstance(spec, str) and hasattr(spec, "type") and hasattr(spec, "index"):
+        spec = device_name_from_torch(spec)
     if not isinstance(spec, str):
         raise TypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(spec).__name__}")
     text = spec.strip().lower()
@@ -92,7 +118,7 @@ def parse_device(spec: str) -> tuple[str, int]:
         return "host", 0
     kind, _, index = text.partition(":")
     if kind not in ("cuda", "hip", "rocm") or (index and not index.isdigit()):
-        raise ValueError(f"bad device {spec!r}; expected 'cpu', 'cuda[:N]' or 'hip[:N]'")
+        raise ValueError(f"bad device {spec!r}; expected 'cpu', 'cuda[:N]', 'hip[:N]' or 'rocm[:N]'")
     ordinal = int(index) if index else 0
     if kind == "rocm":
         kind = "hip"
@@ -101,8 +127,41 @@ def parse_device(spec: str) -> tuple[str, int]:
     return kind, ordinal
 
 
-def open_device(spec: str = "cpu") -> _core.Device:
-    """Open (once per process) and return the device named by ``spec``."""
+_canonical_names: dict[tuple[str, int], str] = {}
+
+
+def canonical_device_name(spec: Any = "cpu") -> str:
+    """The physical device behind ``spec``, the same text in every process.
+
+    Processes that see one GPU under different ordinals (``CUDA_VISIBLE_DEVICES=1,0``
+    in one, ``=0,1`` in another) get the same name for it: ``"cpu"``,
+    ``"cuda-GPU-<uuid>"`` (the UUID as nvidia-smi prints it), ``"hip-GPU-<uuid>"``
+    (as rocminfo prints it) or ``"hip-pci-<bus id>"`` for an AMD GPU without a
+    UUID. Works for a device without VMM support too. Raises
+    :class:`~kvcached.errors.BackendUnavailableError` when there is no such device.
+    """
+    backend, ordinal = parse_device(spec)
+    if backend == "host":
+        return "cpu"
+    key = (backend, ordinal)
+    with _lock:
+        name = _canonical_names.get(key)
+    if name is None:
+        status = backend_status(backend)
+        if not status.available:
+            raise BackendUnavailableError(f"cannot identify {spec!r}: {status.reason}")
+        module = importlib.import_module(GPU_BACKEND_MODULES[backend])
+        name = str(module.physical_device_name(ordinal))
+        with _lock:
+            _canonical_names[key] = name
+    return name
+
+
+def open_device(spec: Any = "cpu") -> _core.Device:
+    """Open (once per process) and return the device named by ``spec``.
+
+    Its ``canonical_name`` is :func:`canonical_device_name` of ``spec``.
+    """
     backend, ordinal = parse_device(spec)
     key = f"{backend}:{ordinal}"
     with _lock:
@@ -145,6 +204,8 @@ __all__ = [
     "backend_status",
     "backends",
     "parse_device",
+    "device_name_from_torch",
+    "canonical_device_name",
     "open_device",
     "usable_devices",
     "default_device",

@@ -1,36 +1,32 @@
 /* EMULATION (test only, never installed): host-memory engine shared by the fake
- * CUDA driver and fake HIP runtime. See emulated_vmm.h. One lock guards all
- * state; records are small arrays searched linearly, which is plenty for tests. */
+ * CUDA driver and fake HIP runtime: the VMM calls. See emulated_vmm.h. One lock
+ * guards all records; they are small arrays searched linearly, plenty for tests. */
 #define _GNU_SOURCE
-#include "emulated_vmm.h"
-
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
-static const size_t kDefaultCapacityBytes = (size_t)8 << 30; /* 8 GiB, a small GPU */
+#include "emulated_config.h"
+#include "emulated_records.h"
+#include "emulated_vmm.h"
 
-typedef struct { uintptr_t base; size_t size; } range_record;
-typedef struct { uint64_t handle; int fd; size_t size; size_t mapping_count; } allocation_record;
-typedef struct { uintptr_t address; size_t size; uint64_t handle; } mapping_record;
+/* What fresh "device memory" holds when KVCACHED_EMULATED_DIRTY_MEMORY=1. */
+static const unsigned char kDirtyByte = 0xA5;
 
-/* A growable array of records of one type. */
-typedef struct { void* items; size_t count; size_t capacity; } record_array;
-
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static size_t g_granularity_bytes;
-static size_t g_capacity_bytes;
-static size_t g_used_bytes;
+pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+record_array g_ranges, g_allocations, g_mappings;
+static size_t g_used_bytes[EVMM_MAX_DEVICES];
 static uint64_t g_next_handle = 1; /* 0 is never a valid handle */
-static record_array g_ranges, g_allocations, g_mappings;
-static int g_trace;
 
-void evmm_trace(const char* call, const char* why) {
-  if (g_trace) fprintf(stderr, "[kvcached emulation] %s refused: %s\n", call, why);
+unsigned long long evmm_now_ns(void) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (unsigned long long)now.tv_sec * 1000000000ull + (unsigned long long)now.tv_nsec;
 }
 
 static int append_record(record_array* array, const void* record, size_t record_size) {
@@ -53,39 +49,16 @@ static void remove_record(record_array* array, size_t index, size_t record_size)
   array->count--;
 }
 
-#define RANGES ((range_record*)g_ranges.items)
-#define ALLOCATIONS ((allocation_record*)g_allocations.items)
-#define MAPPINGS ((mapping_record*)g_mappings.items)
-
-void evmm_init(size_t minimum_granularity_bytes) {
+void evmm_memory_info(int physical_device, size_t* free_bytes, size_t* total_bytes) {
   pthread_mutex_lock(&g_lock);
-  if (g_granularity_bytes == 0) {
-    g_granularity_bytes = minimum_granularity_bytes;
-    g_capacity_bytes = kDefaultCapacityBytes;
-    const char* capacity = getenv("KVCACHED_EMULATED_DEVICE_BYTES");
-    if (capacity && *capacity) {
-      char* end = NULL;
-      unsigned long long parsed = strtoull(capacity, &end, 10);
-      if (end && *end == '\0') g_capacity_bytes = (size_t)parsed;
-    }
-    const char* trace = getenv("KVCACHED_EMULATION_TRACE");
-    g_trace = trace && strcmp(trace, "1") == 0;
-  }
+  *free_bytes = g_config.capacity_bytes - g_used_bytes[physical_device];
+  *total_bytes = g_config.capacity_bytes;
   pthread_mutex_unlock(&g_lock);
 }
 
-size_t evmm_capacity_bytes(void) { return g_capacity_bytes; }
+static int is_aligned(uintptr_t value) { return value % g_config.minimum_granularity_bytes == 0; }
 
-void evmm_memory_info(size_t* free_bytes, size_t* total_bytes) {
-  pthread_mutex_lock(&g_lock);
-  *free_bytes = g_capacity_bytes - g_used_bytes;
-  *total_bytes = g_capacity_bytes;
-  pthread_mutex_unlock(&g_lock);
-}
-
-static int is_aligned(uintptr_t value) { return value % g_granularity_bytes == 0; }
-
-static long find_range_containing(uintptr_t address, size_t size) {
+long evmm_find_range_containing(uintptr_t address, size_t size) {
   for (size_t i = 0; i < g_ranges.count; i++) {
     if (address >= RANGES[i].base && address + size <= RANGES[i].base + RANGES[i].size) {
       return (long)i;
@@ -135,7 +108,8 @@ evmm_status evmm_reserve(size_t size_bytes, size_t alignment_bytes, uintptr_t* b
                           "alignment a power of two (or 0)");
     return EVMM_INVALID_VALUE;
   }
-  size_t alignment = alignment_bytes > g_granularity_bytes ? alignment_bytes : g_granularity_bytes;
+  size_t granularity = g_config.minimum_granularity_bytes;
+  size_t alignment = alignment_bytes > granularity ? alignment_bytes : granularity;
   /* Over-reserve, then trim to an aligned window: mmap only promises page alignment. */
   size_t padded = size_bytes + alignment;
   void* raw = mmap(NULL, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -179,14 +153,15 @@ evmm_status evmm_free_range(uintptr_t base, size_t size_bytes) {
   return status;
 }
 
-evmm_status evmm_create(size_t size_bytes, uint64_t* handle) {
-  if (!handle || size_bytes == 0 || !is_aligned(size_bytes)) {
-    evmm_trace("create", "size must be a non-zero multiple of the granularity");
+evmm_status evmm_create(int physical_device, size_t size_bytes, uint64_t* handle) {
+  if (!handle || size_bytes == 0 || !is_aligned(size_bytes) || physical_device < 0 ||
+      physical_device >= g_config.physical_devices) {
+    evmm_trace("create", "size must be a non-zero multiple of the granularity, on a real device");
     return EVMM_INVALID_VALUE;
   }
   evmm_status status = EVMM_OK;
   pthread_mutex_lock(&g_lock);
-  if (size_bytes > g_capacity_bytes - g_used_bytes) {
+  if (size_bytes > g_config.capacity_bytes - g_used_bytes[physical_device]) {
     evmm_trace("create", "emulated device memory exhausted (KVCACHED_EMULATED_DEVICE_BYTES)");
     status = EVMM_OUT_OF_MEMORY;
   } else {
@@ -195,10 +170,18 @@ evmm_status evmm_create(size_t size_bytes, uint64_t* handle) {
       if (fd >= 0) close(fd);
       status = EVMM_OS_ERROR;
     } else {
-      allocation_record record = {g_next_handle, fd, size_bytes, 0};
+      if (g_config.dirty_memory) {
+        /* Device memory is not promised to be zero: make a lost clear visible. */
+        void* fresh = mmap(NULL, size_bytes, PROT_WRITE, MAP_SHARED, fd, 0);
+        if (fresh != MAP_FAILED) {
+          memset(fresh, kDirtyByte, size_bytes);
+          munmap(fresh, size_bytes);
+        }
+      }
+      allocation_record record = {g_next_handle, fd, size_bytes, 0, physical_device};
       if (append_record(&g_allocations, &record, sizeof record)) {
         *handle = g_next_handle++;
-        g_used_bytes += size_bytes;
+        g_used_bytes[physical_device] += size_bytes;
       } else {
         close(fd);
         status = EVMM_OUT_OF_MEMORY;
@@ -223,7 +206,7 @@ evmm_status evmm_release(uint64_t handle) {
     status = EVMM_STILL_MAPPED;
   } else {
     close(ALLOCATIONS[index].fd);
-    g_used_bytes -= ALLOCATIONS[index].size;
+    g_used_bytes[ALLOCATIONS[index].physical_device] -= ALLOCATIONS[index].size;
     remove_record(&g_allocations, (size_t)index, sizeof(allocation_record));
   }
   pthread_mutex_unlock(&g_lock);
@@ -240,7 +223,7 @@ evmm_status evmm_map(uintptr_t address, size_t size_bytes, size_t offset_bytes, 
   } else if (offset_bytes != 0 || size_bytes != ALLOCATIONS[allocation].size) {
     evmm_trace("map", "only whole allocations map (offset 0, size = allocation size)");
     status = EVMM_NOT_SUPPORTED;
-  } else if (!is_aligned(address) || find_range_containing(address, size_bytes) < 0) {
+  } else if (!is_aligned(address) || evmm_find_range_containing(address, size_bytes) < 0) {
     evmm_trace("map", "address not aligned or not inside one reserved range");
     status = EVMM_INVALID_VALUE;
   } else if (overlaps_mapping(address, size_bytes)) {
@@ -250,7 +233,7 @@ evmm_status evmm_map(uintptr_t address, size_t size_bytes, size_t offset_bytes, 
     /* Inaccessible until set_access, like a fresh driver mapping. */
     void* mapped = mmap((void*)address, size_bytes, PROT_NONE, MAP_SHARED | MAP_FIXED,
                         ALLOCATIONS[allocation].fd, 0);
-    mapping_record record = {address, size_bytes, handle};
+    mapping_record record = {address, size_bytes, handle, EVMM_ACCESS_NONE, 0};
     if (mapped == MAP_FAILED) {
       status = EVMM_OS_ERROR;
     } else if (!append_record(&g_mappings, &record, sizeof record)) {
@@ -299,6 +282,15 @@ evmm_status evmm_set_access(uintptr_t address, size_t size_bytes, int access) {
     status = EVMM_NOT_MAPPED;
   } else if (mprotect((void*)address, size_bytes, protection) != 0) {
     status = EVMM_OS_ERROR;
+  } else {
+    /* The moment device work may start to see these mappings. */
+    unsigned long long visible_at = evmm_now_ns() + g_config.mapping_delay_ns;
+    for (uintptr_t cursor = address; cursor < address + size_bytes;) {
+      long index = find_mapping_at(cursor);
+      MAPPINGS[index].access = access;
+      MAPPINGS[index].visible_at_ns = visible_at;
+      cursor += MAPPINGS[index].size;
+    }
   }
   pthread_mutex_unlock(&g_lock);
   return status;

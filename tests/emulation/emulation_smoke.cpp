@@ -104,15 +104,17 @@ bool holds(VirtualAddress address, std::uint8_t value) {
   return bytes[0] == value && bytes[kPageBytes / 2] == value && bytes[kPageBytes - 1] == value;
 }
 
-void run_contract(VmmBackend& backend, const std::string& mapping_call, const std::string& tag) {
+void run_contract(VmmBackend& backend, const std::string& mapping_call, const std::string& tag,
+                  std::size_t expected_minimum_bytes) {
   const std::string map_call = mapping_call + "Map";
   const std::string unmap_call = mapping_call + "Unmap";
   const std::string release_call = mapping_call + "Release";
   const std::string create_call = mapping_call + "Create";
 
   const kvcached::Granularity granularity = backend.granularity();
-  expect(granularity.minimum_bytes == kPageBytes && granularity.recommended_bytes == kPageBytes,
-         tag, "granularity is 2 MiB minimum and recommended");
+  expect(granularity.minimum_bytes == expected_minimum_bytes &&
+             granularity.recommended_bytes == kPageBytes,
+         tag, "granularity: the driver's minimum, 2 MiB recommended");
   kvcached::MemoryInfo info = backend.memory_info();
   expect(info.total_bytes == kEmulatedCapacityBytes && info.free_bytes == info.total_bytes, tag,
          "memory_info reports the emulated capacity, all free");
@@ -239,7 +241,10 @@ void run_cuda() {
   cuCtxGetCurrent(&after);
   expect(before == nullptr && after == nullptr, tag,
          "a call leaves the caller's current context as it was");
-  run_contract(*backend, "cuMem", tag);
+  expect(backend->physical_device_name().rfind("cuda-GPU-", 0) == 0 &&
+             backend->physical_device_name() == kvcached::cuda_physical_device_name(0),
+         tag, "physical_device_name is the device's UUID");
+  run_contract(*backend, "cuMem", tag, kPageBytes);
 }
 #endif
 
@@ -255,9 +260,11 @@ void run_hip() {
   auto backend = kvcached::make_hip_backend(0);
   expect(backend->name() == "hip" && backend->dlpack_device_type() == kvcached::DLDeviceType::kROCM,
          tag, "name and DLPack device type");
-  // The emulation reports 4 KiB minimum / 2 MiB recommended, like an MI300X;
-  // run_contract checks that the backend settles on 2 MiB for both.
-  run_contract(*backend, "hipMem", tag);
+  expect(backend->physical_device_name().rfind("hip-GPU-", 0) == 0 &&
+             backend->physical_device_name() == kvcached::hip_physical_device_name(0),
+         tag, "physical_device_name is the device's UUID");
+  // The emulation reports 4 KiB minimum / 2 MiB recommended, like an MI300X.
+  run_contract(*backend, "hipMem", tag, std::size_t{4} << 10);
 }
 #endif
 

@@ -1,29 +1,80 @@
-/* EMULATION (test only, never installed): a fake HIP runtime, libamdhip64, with
- * one device whose memory is host memory (see emulated_vmm.h).
+/* EMULATION (test only, never installed): a fake HIP runtime, libamdhip64,
+ * with the emulated machine's GPUs, whose memory is host memory (see
+ * emulated_vmm.h and README.md for the configuration).
  *
- * Implements only what kvcached's HIP backend calls, with the SONAME and the
- * symbol versions (hip_4.2, hip_5.1; see libamdhip64.map) of the library the
- * backend was linked against. Reports the granularity an MI300X does (4 KiB
- * minimum, 2 MiB recommended) and, since concurrent VMM calls have crashed the
- * real runtime, fails any call that overlaps another one in time. */
+ * Implements only what kvcached's HIP backend and tests call, with the SONAME
+ * and the symbol versions (hip_4.2, hip_5.1; see libamdhip64.map) of the
+ * library the backend was linked against. Behaves as ROCm is reported to:
+ * 4 KiB minimum / 2 MiB recommended granularity (an MI300X's), devices chosen
+ * by ROCR_VISIBLE_DEVICES then HIP_VISIBLE_DEVICES (or CUDA_VISIBLE_DEVICES),
+ * UUIDs as 16 hex characters, copies refused across reservations, optionally
+ * fresh mappings invisible to device work for a while or no VMM support at
+ * all; and since concurrent VMM calls have crashed the real runtime, it fails
+ * any call that overlaps another one in time. */
+#define _GNU_SOURCE
 #include <hip/hip_runtime_api.h>
 #include <hip/hip_version.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "emulated_vmm.h"
 
-static const size_t kMinimumGranularityBytes = (size_t)4 << 10;
-static const size_t kRecommendedGranularityBytes = (size_t)2 << 20;
-static const int kDeviceCount = 1;
+static const evmm_face kFace = {
+    (size_t)4 << 10, (size_t)2 << 20, "KVCACHED_EMULATED_HIP_MAPPING_DELAY_US"};
 static const char kDeviceName[] = "kvcached emulated HIP device (host memory)";
+
+/* Where ROCm 6 and later number hipDeviceAttributeVirtualMemoryManagementSupported
+ * (right after hipDeviceAttributeMemoryPoolsSupported in their hip_runtime_api.h);
+ * the HIP 5.2 headers this is compiled against lack the name. */
+#if HIP_VERSION >= 60000000
+#define EMULATED_VMM_ATTRIBUTE hipDeviceAttributeVirtualMemoryManagementSupported
+#else
+#define EMULATED_VMM_ATTRIBUTE ((hipDeviceAttribute_t)(hipDeviceAttributeMemoryPoolsSupported + 1))
+#endif
 
 static pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t g_in_call = PTHREAD_MUTEX_INITIALIZER;
 static __thread int t_current_device;
+static int g_visible[EVMM_MAX_DEVICES]; /* ordinal -> physical device */
+static int g_visible_count;
+static int g_has_uuid = 1;
 
-static void initialise(void) { evmm_init(kMinimumGranularityBytes); }
+/* The UUID body ROCm reports: 16 hex characters (rocminfo prints "GPU-<body>"). */
+static void uuid_body(int physical, char text[17]) {
+  unsigned char bytes[EVMM_UUID_BYTES];
+  evmm_uuid(physical, bytes);
+  for (int i = 0; i < 8; i++) snprintf(text + 2 * i, 3, "%02x", bytes[i]);
+}
+
+static void physical_uuid_text(int physical, char* text, size_t size) {
+  char body[17];
+  uuid_body(physical, body);
+  snprintf(text, size, "GPU-%s", body);
+}
+
+static int g_rocr_visible[EVMM_MAX_DEVICES];
+static void rocr_uuid_text(int candidate, char* text, size_t size) {
+  physical_uuid_text(g_rocr_visible[candidate], text, size);
+}
+
+/* ROCR_VISIBLE_DEVICES filters the physical devices first (ROCm's runtime),
+ * then HIP_VISIBLE_DEVICES, or CUDA_VISIBLE_DEVICES when it is unset, picks
+ * among those (HIP's); both take indices or UUIDs. */
+static void initialise(void) {
+  evmm_init(&kFace);
+  const char* uuid = getenv("KVCACHED_EMULATED_HIP_UUID");
+  g_has_uuid = !(uuid && strcmp(uuid, "0") == 0);
+  int rocr_count = evmm_visible_devices(getenv("ROCR_VISIBLE_DEVICES"), evmm_physical_devices(),
+                                        physical_uuid_text, g_rocr_visible);
+  const char* hip_list = getenv("HIP_VISIBLE_DEVICES");
+  if (!hip_list) hip_list = getenv("CUDA_VISIBLE_DEVICES");
+  int picked[EVMM_MAX_DEVICES];
+  g_visible_count = evmm_visible_devices(hip_list, rocr_count, rocr_uuid_text, picked);
+  for (int i = 0; i < g_visible_count; i++) g_visible[i] = g_rocr_visible[picked[i]];
+}
 
 /* Every runtime call goes through enter()/leave(). Overlapping calls are the
  * caller's bug (the real runtime has crashed on them): refuse the late one. */
@@ -41,6 +92,18 @@ static hipError_t leave(hipError_t result) {
   return result;
 }
 
+/* VMM calls on a device without VMM support. */
+static hipError_t enter_vmm(const char* call) {
+  hipError_t result = enter(call);
+  if (result == hipSuccess && !evmm_vmm_supported()) {
+    evmm_trace(call, "the device does not support virtual memory management (KVCACHED_EMULATED_VMM=0)");
+    return leave(hipErrorNotSupported);
+  }
+  return result;
+}
+
+static int is_visible_ordinal(int ordinal) { return ordinal >= 0 && ordinal < g_visible_count; }
+
 static hipError_t to_hip(evmm_status status) {
   switch (status) {
     case EVMM_OK: return hipSuccess;
@@ -51,17 +114,18 @@ static hipError_t to_hip(evmm_status status) {
     case EVMM_NOT_MAPPED: return hipErrorNotMapped;
     case EVMM_STILL_MAPPED: return hipErrorIllegalState;
     case EVMM_UNKNOWN_HANDLE: return hipErrorInvalidHandle;
+    case EVMM_ILLEGAL_ADDRESS: return hipErrorIllegalAddress;
     case EVMM_OS_ERROR: return hipErrorOperatingSystem;
   }
   return hipErrorUnknown;
 }
 
-static int is_this_device(hipMemLocation location) {
-  return location.type == hipMemLocationTypeDevice && location.id == 0;
+static int is_visible_device(hipMemLocation location) {
+  return location.type == hipMemLocationTypeDevice && is_visible_ordinal(location.id);
 }
 
 static int is_pinned_device_prop(const hipMemAllocationProp* prop) {
-  return prop && prop->type == hipMemAllocationTypePinned && is_this_device(prop->location);
+  return prop && prop->type == hipMemAllocationTypePinned && is_visible_device(prop->location);
 }
 
 /* Handles are opaque pointers in HIP; the engine's ids stand in for them. */
@@ -83,6 +147,7 @@ const char* hipGetErrorName(hipError_t error) {
     KVCACHED_NAME(hipErrorInvalidHandle)
     KVCACHED_NAME(hipErrorIllegalState)
     KVCACHED_NAME(hipErrorNotSupported)
+    KVCACHED_NAME(hipErrorIllegalAddress)
     KVCACHED_NAME(hipErrorUnknown)
 #undef KVCACHED_NAME
     default: return "hipErrorUnknown";
@@ -102,6 +167,7 @@ const char* hipGetErrorString(hipError_t error) {
     case hipErrorInvalidHandle: return "invalid resource handle";
     case hipErrorIllegalState: return "the operation cannot be performed in the present state";
     case hipErrorNotSupported: return "operation not supported";
+    case hipErrorIllegalAddress: return "an illegal memory access was encountered";
     default: return "unknown error";
   }
 }
@@ -132,14 +198,14 @@ hipError_t hipGetDeviceCount(int* count) {
   hipError_t result = enter("hipGetDeviceCount");
   if (result != hipSuccess) return result;
   if (!count) return leave(hipErrorInvalidValue);
-  *count = kDeviceCount;
-  return leave(hipSuccess);
+  *count = g_visible_count;
+  return leave(g_visible_count > 0 ? hipSuccess : hipErrorNoDevice);
 }
 
 hipError_t hipSetDevice(int device) {
   hipError_t result = enter("hipSetDevice");
   if (result != hipSuccess) return result;
-  if (device < 0 || device >= kDeviceCount) return leave(hipErrorInvalidDevice);
+  if (!is_visible_ordinal(device)) return leave(hipErrorInvalidDevice);
   t_current_device = device;
   return leave(hipSuccess);
 }
@@ -152,13 +218,50 @@ hipError_t hipGetDevice(int* device) {
   return leave(hipSuccess);
 }
 
+hipError_t hipDeviceGet(hipDevice_t* device, int ordinal) {
+  hipError_t result = enter("hipDeviceGet");
+  if (result != hipSuccess) return result;
+  if (!device) return leave(hipErrorInvalidValue);
+  if (!is_visible_ordinal(ordinal)) return leave(hipErrorInvalidDevice);
+  *device = ordinal;
+  return leave(hipSuccess);
+}
+
 hipError_t hipDeviceGetName(char* name, int length, hipDevice_t device) {
   hipError_t result = enter("hipDeviceGetName");
   if (result != hipSuccess) return result;
   if (!name || length <= 0) return leave(hipErrorInvalidValue);
-  if (device != 0) return leave(hipErrorInvalidDevice);
+  if (!is_visible_ordinal(device)) return leave(hipErrorInvalidDevice);
   strncpy(name, kDeviceName, (size_t)length - 1);
   name[length - 1] = '\0';
+  return leave(hipSuccess);
+}
+
+/* ROCm copies the 16 characters after "GPU-" into the bytes, and "XX" for a
+ * device without a unique id (KVCACHED_EMULATED_HIP_UUID=0). */
+hipError_t hipDeviceGetUuid(hipUUID* uuid, hipDevice_t device) {
+  hipError_t result = enter("hipDeviceGetUuid");
+  if (result != hipSuccess) return result;
+  if (!uuid) return leave(hipErrorInvalidValue);
+  if (!is_visible_ordinal(device)) return leave(hipErrorInvalidDevice);
+  memset(uuid->bytes, 0, sizeof uuid->bytes);
+  if (g_has_uuid) {
+    char body[17];
+    uuid_body(g_visible[device], body);
+    memcpy(uuid->bytes, body, 16);
+  } else {
+    memcpy(uuid->bytes, "XX", 2);
+  }
+  return leave(hipSuccess);
+}
+
+/* "dddd:bb:dd.f", a distinct bus per physical device. */
+hipError_t hipDeviceGetPCIBusId(char* bus_id, int length, int device) {
+  hipError_t result = enter("hipDeviceGetPCIBusId");
+  if (result != hipSuccess) return result;
+  if (!bus_id || length < 13) return leave(hipErrorInvalidValue);
+  if (!is_visible_ordinal(device)) return leave(hipErrorInvalidDevice);
+  snprintf(bus_id, (size_t)length, "0000:%02x:00.0", 0x0c + 0x20 * g_visible[device]);
   return leave(hipSuccess);
 }
 
@@ -166,13 +269,8 @@ hipError_t hipDeviceGetAttribute(int* value, hipDeviceAttribute_t attribute, int
   hipError_t result = enter("hipDeviceGetAttribute");
   if (result != hipSuccess) return result;
   if (!value) return leave(hipErrorInvalidValue);
-  if (device != 0) return leave(hipErrorInvalidDevice);
-  *value = 0;
-#if HIP_VERSION >= 60000000
-  if (attribute == hipDeviceAttributeVirtualMemoryManagementSupported) *value = 1;
-#else
-  (void)attribute;
-#endif
+  if (!is_visible_ordinal(device)) return leave(hipErrorInvalidDevice);
+  *value = attribute == EMULATED_VMM_ATTRIBUTE ? evmm_vmm_supported() : 0;
   return leave(hipSuccess);
 }
 
@@ -182,32 +280,48 @@ hipError_t hipDeviceSynchronize(void) {
   return leave(hipSuccess);
 }
 
-/* Device memory is host memory here: memset faults like a kernel would if the
-   range is not mapped with access. */
+/* Device work: see emulated_device_work.c (reservation spans, visibility window). */
 hipError_t hipMemset(void* ptr, int value, size_t count) {
   hipError_t result = enter("hipMemset");
   if (result != hipSuccess) return result;
-  memset(ptr, value, count);
-  return leave(hipSuccess);
+  if (!evmm_is_device_address((uintptr_t)ptr)) return leave(hipErrorInvalidValue);
+  return leave(to_hip(evmm_device_fill((uintptr_t)ptr, value, count)));
+}
+
+hipError_t hipMemcpy(void* destination, const void* source, size_t size, hipMemcpyKind kind) {
+  hipError_t result = enter("hipMemcpy");
+  if (result != hipSuccess) return result;
+  if (!destination || !source) return leave(hipErrorInvalidValue);
+  int destination_on_device = evmm_is_device_address((uintptr_t)destination);
+  int source_on_device = evmm_is_device_address((uintptr_t)source);
+  int expected_destination = kind == hipMemcpyHostToDevice || kind == hipMemcpyDeviceToDevice;
+  int expected_source = kind == hipMemcpyDeviceToHost || kind == hipMemcpyDeviceToDevice;
+  if (kind != hipMemcpyDefault &&
+      (destination_on_device != expected_destination || source_on_device != expected_source)) {
+    evmm_trace("hipMemcpy", "the copy kind does not match where the pointers live");
+    return leave(hipErrorInvalidValue);
+  }
+  return leave(to_hip(evmm_device_copy((uintptr_t)destination, (uintptr_t)source, size,
+                                       destination_on_device, source_on_device)));
 }
 
 hipError_t hipMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   hipError_t result = enter("hipMemGetInfo");
   if (result != hipSuccess) return result;
   if (!free_bytes || !total_bytes) return leave(hipErrorInvalidValue);
-  evmm_memory_info(free_bytes, total_bytes);
+  evmm_memory_info(g_visible[t_current_device], free_bytes, total_bytes);
   return leave(hipSuccess);
 }
 
 hipError_t hipMemGetAllocationGranularity(size_t* granularity, const hipMemAllocationProp* prop,
                                           hipMemAllocationGranularity_flags option) {
-  hipError_t result = enter("hipMemGetAllocationGranularity");
+  hipError_t result = enter_vmm("hipMemGetAllocationGranularity");
   if (result != hipSuccess) return result;
   if (!granularity || !is_pinned_device_prop(prop)) return leave(hipErrorInvalidValue);
   if (option == hipMemAllocationGranularityMinimum) {
-    *granularity = kMinimumGranularityBytes;
+    *granularity = evmm_minimum_granularity();
   } else if (option == hipMemAllocationGranularityRecommended) {
-    *granularity = kRecommendedGranularityBytes;
+    *granularity = evmm_recommended_granularity();
   } else {
     return leave(hipErrorInvalidValue);
   }
@@ -216,7 +330,7 @@ hipError_t hipMemGetAllocationGranularity(size_t* granularity, const hipMemAlloc
 
 hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void* addr,
                                 unsigned long long flags) {
-  hipError_t result = enter("hipMemAddressReserve");
+  hipError_t result = enter_vmm("hipMemAddressReserve");
   if (result != hipSuccess) return result;
   if (!ptr || addr != NULL || flags != 0) return leave(hipErrorInvalidValue);
   uintptr_t base = 0;
@@ -226,49 +340,49 @@ hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void*
 }
 
 hipError_t hipMemAddressFree(void* ptr, size_t size) {
-  hipError_t result = enter("hipMemAddressFree");
+  hipError_t result = enter_vmm("hipMemAddressFree");
   if (result != hipSuccess) return result;
   return leave(to_hip(evmm_free_range((uintptr_t)ptr, size)));
 }
 
 hipError_t hipMemCreate(hipMemGenericAllocationHandle_t* handle, size_t size,
                         const hipMemAllocationProp* prop, unsigned long long flags) {
-  hipError_t result = enter("hipMemCreate");
+  hipError_t result = enter_vmm("hipMemCreate");
   if (result != hipSuccess) return result;
   if (!handle || !is_pinned_device_prop(prop) || flags != 0) return leave(hipErrorInvalidValue);
   uint64_t id = 0;
-  result = to_hip(evmm_create(size, &id));
+  result = to_hip(evmm_create(g_visible[prop->location.id], size, &id));
   if (result == hipSuccess) *handle = (hipMemGenericAllocationHandle_t)(uintptr_t)id;
   return leave(result);
 }
 
 hipError_t hipMemRelease(hipMemGenericAllocationHandle_t handle) {
-  hipError_t result = enter("hipMemRelease");
+  hipError_t result = enter_vmm("hipMemRelease");
   if (result != hipSuccess) return result;
   return leave(to_hip(evmm_release(handle_id(handle))));
 }
 
 hipError_t hipMemMap(void* ptr, size_t size, size_t offset, hipMemGenericAllocationHandle_t handle,
                      unsigned long long flags) {
-  hipError_t result = enter("hipMemMap");
+  hipError_t result = enter_vmm("hipMemMap");
   if (result != hipSuccess) return result;
   if (flags != 0) return leave(hipErrorInvalidValue);
   return leave(to_hip(evmm_map((uintptr_t)ptr, size, offset, handle_id(handle))));
 }
 
 hipError_t hipMemUnmap(void* ptr, size_t size) {
-  hipError_t result = enter("hipMemUnmap");
+  hipError_t result = enter_vmm("hipMemUnmap");
   if (result != hipSuccess) return result;
   return leave(to_hip(evmm_unmap((uintptr_t)ptr, size)));
 }
 
 hipError_t hipMemSetAccess(void* ptr, size_t size, const hipMemAccessDesc* desc, size_t count) {
-  hipError_t result = enter("hipMemSetAccess");
+  hipError_t result = enter_vmm("hipMemSetAccess");
   if (result != hipSuccess) return result;
   if (!desc || count == 0) return leave(hipErrorInvalidValue);
   int access = EVMM_ACCESS_NONE;
   for (size_t i = 0; i < count; i++) {
-    if (!is_this_device(desc[i].location)) return leave(hipErrorInvalidDevice);
+    if (!is_visible_device(desc[i].location)) return leave(hipErrorInvalidDevice);
     switch (desc[i].flags) {
       case hipMemAccessFlagsProtNone: access = EVMM_ACCESS_NONE; break;
       case hipMemAccessFlagsProtRead: access = EVMM_ACCESS_READ; break;

@@ -1,29 +1,55 @@
 /* EMULATION (test only, never installed): a fake CUDA driver, libcuda.so.1,
- * with one device whose memory is host memory (see emulated_vmm.h).
+ * with the emulated machine's GPUs, whose memory is host memory (see
+ * emulated_vmm.h and README.md for the configuration).
  *
  * Implements only what kvcached's CUDA backend calls, defined against cuda.h's
- * prototypes so the versioned names (cuMemGetInfo_v2 ...) come out right.
- * Enforces the driver's rules: cuInit first, a current context for memory
- * calls (so a thread that forgot to make the primary context current fails, as
- * on a real GPU), 2 MiB granularity, whole-allocation mappings. */
+ * prototypes so the versioned names (cuMemGetInfo_v2, cuDeviceGetUuid_v2 ...)
+ * come out right. Enforces the driver's rules: cuInit first, a current context
+ * for memory calls (so a thread that forgot to make the primary context current
+ * fails, as on a real GPU), 2 MiB granularity, whole-allocation mappings, and
+ * devices chosen and ordered by CUDA_VISIBLE_DEVICES (indices or UUIDs). */
 #include <cuda.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "emulated_vmm.h"
 
-static const size_t kGranularityBytes = (size_t)2 << 20; /* what an H200 reports */
-static const int kDeviceCount = 1;
+static const evmm_face kFace = {(size_t)2 << 20, (size_t)2 << 20, NULL}; /* an H200's */
 static const int kComputeCapabilityMajor = 9;
 static const char kDeviceName[] = "kvcached emulated CUDA device (host memory)";
 
-/* The device's primary context: CUcontext is an opaque pointer in cuda.h. */
+/* One primary context per visible device: CUcontext is an opaque pointer in cuda.h. */
 struct CUctx_st { int retain_count; };
-static struct CUctx_st g_primary_context;
+static struct CUctx_st g_primary_contexts[EVMM_MAX_DEVICES];
 static pthread_mutex_t g_context_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
 static int g_initialised;
+static int g_visible[EVMM_MAX_DEVICES]; /* ordinal -> physical device */
+static int g_visible_count;
 static __thread CUcontext t_current_context;
+
+/* nvidia-smi's spelling: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx. */
+static void uuid_text(int physical, char* text, size_t size) {
+  unsigned char b[EVMM_UUID_BYTES];
+  evmm_uuid(physical, b);
+  snprintf(text, size,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+           b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static void initialise(void) {
+  evmm_init(&kFace);
+  g_visible_count = evmm_visible_devices(getenv("CUDA_VISIBLE_DEVICES"), evmm_physical_devices(),
+                                         uuid_text, g_visible);
+}
+
+static int is_visible_ordinal(int ordinal) { return ordinal >= 0 && ordinal < g_visible_count; }
+
+/* The visible ordinal of the thread's current context. */
+static int current_ordinal(void) { return (int)(t_current_context - g_primary_contexts); }
 
 static CUresult to_cuda(evmm_status status) {
   switch (status) {
@@ -35,6 +61,7 @@ static CUresult to_cuda(evmm_status status) {
     case EVMM_NOT_MAPPED: return CUDA_ERROR_NOT_MAPPED;
     case EVMM_STILL_MAPPED: return CUDA_ERROR_ILLEGAL_STATE;
     case EVMM_UNKNOWN_HANDLE: return CUDA_ERROR_INVALID_HANDLE;
+    case EVMM_ILLEGAL_ADDRESS: return CUDA_ERROR_ILLEGAL_ADDRESS;
     case EVMM_OS_ERROR: return CUDA_ERROR_OPERATING_SYSTEM;
   }
   return CUDA_ERROR_UNKNOWN;
@@ -63,13 +90,24 @@ static CUresult require_context(const char* call) {
   return CUDA_SUCCESS;
 }
 
-static int is_this_device(CUmemLocation location) {
-  return location.type == CU_MEM_LOCATION_TYPE_DEVICE && location.id == 0;
+/* VMM calls on a device without VMM support. */
+static CUresult require_vmm(const char* call) {
+  CUresult result = require_context(call);
+  if (result == CUDA_SUCCESS && !evmm_vmm_supported()) {
+    evmm_trace(call, "the device does not support virtual memory management (KVCACHED_EMULATED_VMM=0)");
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  return result;
+}
+
+static int is_visible_device(CUmemLocation location) {
+  return location.type == CU_MEM_LOCATION_TYPE_DEVICE && is_visible_ordinal(location.id);
 }
 
 CUresult CUDAAPI cuInit(unsigned int flags) {
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
-  evmm_init(kGranularityBytes);
+  pthread_once(&g_init_once, initialise);
+  if (g_visible_count == 0) return CUDA_ERROR_NO_DEVICE; /* as the driver does */
   __atomic_store_n(&g_initialised, 1, __ATOMIC_RELEASE);
   return CUDA_SUCCESS;
 }
@@ -97,6 +135,8 @@ CUresult CUDAAPI cuGetErrorName(CUresult error, const char** text) {
     KVCACHED_NAME(CUDA_ERROR_INVALID_HANDLE)
     KVCACHED_NAME(CUDA_ERROR_ILLEGAL_STATE)
     KVCACHED_NAME(CUDA_ERROR_NOT_SUPPORTED)
+    KVCACHED_NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    KVCACHED_NAME(CUDA_ERROR_NO_DEVICE)
     KVCACHED_NAME(CUDA_ERROR_UNKNOWN)
 #undef KVCACHED_NAME
     default: *text = NULL; return CUDA_ERROR_INVALID_VALUE;
@@ -119,6 +159,8 @@ CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
     case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
     case CUDA_ERROR_ILLEGAL_STATE: *text = "the operation cannot be performed in the present state"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *text = "an illegal memory access was encountered"; break;
+    case CUDA_ERROR_NO_DEVICE: *text = "no CUDA-capable device is detected"; break;
     case CUDA_ERROR_UNKNOWN: *text = "unknown error"; break;
     default: *text = NULL; return CUDA_ERROR_INVALID_VALUE;
   }
@@ -129,7 +171,7 @@ CUresult CUDAAPI cuDeviceGetCount(int* count) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
   if (!count) return CUDA_ERROR_INVALID_VALUE;
-  *count = kDeviceCount;
+  *count = g_visible_count;
   return CUDA_SUCCESS;
 }
 
@@ -137,7 +179,7 @@ CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
   if (!device) return CUDA_ERROR_INVALID_VALUE;
-  if (ordinal < 0 || ordinal >= kDeviceCount) return CUDA_ERROR_INVALID_DEVICE;
+  if (!is_visible_ordinal(ordinal)) return CUDA_ERROR_INVALID_DEVICE;
   *device = ordinal;
   return CUDA_SUCCESS;
 }
@@ -146,9 +188,21 @@ CUresult CUDAAPI cuDeviceGetName(char* name, int length, CUdevice device) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
   if (!name || length <= 0) return CUDA_ERROR_INVALID_VALUE;
-  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   strncpy(name, kDeviceName, (size_t)length - 1);
   name[length - 1] = '\0';
+  return CUDA_SUCCESS;
+}
+
+/* cuda.h maps this name to cuDeviceGetUuid_v2. */
+CUresult CUDAAPI cuDeviceGetUuid(CUuuid* uuid, CUdevice device) {
+  CUresult result = require_initialised();
+  if (result != CUDA_SUCCESS) return result;
+  if (!uuid) return CUDA_ERROR_INVALID_VALUE;
+  if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
+  unsigned char bytes[EVMM_UUID_BYTES];
+  evmm_uuid(g_visible[device], bytes);
+  memcpy(uuid->bytes, bytes, sizeof uuid->bytes);
   return CUDA_SUCCESS;
 }
 
@@ -156,7 +210,7 @@ CUresult CUDAAPI cuDeviceTotalMem(size_t* total_bytes, CUdevice device) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
   if (!total_bytes) return CUDA_ERROR_INVALID_VALUE;
-  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   *total_bytes = evmm_capacity_bytes();
   return CUDA_SUCCESS;
 }
@@ -165,9 +219,9 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, 
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
   if (!value) return CUDA_ERROR_INVALID_VALUE;
-  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   switch (attribute) {
-    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = 1; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = evmm_vmm_supported(); break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = kComputeCapabilityMajor; break;
     default: *value = 0; break;
   }
@@ -178,23 +232,23 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
   if (!context) return CUDA_ERROR_INVALID_VALUE;
-  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   pthread_mutex_lock(&g_context_lock);
-  g_primary_context.retain_count++;
+  g_primary_contexts[device].retain_count++;
   pthread_mutex_unlock(&g_context_lock);
-  *context = &g_primary_context;
+  *context = &g_primary_contexts[device];
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice device) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
-  if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   pthread_mutex_lock(&g_context_lock);
-  if (g_primary_context.retain_count == 0) {
+  if (g_primary_contexts[device].retain_count == 0) {
     result = CUDA_ERROR_INVALID_CONTEXT; /* released more often than retained */
   } else {
-    g_primary_context.retain_count--;
+    g_primary_contexts[device].retain_count--;
   }
   pthread_mutex_unlock(&g_context_lock);
   return result;
@@ -211,7 +265,9 @@ CUresult CUDAAPI cuCtxGetCurrent(CUcontext* context) {
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
-  if (context != NULL && context != &g_primary_context) return CUDA_ERROR_INVALID_CONTEXT;
+  if (context != NULL && (context < g_primary_contexts || context >= g_primary_contexts + g_visible_count)) {
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
   t_current_context = context;
   return CUDA_SUCCESS;
 }
@@ -231,12 +287,12 @@ CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   CUresult result = require_context("cuMemGetInfo");
   if (result != CUDA_SUCCESS) return result;
   if (!free_bytes || !total_bytes) return CUDA_ERROR_INVALID_VALUE;
-  evmm_memory_info(free_bytes, total_bytes);
+  evmm_memory_info(g_visible[current_ordinal()], free_bytes, total_bytes);
   return CUDA_SUCCESS;
 }
 
 static int is_pinned_device_prop(const CUmemAllocationProp* prop) {
-  return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED && is_this_device(prop->location);
+  return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED && is_visible_device(prop->location);
 }
 
 CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity,
@@ -244,18 +300,21 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity,
                                                CUmemAllocationGranularity_flags option) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
+  if (!evmm_vmm_supported()) return CUDA_ERROR_NOT_SUPPORTED;
   if (!granularity || !is_pinned_device_prop(prop)) return CUDA_ERROR_INVALID_VALUE;
-  if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
-      option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) {
+  if (option == CU_MEM_ALLOC_GRANULARITY_MINIMUM) {
+    *granularity = evmm_minimum_granularity();
+  } else if (option == CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) {
+    *granularity = evmm_recommended_granularity();
+  } else {
     return CUDA_ERROR_INVALID_VALUE;
   }
-  *granularity = kGranularityBytes;
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment,
                                      CUdeviceptr addr, unsigned long long flags) {
-  CUresult result = require_context("cuMemAddressReserve");
+  CUresult result = require_vmm("cuMemAddressReserve");
   if (result != CUDA_SUCCESS) return result;
   if (!ptr || addr != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE; /* no fixed addresses */
   uintptr_t base = 0;
@@ -265,47 +324,47 @@ CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align
 }
 
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
-  CUresult result = require_context("cuMemAddressFree");
+  CUresult result = require_vmm("cuMemAddressFree");
   return result != CUDA_SUCCESS ? result : to_cuda(evmm_free_range((uintptr_t)ptr, size));
 }
 
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
                              const CUmemAllocationProp* prop, unsigned long long flags) {
-  CUresult result = require_context("cuMemCreate");
+  CUresult result = require_vmm("cuMemCreate");
   if (result != CUDA_SUCCESS) return result;
   if (!handle || !is_pinned_device_prop(prop) || flags != 0) return CUDA_ERROR_INVALID_VALUE;
   uint64_t id = 0;
-  result = to_cuda(evmm_create(size, &id));
+  result = to_cuda(evmm_create(g_visible[prop->location.id], size, &id));
   if (result == CUDA_SUCCESS) *handle = (CUmemGenericAllocationHandle)id;
   return result;
 }
 
 CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
-  CUresult result = require_context("cuMemRelease");
+  CUresult result = require_vmm("cuMemRelease");
   return result != CUDA_SUCCESS ? result : to_cuda(evmm_release((uint64_t)handle));
 }
 
 CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                           CUmemGenericAllocationHandle handle, unsigned long long flags) {
-  CUresult result = require_context("cuMemMap");
+  CUresult result = require_vmm("cuMemMap");
   if (result != CUDA_SUCCESS) return result;
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   return to_cuda(evmm_map((uintptr_t)ptr, size, offset, (uint64_t)handle));
 }
 
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
-  CUresult result = require_context("cuMemUnmap");
+  CUresult result = require_vmm("cuMemUnmap");
   return result != CUDA_SUCCESS ? result : to_cuda(evmm_unmap((uintptr_t)ptr, size));
 }
 
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
                                 size_t count) {
-  CUresult result = require_context("cuMemSetAccess");
+  CUresult result = require_vmm("cuMemSetAccess");
   if (result != CUDA_SUCCESS) return result;
   if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
   int access = EVMM_ACCESS_NONE;
   for (size_t i = 0; i < count; i++) {
-    if (!is_this_device(desc[i].location)) return CUDA_ERROR_INVALID_DEVICE;
+    if (!is_visible_device(desc[i].location)) return CUDA_ERROR_INVALID_DEVICE;
     switch (desc[i].flags) {
       case CU_MEM_ACCESS_FLAGS_PROT_NONE: access = EVMM_ACCESS_NONE; break;
       case CU_MEM_ACCESS_FLAGS_PROT_READ: access = EVMM_ACCESS_READ; break;

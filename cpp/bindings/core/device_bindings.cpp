@@ -59,7 +59,11 @@ void bind_device(nb::module_& m) {
            "Give the memory back. Raises ValueError while the allocation is mapped.");
 
   nb::class_<Device>(m, "Device", "One device behind the VMM contract, with kvcached's rule checks.")
-      .def_prop_ro("name", &Device::name, "Device string, e.g. 'cpu' or 'cuda:0'.")
+      .def_prop_ro("name", &Device::name,
+                   "Device string with the ordinal this process sees, e.g. 'cpu' or 'cuda:0'.")
+      .def_prop_ro("canonical_name", &Device::canonical_name,
+                   "The physical device, the same in every process whatever its visible-devices "
+                   "mask: 'cpu', 'cuda-GPU-<uuid>', 'hip-GPU-<uuid>' or 'hip-pci-<bus id>'.")
       .def_prop_ro("backend", &Device::backend_name, "'host', 'cuda' or 'hip'.")
       .def_prop_ro("ordinal", &Device::ordinal)
       .def_prop_ro("dlpack_device_type",
@@ -93,8 +97,17 @@ void bind_device(nb::module_& m) {
            "Make mapped memory readable and writable by the device.")
       .def("synchronize", &Device::synchronize, Released(),
            "Wait for work queued on the device.")
+      .def("fence_new_mappings", &Device::fence_new_mappings, Released(),
+           "Make mappings made so far visible to device work submitted from now on (may wait; "
+           "HIP: KVCACHED_HIP_MAPPING_SETTLE_US). Call before handing fresh memory to kernels.")
       .def("view",
            [](Device& d, std::uintptr_t address, std::size_t size, nb::handle owner) {
+             // ROCm fails a copy spanning two separately reserved ranges, even
+             // adjacent ones, so no exported array ever spans two.
+             if (!d.inside_one_reservation(address, size)) {
+               throw InvalidArgument("view: [" + std::to_string(address) + ", +" +
+                                     std::to_string(size) + ") is not inside one reserved range");
+             }
              const std::size_t shape[1] = {size};
              return nb::ndarray<nb::array_api, uint8_t, nb::ndim<1>>(
                  reinterpret_cast<void*>(address), 1, shape, owner, nullptr,
@@ -102,7 +115,8 @@ void bind_device(nb::module_& m) {
            },
            "address"_a, "size"_a, "owner"_a.none(),
            "A DLPack byte array over [address, address + size) that keeps `owner` alive. "
-           "Low-level: the caller guarantees the memory is mapped and accessible.");
+           "The range must lie inside one reservation (ValueError otherwise). Low-level: the "
+           "caller guarantees the memory is mapped and accessible.");
 
   m.def("open_host_device", [](std::size_t capacity) { return Device::open(make_host_backend(capacity)); },
         "capacity_bytes"_a = 0,

@@ -1,5 +1,6 @@
 // kvcached._cuda: finds CUDA devices and opens them as VmmBackend capsules for kvcached._core.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <memory>
 
@@ -27,6 +28,11 @@ NB_MODULE(_cuda, m) {
   m.def("driver_version", &kvcached::cuda_driver_version,
         nb::call_guard<nb::gil_scoped_release>(),
         "The driver's CUDA version from cuDriverGetVersion, e.g. 13000 for CUDA 13.0.");
+  m.def("physical_device_name", &kvcached::cuda_physical_device_name, "ordinal"_a,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "The physical identity of device ``ordinal``, 'cuda-GPU-<uuid>': the same in every process\n"
+        "whatever CUDA_VISIBLE_DEVICES make its ordinal. Works without VMM support;\n"
+        "raises BackendUnavailableError when there is no such device.");
   m.def(
       "open_backend",
       [](int ordinal) {

@@ -1,5 +1,6 @@
 // kvcached._hip: finds HIP (AMD) devices and opens them as VmmBackend capsules for kvcached._core.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <memory>
 
@@ -27,6 +28,11 @@ NB_MODULE(_hip, m) {
   m.def("driver_version", &kvcached::hip_driver_version,
         nb::call_guard<nb::gil_scoped_release>(),
         "hipDriverGetVersion's value, e.g. 50221153 for HIP 5.2.");
+  m.def("physical_device_name", &kvcached::hip_physical_device_name, "ordinal"_a,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "The physical identity of device ``ordinal``, 'hip-GPU-<uuid>' (or 'hip-pci-<bus id>' without a UUID): the same in every process\n"
+        "whatever ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES make its ordinal. Works without VMM support;\n"
+        "raises BackendUnavailableError when there is no such device.");
   m.def(
       "open_backend",
       [](int ordinal) {

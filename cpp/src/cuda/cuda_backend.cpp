@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "kvcached/device/device_identity.hpp"
+
 namespace kvcached {
 namespace {
 
@@ -72,9 +74,34 @@ int checked_device_count() {
   return count;
 }
 
+// cuda.h (11.4 and later) maps cuDeviceGetUuid to cuDeviceGetUuid_v2, which
+// names a MIG instance by its own UUID rather than its parent GPU's.
+std::string physical_name_of(CUdevice device) {
+  CUuuid uuid{};
+  check("cuDeviceGetUuid", cuDeviceGetUuid(&uuid, device));
+  return identity::from_uuid_bytes(kBackendName, reinterpret_cast<const unsigned char*>(uuid.bytes));
+}
+
+// cuInit, then the CUdevice of `ordinal`; BackendUnavailable if there is none.
+CUdevice open_device_handle(int ordinal) {
+  const CUresult init = initialise_driver();
+  if (init != CUDA_SUCCESS) {
+    throw BackendUnavailable("no CUDA device: cuInit returned " + driver_message(init));
+  }
+  const int count = checked_device_count();
+  if (ordinal < 0 || ordinal >= count) {
+    throw BackendUnavailable("no CUDA device " + std::to_string(ordinal) + ": the driver reports " +
+                             std::to_string(count) + " device(s)");
+  }
+  CUdevice device = 0;
+  check("cuDeviceGet", cuDeviceGet(&device, ordinal));
+  return device;
+}
+
 class CudaBackend final : public VmmBackend {
  public:
-  CudaBackend(int ordinal, CUdevice device) : ordinal_(ordinal), device_(device) {
+  CudaBackend(int ordinal, CUdevice device)
+      : ordinal_(ordinal), device_(device), physical_name_(physical_name_of(device)) {
     check("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&context_, device_));
     try {
       granularity_ = query_granularity();
@@ -95,6 +122,7 @@ class CudaBackend final : public VmmBackend {
 
   std::string name() const override { return kBackendName; }
   int device_ordinal() const override { return ordinal_; }
+  std::string physical_device_name() const override { return physical_name_; }
   DLDeviceType dlpack_device_type() const override { return DLDeviceType::kCUDA; }
   Granularity granularity() const override { return granularity_; }
 
@@ -198,6 +226,7 @@ class CudaBackend final : public VmmBackend {
 
   const int ordinal_;
   const CUdevice device_;
+  const std::string physical_name_;
   CUcontext context_ = nullptr;
   Granularity granularity_{0, 0};
 };
@@ -237,25 +266,21 @@ int cuda_driver_version() {
   return version;
 }
 
+std::string cuda_physical_device_name(int ordinal) {
+  return physical_name_of(open_device_handle(ordinal));
+}
+
 std::shared_ptr<VmmBackend> make_cuda_backend(int ordinal) {
-  const CUresult init = initialise_driver();
-  if (init != CUDA_SUCCESS) {
-    throw BackendUnavailable("no CUDA device: cuInit returned " + driver_message(init));
-  }
-  const int count = checked_device_count();
-  if (ordinal < 0 || ordinal >= count) {
-    throw BackendUnavailable("no CUDA device " + std::to_string(ordinal) + ": the driver reports " +
-                             std::to_string(count) + " device(s)");
-  }
-  CUdevice device = 0;
-  check("cuDeviceGet", cuDeviceGet(&device, ordinal));
+  const CUdevice device = open_device_handle(ordinal);
   int vmm_supported = 0;
   check("cuDeviceGetAttribute",
         cuDeviceGetAttribute(&vmm_supported,
                              CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device));
   if (vmm_supported == 0) {
-    throw BackendUnavailable("CUDA device " + std::to_string(ordinal) +
-                             " does not support virtual memory management (cuMemMap)");
+    throw BackendUnavailable("CUDA device " + std::to_string(ordinal) + " (" +
+                             physical_name_of(device) +
+                             ") does not support virtual memory management: "
+                             "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0");
   }
   return std::make_shared<CudaBackend>(ordinal, device);
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "kvcached/device/backend.hpp"
 
@@ -22,6 +23,11 @@ bool cuda_vmm_supported(int ordinal);
 // The driver's CUDA version as cuDriverGetVersion reports it (e.g. 13000).
 // Throws BackendUnavailable when the driver library is only the link stub.
 int cuda_driver_version();
+
+// The physical identity of device `ordinal` ("cuda-GPU-<uuid>", see
+// device_identity.hpp), the same whatever CUDA_VISIBLE_DEVICES makes the
+// ordinal. Needs no VMM support. Throws BackendUnavailable for a missing device.
+std::string cuda_physical_device_name(int ordinal);
 
 // Opens device `ordinal` through its primary context. Throws
 // BackendUnavailable ("no CUDA device: ...") when there is no such device or

@@ -47,6 +47,11 @@ CUresult CUDAAPI cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, 
   (void)device;
   return CUDA_ERROR_STUB_LIBRARY;
 }
+CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice device) {
+  (void)uuid;
+  (void)device;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *context, CUdevice device) {
   (void)context;
   (void)device;

@@ -4,74 +4,50 @@
 // Compiled by the host C++ compiler with __HIP_PLATFORM_AMD__ (no hipcc): only
 // the runtime API is used. Written against Debian's HIP 5.2 headers and meant to
 // run unchanged on ROCm 7.x (MI300X); names newer than 5.2 sit behind HIP_VERSION.
-// Never run on AMD hardware so far: see docs/gpu-backends.md.
+// Never run on AMD hardware so far: see docs/amd.md for what is emulated, from
+// which public report, and what remains unverified.
 #include "hip/hip_backend.hpp"
 
-#include <hip/hip_runtime_api.h>
-#include <hip/hip_version.h>
-
+#include <atomic>
+#include <chrono>
 #include <cstdint>
-#include <mutex>
+#include <cstdlib>
 #include <string>
+#include <thread>
+
+#include "hip/hip_runtime.hpp"
 
 namespace kvcached {
 namespace {
 
-constexpr const char* kBackendName = "hip";
+using hip::check;
+using hip::ScopedHipCall;
+using Clock = std::chrono::steady_clock;
 
-// hipDeviceAttributeVirtualMemoryManagementSupported is missing from HIP 5.2's
-// headers; every ROCm 6 release has it (HIP_VERSION = major*10^7 + minor*10^5 + patch).
-#define KVCACHED_HIP_HAS_VMM_ATTRIBUTE (HIP_VERSION >= 60000000)
+// The page kvcached prefers when the runtime's recommendation is smaller: ROCm
+// runtimes before rocm-systems PR #1176 answered the *minimum* granularity
+// (4 KiB) to a query for the recommended one. 2 MiB is what ROCm recommends on
+// MI300X (rocminfo: "Alloc Recommended Granule: 2048KB").
+constexpr std::size_t kPreferredPageFloorBytes = std::size_t{2} << 20;
 
-// Concurrent VMM calls have crashed the HIP runtime (ROCm 6.x), so every HIP
-// call this backend makes, from any thread and any device, takes this lock.
-// Driver VMM calls serialise inside the driver anyway, so little is lost.
-std::mutex& hip_runtime_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
+// How long a fresh mapping may stay invisible to GPU work. On gfx1201 /
+// ROCm 7.2.1 a kernel launched right after hipMemMap + hipMemSetAccess read
+// zeros and lost its stores; 2 ms of host wall-clock time closed the window
+// and no queue operation did (ROCm/rocm-systems#11693, ROCm/clr#288).
+constexpr const char* kSettleEnv = "KVCACHED_HIP_MAPPING_SETTLE_US";
+constexpr long long kDefaultSettleMicroseconds = 2000;
 
-std::string driver_message(hipError_t code) {
-  const char* name = hipGetErrorName(code);
-  const char* description = hipGetErrorString(code);
-  return std::string(name != nullptr ? name : "unknown hipError_t") + ": " +
-         (description != nullptr ? description : "no description from the runtime");
-}
-
-[[noreturn]] void throw_driver_error(const char* call, hipError_t code) {
-  if (code == hipErrorOutOfMemory) {
-    throw DeviceOutOfMemory(kBackendName, call, code, driver_message(code));
+std::chrono::microseconds mapping_settle_time() {
+  const char* text = std::getenv(kSettleEnv);
+  if (text == nullptr || *text == '\0') return std::chrono::microseconds(kDefaultSettleMicroseconds);
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (*end != '\0' || value < 0) {
+    throw InvalidArgument(std::string(kSettleEnv) + " must be a non-negative number of microseconds, got '" +
+                          text + "'");
   }
-  throw DriverError(kBackendName, call, code, driver_message(code));
+  return std::chrono::microseconds(value);
 }
-
-void check(const char* call, hipError_t code) {
-  if (code != hipSuccess) throw_driver_error(call, code);
-}
-
-// Holds the runtime lock and makes `ordinal` the calling thread's device,
-// restoring the caller's device afterwards (PyTorch threads keep theirs).
-class ScopedHipCall {
- public:
-  explicit ScopedHipCall(int ordinal) : lock_(hip_runtime_mutex()) {
-    check("hipGetDevice", hipGetDevice(&previous_));
-    if (previous_ != ordinal) {
-      check("hipSetDevice", hipSetDevice(ordinal));
-      switched_ = true;
-    }
-  }
-  ~ScopedHipCall() {
-    // Best effort: a failure here cannot be reported from a destructor.
-    if (switched_) (void)hipSetDevice(previous_);
-  }
-  ScopedHipCall(const ScopedHipCall&) = delete;
-  ScopedHipCall& operator=(const ScopedHipCall&) = delete;
-
- private:
-  std::lock_guard<std::mutex> lock_;
-  int previous_ = 0;
-  bool switched_ = false;
-};
 
 hipMemGenericAllocationHandle_t to_hip_handle(PhysicalHandle handle) {
   return reinterpret_cast<hipMemGenericAllocationHandle_t>(static_cast<std::uintptr_t>(handle));
@@ -79,40 +55,17 @@ hipMemGenericAllocationHandle_t to_hip_handle(PhysicalHandle handle) {
 
 void* to_pointer(VirtualAddress address) { return reinterpret_cast<void*>(address); }
 
-// Pinned device memory with no export handle types, the only kind used here.
-hipMemAllocationProp device_allocation_prop(int ordinal) {
-  hipMemAllocationProp prop{};
-  prop.type = hipMemAllocationTypePinned;
-  prop.location.type = hipMemLocationTypeDevice;
-  prop.location.id = ordinal;
-  return prop;
-}
-
-// Caller holds the runtime lock.
-bool vmm_supported_locked(int ordinal) {
-#if KVCACHED_HIP_HAS_VMM_ATTRIBUTE
-  int supported = 0;
-  if (hipDeviceGetAttribute(&supported, hipDeviceAttributeVirtualMemoryManagementSupported,
-                            ordinal) != hipSuccess) {
-    return false;
-  }
-  return supported != 0;
-#else
-  // No attribute to ask: a device whose runtime answers the granularity query has the API.
-  const hipMemAllocationProp prop = device_allocation_prop(ordinal);
-  std::size_t granularity_bytes = 0;
-  return hipMemGetAllocationGranularity(&granularity_bytes, &prop,
-                                        hipMemAllocationGranularityRecommended) == hipSuccess &&
-         granularity_bytes != 0;
-#endif
-}
-
 class HipBackend final : public VmmBackend {
  public:
-  explicit HipBackend(int ordinal) : ordinal_(ordinal), granularity_(query_granularity()) {}
+  explicit HipBackend(int ordinal)
+      : ordinal_(ordinal),
+        physical_name_(hip::physical_device_name(ordinal)),
+        granularity_(query_granularity()),
+        settle_(mapping_settle_time()) {}
 
-  std::string name() const override { return kBackendName; }
+  std::string name() const override { return hip::kBackendName; }
   int device_ordinal() const override { return ordinal_; }
+  std::string physical_device_name() const override { return physical_name_; }
   DLDeviceType dlpack_device_type() const override { return DLDeviceType::kROCM; }
   Granularity granularity() const override { return granularity_; }
 
@@ -141,7 +94,7 @@ class HipBackend final : public VmmBackend {
 
   PhysicalHandle create(std::size_t size_bytes) override {
     ScopedHipCall call(ordinal_);
-    const hipMemAllocationProp prop = device_allocation_prop(ordinal_);
+    const hipMemAllocationProp prop = hip::device_allocation_prop(ordinal_);
     hipMemGenericAllocationHandle_t handle = nullptr;
     const unsigned long long no_flags = 0;
     check("hipMemCreate", hipMemCreate(&handle, size_bytes, &prop, no_flags));
@@ -175,9 +128,20 @@ class HipBackend final : public VmmBackend {
     const std::size_t one_descriptor = 1;
     check("hipMemSetAccess",
           hipMemSetAccess(to_pointer(address), size_bytes, &access, one_descriptor));
+    last_access_set_.store(Clock::now().time_since_epoch().count());
+  }
+
+  // Waits until the newest mapping is settle_ old. Wall-clock time, not a
+  // queue operation, is what made fresh mappings visible in the public report;
+  // with the pool's background worker mapping ahead, the wait is off the
+  // allocation path. The runtime lock is not held while waiting.
+  void fence_new_mappings() override {
+    const Clock::time_point newest{Clock::duration(last_access_set_.load())};
+    std::this_thread::sleep_until(newest + settle_);
   }
 
   void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
+    fence_new_mappings();  // the memset is GPU work on a fresh mapping
     ScopedHipCall call(ordinal_);
     check("hipMemset", hipMemset(to_pointer(address), 0, size_bytes));
     check("hipDeviceSynchronize", hipDeviceSynchronize());
@@ -189,72 +153,88 @@ class HipBackend final : public VmmBackend {
   }
 
  private:
-  // HIP may report a 4 KiB minimum next to a 2 MiB recommendation. Small
-  // mappings are slow and have been unreliable on ROCm, so the recommended
-  // size is reported as the minimum too: nothing above ever maps less.
+  // The runtime's minimum, and its recommendation raised to at least
+  // kPreferredPageFloorBytes (rounded to a multiple of the minimum): pools
+  // default to the recommended size, so nothing maps 4 KiB pages by default.
   Granularity query_granularity() const {
     ScopedHipCall call(ordinal_);
-    const hipMemAllocationProp prop = device_allocation_prop(ordinal_);
-    std::size_t recommended_bytes = 0;
+    const hipMemAllocationProp prop = hip::device_allocation_prop(ordinal_);
+    Granularity result{0, 0};
     check("hipMemGetAllocationGranularity",
-          hipMemGetAllocationGranularity(&recommended_bytes, &prop,
+          hipMemGetAllocationGranularity(&result.minimum_bytes, &prop,
+                                         hipMemAllocationGranularityMinimum));
+    check("hipMemGetAllocationGranularity",
+          hipMemGetAllocationGranularity(&result.recommended_bytes, &prop,
                                          hipMemAllocationGranularityRecommended));
-    return {recommended_bytes, recommended_bytes};
+    if (result.minimum_bytes == 0 || result.recommended_bytes % result.minimum_bytes != 0) {
+      throw DriverError(hip::kBackendName, "hipMemGetAllocationGranularity", hipErrorInvalidValue,
+                        "minimum " + std::to_string(result.minimum_bytes) + " and recommended " +
+                            std::to_string(result.recommended_bytes) +
+                            " bytes: the recommendation is not a multiple of the minimum");
+    }
+    if (result.recommended_bytes < kPreferredPageFloorBytes) {
+      const std::size_t units =
+          (kPreferredPageFloorBytes + result.minimum_bytes - 1) / result.minimum_bytes;
+      result.recommended_bytes = units * result.minimum_bytes;
+    }
+    return result;
   }
 
   const int ordinal_;
+  const std::string physical_name_;
   const Granularity granularity_;
+  const std::chrono::microseconds settle_;
+  // When hipMemSetAccess last returned, as Clock ticks (atomic: set under the
+  // runtime lock, read by fence_new_mappings without it).
+  std::atomic<Clock::rep> last_access_set_{0};
 };
 
 }  // namespace
 
 int hip_device_count() {
-  std::lock_guard<std::mutex> lock(hip_runtime_mutex());
+  std::lock_guard<std::mutex> lock(hip::runtime_mutex());
   int count = 0;
   const hipError_t result = hipGetDeviceCount(&count);
   if (result == hipErrorNoDevice) return 0;
   if (result != hipSuccess) {
     throw BackendUnavailable("HIP runtime unusable: hipGetDeviceCount returned " +
-                             driver_message(result));
+                             hip::driver_message(result));
   }
   return count;
 }
 
 bool hip_vmm_supported(int ordinal) {
-  std::lock_guard<std::mutex> lock(hip_runtime_mutex());
-  int count = 0;
-  if (hipGetDeviceCount(&count) != hipSuccess || ordinal < 0 || ordinal >= count) return false;
-  return vmm_supported_locked(ordinal);
+  try {
+    hip::require_device(ordinal);
+  } catch (const BackendUnavailable&) {
+    return false;
+  }
+  return hip::vmm_supported(ordinal, nullptr);
 }
 
 int hip_driver_version() {
-  std::lock_guard<std::mutex> lock(hip_runtime_mutex());
+  std::lock_guard<std::mutex> lock(hip::runtime_mutex());
   int version = 0;
   const hipError_t result = hipDriverGetVersion(&version);
   if (result != hipSuccess) {
     throw BackendUnavailable("HIP runtime unusable: hipDriverGetVersion returned " +
-                             driver_message(result));
+                             hip::driver_message(result));
   }
   return version;
 }
 
+std::string hip_physical_device_name(int ordinal) {
+  hip::require_device(ordinal);
+  return hip::physical_device_name(ordinal);
+}
+
 std::shared_ptr<VmmBackend> make_hip_backend(int ordinal) {
-  {
-    std::lock_guard<std::mutex> lock(hip_runtime_mutex());
-    int count = 0;
-    const hipError_t result = hipGetDeviceCount(&count);
-    if (result != hipSuccess) {
-      throw BackendUnavailable("no HIP device: hipGetDeviceCount returned " +
-                               driver_message(result));
-    }
-    if (ordinal < 0 || ordinal >= count) {
-      throw BackendUnavailable("no HIP device " + std::to_string(ordinal) +
-                               ": the runtime reports " + std::to_string(count) + " device(s)");
-    }
-    if (!vmm_supported_locked(ordinal)) {
-      throw BackendUnavailable("HIP device " + std::to_string(ordinal) +
-                               " does not support virtual memory management (hipMemMap)");
-    }
+  hip::require_device(ordinal);
+  std::string why_not;
+  if (!hip::vmm_supported(ordinal, &why_not)) {
+    throw BackendUnavailable("HIP device " + std::to_string(ordinal) + " (" +
+                             hip::physical_device_name(ordinal) +
+                             ") does not support virtual memory management: " + why_not);
   }
   return std::make_shared<HipBackend>(ordinal);
 }

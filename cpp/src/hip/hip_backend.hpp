@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "kvcached/device/backend.hpp"
 
@@ -14,15 +15,25 @@ namespace kvcached {
 // throws BackendUnavailable when the runtime cannot start for another reason.
 int hip_device_count();
 
-// Whether device `ordinal` supports virtual memory management. False for an
-// ordinal that does not exist or when there is no usable runtime.
+// Whether device `ordinal` supports virtual memory management
+// (hipDeviceAttributeVirtualMemoryManagementSupported). False for an ordinal
+// that does not exist or when there is no usable runtime.
 bool hip_vmm_supported(int ordinal);
 
 // hipDriverGetVersion's value (e.g. 50221153 for HIP 5.2).
 int hip_driver_version();
 
+// The physical identity of device `ordinal` ("hip-GPU-<uuid>" or
+// "hip-pci-<bus id>", see device_identity.hpp), the same whatever
+// ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES make the ordinal. Needs no VMM
+// support. Throws BackendUnavailable for a missing device.
+std::string hip_physical_device_name(int ordinal);
+
 // Opens device `ordinal`. Throws BackendUnavailable ("no HIP device: ...")
-// when there is no such device or it lacks virtual memory management.
+// when there is no such device, and one naming
+// hipDeviceAttributeVirtualMemoryManagementSupported and what to check when
+// the device lacks virtual memory management. Reads
+// KVCACHED_HIP_MAPPING_SETTLE_US (see fence_new_mappings in hip_backend.cpp).
 std::shared_ptr<VmmBackend> make_hip_backend(int ordinal);
 
 }  // namespace kvcached

@@ -3,6 +3,8 @@
 // fixed address, so two mappings of one allocation share bytes, as on a GPU.
 #include "host_backend.hpp"
 
+#include "kvcached/device/device_identity.hpp"
+
 #include <errno.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -54,6 +56,7 @@ class HostBackend final : public VmmBackend {
 
   std::string name() const override { return "host"; }
   int device_ordinal() const override { return 0; }
+  std::string physical_device_name() const override { return identity::kHost; }
   DLDeviceType dlpack_device_type() const override { return DLDeviceType::kCPU; }
   Granularity granularity() const override {
     return Granularity{page_bytes_, kRecommendedGranularityBytes};

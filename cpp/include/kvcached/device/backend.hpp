@@ -41,7 +41,12 @@ class KVCACHED_EXPORT VmmBackend {
 
   // "host", "cuda" or "hip".
   virtual std::string name() const = 0;
+  // The index this process sees the device under (after CUDA_VISIBLE_DEVICES,
+  // HIP_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).
   virtual int device_ordinal() const = 0;
+  // Which physical device this is, the same text in every process whatever
+  // ordinal it sees the device under (forms in device_identity.hpp).
+  virtual std::string physical_device_name() const = 0;
   virtual DLDeviceType dlpack_device_type() const = 0;
   virtual Granularity granularity() const = 0;
   virtual MemoryInfo memory_info() const = 0;
@@ -63,6 +68,11 @@ class KVCACHED_EXPORT VmmBackend {
   virtual void unmap(VirtualAddress address, std::size_t size_bytes) = 0;
   // Make mapped memory readable and writable by this device.
   virtual void set_access(VirtualAddress address, std::size_t size_bytes) = 0;
+  // Make every mapping whose access was set so far visible to device work
+  // submitted from now on; may wait. Call once after a batch of mappings,
+  // before their memory is handed to kernels. CUDA and host: visible when
+  // set_access returns, nothing to do. HIP: see hip_backend.cpp.
+  virtual void fence_new_mappings() {}
 
   // Set mapped, accessible memory to zero and wait until it is done (used once
   // per shared zero allocation, so it need not be fast).

@@ -87,7 +87,10 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   ~Device();
 
   VmmBackend& backend() noexcept { return *backend_; }
-  std::string name() const;  // e.g. "cuda:0", "cpu"
+  std::string name() const;  // e.g. "cuda:0", "cpu": the ordinal this process sees
+  // The physical device, e.g. "cuda-GPU-8f2c...", "hip-pci-0000:c1:00.0", "cpu":
+  // the same in every process (device_identity.hpp). Read once at open.
+  const std::string& canonical_name() const noexcept { return canonical_name_; }
   std::string backend_name() const { return backend_->name(); }
   int ordinal() const { return backend_->device_ordinal(); }
   DLDeviceType dlpack_device_type() const { return backend_->dlpack_device_type(); }
@@ -108,6 +111,13 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   // map + set_access, undone if set_access fails.
   void map_accessible(VirtualAddress address, const PhysicalAllocation& allocation);
   void synchronize() { backend_->synchronize(); }
+  // Make mappings made so far visible to device work from now on (may wait;
+  // see VmmBackend::fence_new_mappings). Call before handing new memory out.
+  void fence_new_mappings() { backend_->fence_new_mappings(); }
+  // Whether [address, address + size) lies inside one live reservation: the
+  // most any exported tensor may span (a copy across two separately reserved
+  // ranges fails on ROCm even where they happen to be adjacent).
+  bool inside_one_reservation(VirtualAddress address, std::size_t size_bytes) const;
   // Range must be mapped and accessible.
   void zero_fill(VirtualAddress address, std::size_t size_bytes);
   bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes);
@@ -136,6 +146,7 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
 
   std::shared_ptr<VmmBackend> backend_;
   Granularity granularity_;
+  std::string canonical_name_;
   mutable std::mutex mutex_;  // guards the records below and serialises driver calls
   std::map<VirtualAddress, std::size_t> reservations_;           // base -> size
   std::unordered_map<PhysicalHandle, AllocationRecord> allocations_;

@@ -102,7 +102,9 @@ std::shared_ptr<Device> Device::open(std::shared_ptr<VmmBackend> backend) {
 }
 
 Device::Device(std::shared_ptr<VmmBackend> backend)
-    : backend_(std::move(backend)), granularity_(backend_->granularity()) {}
+    : backend_(std::move(backend)),
+      granularity_(backend_->granularity()),
+      canonical_name_(backend_->physical_device_name()) {}
 
 Device::~Device() = default;  // every Reservation / PhysicalAllocation holds a shared_ptr to us
 
@@ -155,6 +157,12 @@ std::map<VirtualAddress, std::size_t>::const_iterator Device::find_reservation(
   --it;
   if (address + size_bytes > it->first + it->second) return reservations_.end();
   return it;
+}
+
+bool Device::inside_one_reservation(VirtualAddress address, std::size_t size_bytes) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return size_bytes > 0 && address + size_bytes > address &&
+         find_reservation(address, size_bytes) != reservations_.end();
 }
 
 void Device::map(VirtualAddress address, const PhysicalAllocation& allocation) {

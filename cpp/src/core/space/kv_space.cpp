@@ -174,6 +174,8 @@ void KVSpace::map_pages(const std::vector<std::int64_t>& pages) {
     }
     throw;
   }
+  // Mapped pages are handed out next: make them visible to device work first.
+  if (!pages.empty()) memory_->device->fence_new_mappings();
 }
 
 void KVSpace::uncover_pages_locked(const std::vector<std::int64_t>& pages) {
