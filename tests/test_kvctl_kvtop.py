@@ -16,6 +16,8 @@ from kvcached.registry import DeviceRegistry
 
 PAGE_BYTES = 2 * 1024 * 1024
 DEVICE = "cpu"
+# A made-up physical identity, shaped like nvidia-smi's.
+GPU = "cuda-GPU-0a1b2c3d-0000-4000-8000-00000000000a"
 BUDGET_BYTES = 64 * PAGE_BYTES
 COMMAND_TIMEOUT_S = 60
 # Wide enough that kvtop's table never elides a column.
@@ -76,8 +78,8 @@ def test_kvctl_options_go_before_or_after_the_command(env, registry):
 
 
 def test_kvctl_list_of_an_unused_device_is_empty_not_an_error(env):
-    listing = kvctl_json(env, "--device", "cuda:0", "list")
-    assert listing["exists"] is False and listing["instances"] == []
+    listing = kvctl_json(env, "--device", GPU, "list")
+    assert (listing["device"], listing["exists"], listing["instances"]) == (GPU, False, [])
 
 
 def test_kvctl_limits_reach_the_running_instance(env, registry):
@@ -107,8 +109,14 @@ def test_kvctl_set_budget_takes_effect_at_once(env, registry):
     assert registry.budget_bytes == 4 * PAGE_BYTES
     assert not engine.try_acquire(PAGE_BYTES)
     assert engine.external_limit_bytes == 4 * PAGE_BYTES, "told to shrink to the new budget"
-    fresh = kvctl_json(env, "--device", "cuda:1", "set-budget", "1GiB")
-    assert fresh["previous_budget_bytes"] is None and DeviceRegistry("cuda:1").budget_bytes == 2**30
+
+
+def test_kvctl_set_budget_creates_a_registry_only_for_a_device_this_machine_has(env, tmp_path):
+    fresh = kvctl_json(env, "set-budget", "1GiB")  # the host: nobody registered yet
+    assert fresh["previous_budget_bytes"] is None and DeviceRegistry(DEVICE).budget_bytes == 2**30
+    failed = run(env, "kvctl", "--device", GPU, "set-budget", "1GiB", expect_rc=1)
+    assert "no registry for device" in failed.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["kvcached-cpu"], "nothing made for a GPU not here"
 
 
 def test_kvctl_clean_reclaims_dead_instances(env, registry):
@@ -118,7 +126,7 @@ def test_kvctl_clean_reclaims_dead_instances(env, registry):
     assert child.exitcode == -signal.SIGKILL
     (dead,) = kvctl_json(env, "list")["instances"]
     assert dead["name"] == "crashed" and not dead["alive"]
-    assert kvctl_json(env, "clean") == {"device": DEVICE, "cleaned": 1}
+    assert kvctl_json(env, "clean") == {"device": DEVICE, "cleaned": 1, "removed_files": []}
     assert registry.entries() == [] and registry.available_bytes == BUDGET_BYTES
 
 
@@ -126,12 +134,12 @@ def test_kvtop_once_prints_one_frame_of_every_device(env, registry):
     engine = registry.register("llama-8b", limit_bytes=32 * PAGE_BYTES)
     assert engine.try_acquire(8 * PAGE_BYTES)
     engine.report_usage(4 * PAGE_BYTES, 8 * PAGE_BYTES)
-    other_device = DeviceRegistry("cuda:0", BUDGET_BYTES).register("mistral-7b")  # kept: dropping unregisters
+    other_device = DeviceRegistry(GPU, BUDGET_BYTES).register("mistral-7b", local_device="cuda:3")  # kept
     frame = run(env, "kvtop", "--once").stdout
-    for text in ("cpu", "cuda:0", "budget 128.0 MiB", "llama-8b", str(os.getpid()), "8.0M", "16M", "64M", "ok"):
+    for text in ("cpu", GPU, "cuda:3", "budget 128.0 MiB", "llama-8b", str(os.getpid()), "8.0M", "16M", "64M", "ok"):
         assert text in frame, text
     assert "█" in frame and "▒" in frame, "usage bars drawn"
-    only_cuda = run(env, "kvtop", "--once", "--device", "cuda:0").stdout
+    only_cuda = run(env, "kvtop", "--once", "--device", GPU).stdout
     assert "mistral-7b" in only_cuda and "llama-8b" not in only_cuda
     assert other_device.registered
 

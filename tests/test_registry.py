@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvcached import _core
+from kvcached.errors import KvcachedError
 from kvcached.registry import (
     DEFAULT_GPU_UTILIZATION,
     DeviceRegistry,
@@ -24,6 +25,9 @@ from kvcached.registry import (
 
 PAGE_BYTES = 2 * 1024 * 1024
 DEVICE = "cpu"
+# Made-up physical identities, shaped like nvidia-smi's.
+GPU_A = "cuda-GPU-0a1b2c3d-0000-4000-8000-00000000000a"
+GPU_B = "cuda-GPU-0a1b2c3d-0000-4000-8000-00000000000b"
 # Generous bound for a spawned child to start and reach a rendezvous point.
 CHILD_TIMEOUT_S = 60.0
 
@@ -139,18 +143,24 @@ def test_first_user_creates_registry_and_later_users_keep_its_budget(isolated_re
 
 def test_missing_registry_without_budget_is_file_not_found():
     with pytest.raises(FileNotFoundError, match="no kvcached registry"):
-        DeviceRegistry("cuda:3")
+        DeviceRegistry(GPU_A)
     assert issubclass(RegistryNotFoundError, FileNotFoundError)
+    assert issubclass(RegistryNotFoundError, KvcachedError)
 
 
-def test_foreign_or_old_file_is_refused_not_misread(isolated_registry_dir):
+def test_foreign_file_is_refused_not_misread_nor_replaced(isolated_registry_dir):
     size = os.path.getsize(make_registry(1).path)
-    (isolated_registry_dir / "kvcached-cuda:0").write_bytes(b"\x01" * size)
+    foreign = isolated_registry_dir / f"kvcached-{GPU_A}"
+    foreign.write_bytes(b"\x01" * size)
+    foreign.chmod(0o600)
+    for budget in (None, PAGE_BYTES):
+        with pytest.raises(RuntimeError, match="not a kvcached registry"):
+            DeviceRegistry(GPU_A, budget)
+    (isolated_registry_dir / f"kvcached-{GPU_B}").write_bytes(b"short")
+    (isolated_registry_dir / f"kvcached-{GPU_B}").chmod(0o600)
     with pytest.raises(RuntimeError, match="not a kvcached registry"):
-        DeviceRegistry("cuda:0")
-    (isolated_registry_dir / "kvcached-cuda:1").write_bytes(b"short")
-    with pytest.raises(RuntimeError, match="too small"):
-        DeviceRegistry("cuda:1")
+        DeviceRegistry(GPU_B, PAGE_BYTES)
+    assert foreign.read_bytes() == b"\x01" * size, "never rewritten"
 
 
 def test_try_acquire_respects_device_budget_and_own_limit():
@@ -271,9 +281,14 @@ def test_default_budget_follows_documented_utilisation(monkeypatch):
     monkeypatch.setenv("KVCACHED_GPU_UTILIZATION", "0.5")
     assert default_budget_bytes("cuda:0", total) == total // 2
     assert default_budget_bytes("cpu", total) == total, "host capacity is used whole"
-    monkeypatch.setenv("KVCACHED_GPU_UTILIZATION", "1.5")
-    with pytest.raises(ValueError, match="KVCACHED_GPU_UTILIZATION"):
-        default_budget_bytes("cuda:0", total)
+    for invalid in ("1.5", "abc", "nan", "0"):
+        monkeypatch.setenv("KVCACHED_GPU_UTILIZATION", invalid)
+        for device in ("cuda:0", "cpu"):  # the host too, as documented
+            with pytest.raises(ValueError, match="KVCACHED_GPU_UTILIZATION"):
+                default_budget_bytes(device, total)
+        with pytest.raises(ValueError, match="KVCACHED_GPU_UTILIZATION"):
+            registry_for("cpu", total_bytes=total)
+    monkeypatch.delenv("KVCACHED_GPU_UTILIZATION")
     registry = registry_for("cpu", total_bytes=12 * PAGE_BYTES)
     assert registry.budget_bytes == 12 * PAGE_BYTES
     assert registry_for("cpu", total_bytes=1).budget_bytes == 12 * PAGE_BYTES, "first user decides"

@@ -1,0 +1,55 @@
+// Building and checking the registry layout (registry_format.hpp).
+#include "registry_format.hpp"
+
+#include <cstring>
+#include <new>
+
+#include "registry_os.hpp"
+
+namespace kvcached::registry_detail {
+
+void init_layout(void* memory, const std::string& device, std::size_t budget_bytes) {
+  Layout* layout = new (memory) Layout();
+  Header& header = layout->header;
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  // Relocking from the owning thread is an error (EDEADLK), not a silent hang.
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+  const int rc = pthread_mutex_init(&header.mutex, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc != 0) throw_os_error("pthread_mutex_init", rc);
+  header.prefix.version = kRegistryLayoutVersion;
+  header.prefix.capacity = kRegistryCapacity;
+  header.prefix.layout_bytes = kLayoutBytes;
+  std::strncpy(header.device, device.c_str(), kRegistryDeviceMaxBytes);
+  header.budget_bytes.store(budget_bytes);
+  std::atomic_thread_fence(std::memory_order_release);
+  header.prefix.magic = kRegistryMagic;
+}
+
+std::optional<std::string> header_mismatch(const Header& header, const std::string& device) {
+  const HeaderPrefix& prefix = header.prefix;
+  if (prefix.magic != kRegistryMagic) return "is not a kvcached registry";
+  if (prefix.version != kRegistryLayoutVersion) {
+    return "has layout version " + std::to_string(prefix.version) + ", expected " +
+           std::to_string(kRegistryLayoutVersion);
+  }
+  if (prefix.capacity != kRegistryCapacity || prefix.layout_bytes != kLayoutBytes) {
+    return "has a different table size (made by another kvcached build)";
+  }
+  const std::string owner(header.device, strnlen(header.device, sizeof header.device));
+  if (owner != device) return "belongs to device '" + owner + "'";
+  return std::nullopt;
+}
+
+std::size_t total_mapped_bytes(const Layout& layout) noexcept {
+  std::size_t total = 0;
+  for (const EntryRecord& entry : layout.entries) {
+    if (slot_active(entry)) total += entry.mapped_bytes.load(std::memory_order_relaxed);
+  }
+  return total;
+}
+
+}  // namespace kvcached::registry_detail

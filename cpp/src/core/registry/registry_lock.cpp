@@ -1,0 +1,71 @@
+// RegistryLock: polling acquisition of the robust mutex, recovery from dead owners, timeout.
+#include "registry_lock.hpp"
+
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "kvcached/registry/registry_errors.hpp"
+#include "registry_os.hpp"
+
+namespace kvcached::registry_detail {
+
+namespace {
+constexpr int kYieldingAttempts = 64;
+constexpr std::int64_t kFirstSleepNs = 20'000;
+constexpr std::int64_t kLongestSleepNs = 1'000'000;
+}  // namespace
+
+RegistryLock::RegistryLock(Segment& segment, bool check_path) : segment_(segment) {
+  segment.check_intact(check_path);
+  Header& header = segment.header();
+  const std::int64_t deadline_ns = monotonic_now_ns() + kLockTimeoutNs;
+  std::int64_t sleep_ns = kFirstSleepNs;
+  for (int attempt = 0;; ++attempt) {
+    int rc = pthread_mutex_trylock(&header.mutex);
+    if (rc == EOWNERDEAD) {
+      header.lock_recoveries.fetch_add(1, std::memory_order_relaxed);
+      rc = pthread_mutex_consistent(&header.mutex);
+    }
+    if (rc == 0) break;
+    if (rc != EBUSY) {
+      if (rc == ENOTRECOVERABLE) {
+        throw RegistryUnusable("registry lock of " + segment.path() +
+                               " is not recoverable (an owner died and recovery failed); remove "
+                               "the file once no engine uses it (kvctl clean)");
+      }
+      throw_os_error("pthread_mutex_trylock(" + segment.path() + ")", rc);
+    }
+    segment.check_attached();  // the mutex itself may have vanished with the file
+    if (monotonic_now_ns() >= deadline_ns) {
+      throw DriverError("registry", "pthread_mutex_trylock", ETIMEDOUT,
+                        "registry lock of " + segment.path() + " held for over " +
+                            std::to_string(kLockTimeoutNs / 1'000'000'000) + " s by pid " +
+                            std::to_string(header.lock_owner_pid.load()) + " (stopped or hung?)");
+    }
+    if (attempt < kYieldingAttempts) {
+      sched_yield();
+    } else {
+      const timespec pause{0, static_cast<long>(sleep_ns)};
+      nanosleep(&pause, nullptr);
+      sleep_ns = std::min(sleep_ns * 2, kLongestSleepNs);
+    }
+  }
+  header.lock_owner_pid.store(getpid(), std::memory_order_relaxed);
+  if (segment.detached()) {  // a fault while taking it: the lock was private memory
+    pthread_mutex_unlock(&header.mutex);
+    segment.throw_unusable();
+  }
+}
+
+RegistryLock::~RegistryLock() {
+  Header& header = segment_.header();
+  header.lock_owner_pid.store(0, std::memory_order_relaxed);
+  pthread_mutex_unlock(&header.mutex);
+}
+
+}  // namespace kvcached::registry_detail
