@@ -152,6 +152,9 @@ void bind_registry(nb::module_& m) {
         "device"_a,
         "'host', 'gpu_identity' or 'gpu_index' for a canonical registry device name; "
         "ValueError stating the grammar otherwise.");
+  nb::dict layout;
+  for (const auto& [field, offset] : registry_layout_offsets()) layout[field.c_str()] = offset;
+  m.attr("_REGISTRY_LAYOUT") = layout;
   m.def("validate_instance_name", &validate_instance_name, "name"_a,
         "ValueError unless `name` is a valid instance name (1-63 bytes of UTF-8, no control characters).");
   m.def("registry_directory", &registry_directory_path,

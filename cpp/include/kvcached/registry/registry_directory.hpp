@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcached/error.hpp"
@@ -36,6 +37,11 @@ struct RegistryFileInfo {
   bool removable = false;               // what clean_registry_directory would remove
   std::string detail;                   // plain words: what it is and what to do
 };
+
+// Where fields sit in the current file layout, by name ("entries", "entry_bytes",
+// "entry.pid", "entry.name", "header.version", ...): for tests that damage a
+// file on purpose and for tools that read one. Not an interface to write through.
+KVCACHED_EXPORT std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets();
 
 // The registry directory: KVCACHED_REGISTRY_DIR (absolute) or /dev/shm.
 KVCACHED_EXPORT std::string registry_directory_path();

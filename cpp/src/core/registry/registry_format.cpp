@@ -1,9 +1,11 @@
 // Building and checking the registry layout (registry_format.hpp).
 #include "registry_format.hpp"
 
+#include <cstddef>
 #include <cstring>
 #include <new>
 
+#include "kvcached/registry/registry_directory.hpp"
 #include "registry_os.hpp"
 
 namespace kvcached::registry_detail {
@@ -53,3 +55,32 @@ std::size_t total_mapped_bytes(const Layout& layout) noexcept {
 }
 
 }  // namespace kvcached::registry_detail
+
+namespace kvcached {
+
+std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets() {
+  using registry_detail::EntryRecord;
+  using registry_detail::Header;
+  using registry_detail::Layout;
+  // offsetof on these standard-layout-in-practice types: what the bytes are.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+  return {
+      {"layout_bytes", sizeof(Layout)},
+      {"header.magic", offsetof(Header, prefix.magic)},
+      {"header.version", offsetof(Header, prefix.version)},
+      {"header.device", offsetof(Header, device)},
+      {"header.budget_bytes", offsetof(Header, budget_bytes)},
+      {"entries", offsetof(Layout, entries)},
+      {"entry_bytes", sizeof(EntryRecord)},
+      {"entry.state", offsetof(EntryRecord, state)},
+      {"entry.pid", offsetof(EntryRecord, pid)},
+      {"entry.start_time_ticks", offsetof(EntryRecord, start_time_ticks)},
+      {"entry.mapped_bytes", offsetof(EntryRecord, mapped_bytes)},
+      {"entry.name", offsetof(EntryRecord, name)},
+      {"entry.local_device", offsetof(EntryRecord, local_device)},
+  };
+#pragma GCC diagnostic pop
+}
+
+}  // namespace kvcached
