@@ -38,6 +38,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
   RegistryLock lock(*segment_);
   EntryRecord* entry = owned_entry();
   if (entry == nullptr) {
+    lock.confirm();  // a truncated or wiped file also reads as "no entry": say which
     throw BackendUnavailable("registry entry '" + name_ + "' in " + segment_->path() +
                              " is gone (unregistered, or reclaimed because its pid was "
                              "judged dead); register again");

@@ -40,7 +40,13 @@ RegistryLock::RegistryLock(Segment& segment, bool check_path) : segment_(segment
       }
       throw_os_error("pthread_mutex_trylock(" + segment.path() + ")", rc);
     }
-    segment.check_attached();  // the mutex itself may have vanished with the file
+    // The file may have shrunk under us: the holder then moved to private pages
+    // and will never release the shared mutex. Noticed by fstat while sleeping.
+    if (attempt < kYieldingAttempts) {
+      segment.check_attached();
+    } else {
+      segment.check_intact(/*check_path=*/false);
+    }
     if (monotonic_now_ns() >= deadline_ns) {
       throw DriverError("registry", "pthread_mutex_trylock", ETIMEDOUT,
                         "registry lock of " + segment.path() + " held for over " +

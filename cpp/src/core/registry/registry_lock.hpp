@@ -16,7 +16,9 @@
 // aborts the process on that. Polling keeps every access to the mapping in user
 // space, where a truncated file raises SIGBUS, which fault_guard.hpp turns into
 // a clear error. Critical sections last microseconds: the poll yields first,
-// then sleeps from 20 us up to 1 ms. A lock still held after kLockTimeoutNs
+// then sleeps from 20 us up to 1 ms, checking meanwhile that the file is still
+// whole (a holder whose file shrank moved to private pages and will never
+// release the shared mutex). A lock still held after kLockTimeoutNs
 // means its owner is stopped (SIGSTOP, debugger), which a robust mutex cannot
 // detect: that is an error naming the owner's pid.
 #pragma once
@@ -38,9 +40,10 @@ class RegistryLock {
   RegistryLock(const RegistryLock&) = delete;
   RegistryLock& operator=(const RegistryLock&) = delete;
 
-  // Throws RegistryUnusable if the file shrank while the lock was held (the
-  // section then ran on private zero pages): call before acting on what was read.
-  void confirm() const { segment_.check_attached(); }
+  // Throws RegistryUnusable if the file shrank, was wiped, removed or replaced
+  // while the lock was held (the section may then have read zeros, or run on
+  // private pages): call before acting on what was read under the lock.
+  void confirm() const { segment_.check_intact(/*check_path=*/false); }
 
  private:
   Segment& segment_;
