@@ -13,6 +13,7 @@ import time
 import pytest
 
 from kvcached.registry import DeviceRegistry
+from registry_files import entry_offset, poke
 
 PAGE_BYTES = 2 * 1024 * 1024
 DEVICE = "cpu"
@@ -36,11 +37,10 @@ def registry(env):
 
 
 def run(env, module, *args, expect_rc=0):
-    done = subprocess.run(
-        [sys.executable, "-m", f"kvcached.{module}", *args],
-        env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-    )
-    assert done.returncode == expect_rc, done.stderr
+    """Runs kvctl / kvtop; ``expect_rc=None`` leaves checking the exit code to the caller."""
+    argv = [os.fsencode(arg) for arg in (sys.executable, "-m", f"kvcached.{module}", *args)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    assert expect_rc is None or done.returncode == expect_rc, done.stderr
     return done
 
 
@@ -159,3 +159,71 @@ def test_kvtop_live_view_refreshes_until_interrupted(env, registry):
     out, err = view.communicate(timeout=COMMAND_TIMEOUT_S)
     assert view.returncode == 0, err
     assert "live-engine" in out and engine.registered
+
+
+# ---- bad input: one line on stderr, a non-zero exit, never a traceback ----------------------
+
+
+def assert_one_line_failure(done, rc: int, words: str) -> None:
+    assert done.returncode == rc, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert words in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("args, rc, words", [
+    (("set-limit", "x", "1e99"), 1, "exponents"),
+    (("set-limit", "x", "0.5"), 1, "whole number of bytes"),
+    (("set-limit", "x", "-1"), 1, "negative"),
+    (("set-limit", "x", "99999999999999999999"), 1, "too large"),
+    (("set-limit", "x", "inf"), 1, "not a size"),
+    (("set-budget", "nan"), 1, "not a size"),
+    (("set-budget", "9223372036854775808"), 1, "too large"),
+    (("--device", "../x", "list"), 1, "unknown device '../x'"),
+    (("--device", "cuda:0/../../etc", "clean"), 1, "unknown device"),
+    (("--device", "cuda:77", "list"), 1, "cuda:77"),
+    (("--device", "cuda:77", "set-budget", "1G"), 1, "cuda:77"),
+    (("--device", "cuda-GPU-not-a-uuid", "set-budget", "1G"), 1, "unknown device"),
+    (("set-limit", "x"), 2, "the following arguments are required"),
+    (("frobnicate",), 2, "invalid choice"),
+    (("--bogus",), 2, "unrecognized arguments"),
+])
+def test_kvctl_answers_bad_arguments_in_one_line(env, tmp_path, args, rc, words):
+    assert_one_line_failure(run(env, "kvctl", *args, expect_rc=None), rc, words)
+    assert list(tmp_path.iterdir()) == [], "a bad argument creates nothing"
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--interval", "nan"), "'nan' is not between"),
+    (("--interval", "inf"), "'inf' is not between"),
+    (("--interval", "-1"), "is not between"),
+    (("--interval", "0"), "is not between"),
+    (("--interval", "soon"), "is not a number of seconds"),
+    (("--device", "../x", "--once"), "unknown device '../x'"),
+    (("--device", "cuda:77", "--once"), "cuda:77"),
+])
+def test_kvtop_answers_bad_arguments_in_one_line(env, args, words):
+    assert_one_line_failure(run(env, "kvtop", *args, expect_rc=None), 2, words)
+
+
+def test_names_that_are_not_printable_utf8_are_shown_escaped(env, registry):
+    engine = registry.register("crafted-name-xxxx")
+    # What another writer of the file could leave: invalid UTF-8 and a terminal escape sequence.
+    poke(registry.path, entry_offset(engine.slot, "name"), b"crafted\xff\xfe\x1b[2J\x00")
+    (entry,) = registry.entries()
+    assert entry["name"] == "crafted\\xff\\xfe\x1b[2J"
+    listing = run(env, "kvctl", "list").stdout
+    assert "crafted\\xff\\xfe\\x1b[2J" in listing and "\x1b" not in listing
+    assert kvctl_json(env, "list")["instances"][0]["name"] == "crafted\\xff\\xfe\x1b[2J"
+    frame = run(env, "kvtop", "--once").stdout
+    assert "crafted\\xff\\xfe" in frame and "\x1b[2J" not in frame
+    assert kvctl_json(env, "set-limit", "crafted\udcff\udcfe\x1b[2J", "4M")["matched"] == 1, "named as it is stored"
+    assert engine.limit_bytes == 2 * PAGE_BYTES
+
+
+def test_kvctl_files_and_list_report_a_damaged_registry_in_one_line(env, registry, tmp_path):
+    os.truncate(registry.path, 0)
+    assert_one_line_failure(run(env, "kvctl", "list", expect_rc=None), 1, "is empty (truncated)")
+    (damaged,) = kvctl_json(env, "files")["files"]
+    assert (damaged["status"], damaged["removable"]) == ("damaged", True)
+    assert "is empty (truncated)" in run(env, "kvtop", "--once").stdout
+    assert kvctl_json(env, "clean")["removed_files"] == [registry.path]

@@ -24,7 +24,7 @@ import pwd
 import sys
 from typing import Any, NoReturn, Optional, Sequence, Union
 
-from kvcached.errors import KvcachedError, RegistryNotFoundError
+from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,
@@ -181,15 +181,30 @@ def cmd_set_budget(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    registry = open_existing(args.device)
+    try:
+        registry = open_existing(args.device)
+        unusable = None
+    except RegistryUnusableError as error:  # e.g. truncated: the directory sweep below removes it
+        registry, unusable = None, error
     cleaned = registry.clean_stale() if registry is not None else 0
     removed = clean_directory()
     device = registry.device if registry is not None else args.device
     payload = {"device": device, "cleaned": cleaned, "removed_files": [file["path"] for file in removed]}
+    if unusable is not None and _still_unusable(args.device):
+        return _fail(args.json, payload, str(unusable))
     lines = [f"{device}: reclaimed {cleaned} stale entr{'y' if cleaned == 1 else 'ies'}"]
     lines += [f"removed {printable(file['path'])}: {printable(file['detail'])}" for file in removed]
     _emit(args.json, payload, "\n".join(lines))
     return EXIT_OK
+
+
+def _still_unusable(device: str) -> bool:
+    """After cleaning: does the device's registry path still hold a file kvcached cannot use?"""
+    try:
+        open_existing(device)
+        return False
+    except RegistryUnusableError:
+        return True
 
 
 def cmd_files(args: argparse.Namespace) -> int:
