@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -170,6 +171,17 @@ def assert_one_line_failure(done, rc: int, words: str) -> None:
     assert words in done.stderr, done.stderr
 
 
+def run_in_process(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
+    """The tool's main() in this process (fast): an uncaught exception fails the test like a traceback."""
+    main = importlib.import_module(f"kvcached.{module}").main
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
 @pytest.mark.parametrize("args, rc, words", [
     (("set-limit", "x", "1e99"), 1, "exponents"),
     (("set-limit", "x", "0.5"), 1, "whole number of bytes"),
@@ -180,15 +192,15 @@ def assert_one_line_failure(done, rc: int, words: str) -> None:
     (("set-budget", "9223372036854775808"), 1, "too large"),
     (("--device", "../x", "list"), 1, "unknown device '../x'"),
     (("--device", "cuda:0/../../etc", "clean"), 1, "unknown device"),
-    (("--device", "cuda:77", "list"), 1, "cuda:77"),
-    (("--device", "cuda:77", "set-budget", "1G"), 1, "cuda:77"),
+    (("--device", "cuda:77", "list"), 1, "cannot open"),
+    (("--device", "cuda:77", "set-budget", "1G"), 1, "cannot open"),
     (("--device", "cuda-GPU-not-a-uuid", "set-budget", "1G"), 1, "unknown device"),
     (("set-limit", "x"), 2, "the following arguments are required"),
     (("frobnicate",), 2, "invalid choice"),
     (("--bogus",), 2, "unrecognized arguments"),
 ])
-def test_kvctl_answers_bad_arguments_in_one_line(env, tmp_path, args, rc, words):
-    assert_one_line_failure(run(env, "kvctl", *args, expect_rc=None), rc, words)
+def test_kvctl_answers_bad_arguments_in_one_line(env, tmp_path, capsys, args, rc, words):
+    assert_one_line_failure(run_in_process(capsys, "kvctl", *args), rc, words)
     assert list(tmp_path.iterdir()) == [], "a bad argument creates nothing"
 
 
@@ -199,10 +211,21 @@ def test_kvctl_answers_bad_arguments_in_one_line(env, tmp_path, args, rc, words)
     (("--interval", "0"), "is not between"),
     (("--interval", "soon"), "is not a number of seconds"),
     (("--device", "../x", "--once"), "unknown device '../x'"),
-    (("--device", "cuda:77", "--once"), "cuda:77"),
+    (("--device", "cuda:77", "--once"), "cannot open"),
 ])
-def test_kvtop_answers_bad_arguments_in_one_line(env, args, words):
-    assert_one_line_failure(run(env, "kvtop", *args, expect_rc=None), 2, words)
+def test_kvtop_answers_bad_arguments_in_one_line(env, capsys, args, words):
+    assert_one_line_failure(run_in_process(capsys, "kvtop", *args), 2, words)
+
+
+@pytest.mark.parametrize("module", ["kvctl", "kvtop"])
+@pytest.mark.parametrize("variable, value, words", [
+    ("KVCACHED_REGISTRY_DIR", "relative/dir", "must be an absolute path"),
+    ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached", "names no group"),
+])
+def test_a_bad_setting_is_one_line_too(env, monkeypatch, module, variable, value, words):
+    env = {**env, variable: value}
+    args = ("list",) if module == "kvctl" else ("--once",)
+    assert_one_line_failure(run(env, module, *args, expect_rc=None), 1, words)
 
 
 def test_names_that_are_not_printable_utf8_are_shown_escaped(env, registry):

@@ -152,10 +152,14 @@ def _device_or_error(name: str) -> Any:
 def frame(devices: Optional[Sequence[str]]) -> "Group":
     """Everything kvtop shows at one instant."""
     views: list[Any] = []
+    try:
+        files = [] if devices else registry_files()
+    except (KvcachedError, ValueError, OSError) as error:  # e.g. the directory went away meanwhile
+        files, views = [], [Text(printable(str(error)), style="yellow")]
     if devices:
         views = [_device_or_error(name) for name in devices]
     else:
-        for file in registry_files():
+        for file in files:
             if file["status"] == "current":
                 views.append(_device_or_error(file["device"]))
             elif file["status"] != "unfinished":
@@ -199,6 +203,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         devices = [resolve_device(name).registry for name in args.device or []]
     except (KvcachedError, ValueError, OSError) as error:
         parser.error(printable(str(error)))
+    try:
+        registry_files()  # a bad KVCACHED_REGISTRY_DIR or _GROUP: say so once, and stop
+    except (KvcachedError, ValueError, OSError) as error:
+        print(f"kvtop: {printable(str(error))}", file=sys.stderr)
+        return 1
     console = Console()
     if args.once:
         console.print(frame(devices))
