@@ -125,10 +125,11 @@ def test_an_engine_survives_its_registry_being_damaged_and_is_told_why(damage):
 def child_hammer(ready, results) -> None:
     """Takes and gives back pages as fast as it can until the registry goes; counts what it saw."""
     budget = DeviceRegistry(DEVICE).register("hammer")
-    ready.set()
     rounds = 0
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     while time.monotonic() < deadline:
+        if rounds == 100:
+            ready.set()  # well into the loop: the damage lands mid-flight
         try:
             if budget.try_acquire(PAGE_BYTES):
                 budget.release(PAGE_BYTES)

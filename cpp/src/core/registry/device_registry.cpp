@@ -43,7 +43,7 @@ std::size_t DeviceRegistry::budget_bytes() const {
 }
 
 void DeviceRegistry::set_budget_bytes(std::size_t budget_bytes) {
-  RegistryLock lock(*segment_, /*check_path=*/true);
+  RegistryLock lock(*segment_);
   segment_->header().budget_bytes.store(budget_bytes, std::memory_order_relaxed);
   lock.confirm();
 }
@@ -60,7 +60,7 @@ std::size_t DeviceRegistry::available_bytes() const {
 std::vector<RegistryEntryInfo> DeviceRegistry::entries() const {
   std::vector<RegistryEntryInfo> snapshot;
   {
-    RegistryLock lock(*segment_, /*check_path=*/true);
+    RegistryLock lock(*segment_);
     for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
       const EntryRecord& entry = segment_->entry(slot);
       if (registry_detail::slot_active(entry)) snapshot.push_back(registry_detail::entry_info(entry, slot));
@@ -79,7 +79,7 @@ std::size_t DeviceRegistry::set_limit(const std::variant<std::int64_t, std::stri
   if (limit_bytes && *limit_bytes >= registry_detail::kNoLimit) {
     throw InvalidArgument("limit is too large");
   }
-  RegistryLock lock(*segment_, /*check_path=*/true);
+  RegistryLock lock(*segment_);
   std::size_t changed = 0;
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
     EntryRecord& entry = segment_->entry(slot);
@@ -98,7 +98,7 @@ std::size_t DeviceRegistry::set_limit(const std::variant<std::int64_t, std::stri
 }
 
 std::size_t DeviceRegistry::clean_stale() {
-  RegistryLock lock(*segment_, /*check_path=*/true);
+  RegistryLock lock(*segment_);
   const std::size_t freed = registry_detail::clean_stale_locked(segment_->layout());
   lock.confirm();
   return freed;
@@ -119,7 +119,7 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(
     throw InvalidArgument("pid " + std::to_string(owner_pid) + " is not a running process");
   }
   check_registry_keying(device_);
-  RegistryLock lock(*segment_, /*check_path=*/true);
+  RegistryLock lock(*segment_);
   registry_detail::clean_stale_locked(segment_->layout());
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
     EntryRecord& entry = segment_->entry(slot);

@@ -35,7 +35,8 @@ bool RegistryBudget::registered() const noexcept { return owned_entry() != nullp
 
 bool RegistryBudget::try_acquire(std::size_t bytes) {
   if (bytes == 0) return true;
-  RegistryLock lock(*segment_);
+  // Checked after the section (confirm) rather than before: one fstat per page.
+  RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
   EntryRecord* entry = owned_entry();
   if (entry == nullptr) {
     lock.confirm();  // a truncated or wiped file also reads as "no entry": say which
@@ -79,7 +80,8 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
 void RegistryBudget::release(std::size_t bytes) noexcept {
   if (bytes == 0) return;
   try {
-    RegistryLock lock(*segment_);
+    // No file check: returning bytes to a file that is gone harms nobody.
+    RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
     EntryRecord* entry = owned_entry();
     if (entry == nullptr) return;
     const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
@@ -160,7 +162,7 @@ std::size_t RegistryBudget::mapped_bytes() const noexcept {
 void RegistryBudget::unregister() noexcept {
   if (unregistered_ || getpid() != creator_pid_) return;
   try {
-    RegistryLock lock(*segment_);
+    RegistryLock lock(*segment_, registry_detail::LockCheck::file);
     EntryRecord& entry = segment_->entry(slot_);
     if (registry_detail::owns_entry(entry, instance_id_)) {
       entry.state.store(registry_detail::kSlotFree, std::memory_order_release);

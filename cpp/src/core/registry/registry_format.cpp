@@ -41,8 +41,11 @@ std::optional<std::string> header_mismatch(const Header& header, const std::stri
   if (prefix.capacity != kRegistryCapacity || prefix.layout_bytes != kLayoutBytes) {
     return "has a different table size (made by another kvcached build)";
   }
-  const std::string owner(header.device, strnlen(header.device, sizeof header.device));
-  if (owner != device) return "belongs to device '" + owner + "'";
+  // Compared in place: this runs on every locked operation.
+  const std::size_t owner_bytes = strnlen(header.device, sizeof header.device);
+  if (owner_bytes != device.size() || std::memcmp(header.device, device.data(), owner_bytes) != 0) {
+    return "belongs to device '" + std::string(header.device, owner_bytes) + "'";
+  }
   return std::nullopt;
 }
 

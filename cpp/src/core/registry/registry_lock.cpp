@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "kvcached/registry/registry_errors.hpp"
 #include "registry_os.hpp"
@@ -20,8 +21,13 @@ constexpr std::int64_t kFirstSleepNs = 20'000;
 constexpr std::int64_t kLongestSleepNs = 1'000'000;
 }  // namespace
 
-RegistryLock::RegistryLock(Segment& segment, bool check_path) : segment_(segment) {
-  segment.check_intact(check_path);
+RegistryLock::RegistryLock(Segment& segment, LockCheck check) : segment_(segment) {
+  if (check == LockCheck::attached) {
+    segment.check_attached();
+    segment.check_header();
+  } else {
+    segment.check_intact(/*check_path=*/check == LockCheck::file_path);
+  }
   Header& header = segment.header();
   const std::int64_t deadline_ns = monotonic_now_ns() + kLockTimeoutNs;
   std::int64_t sleep_ns = kFirstSleepNs;
@@ -32,14 +38,14 @@ RegistryLock::RegistryLock(Segment& segment, bool check_path) : segment_(segment
       rc = pthread_mutex_consistent(&header.mutex);
     }
     if (rc == 0) break;
-    if (rc != EBUSY) {
-      if (rc == ENOTRECOVERABLE) {
-        throw RegistryUnusable("registry lock of " + segment.path() +
-                               " is not recoverable (an owner died and recovery failed); remove "
-                               "the file once no engine uses it (kvctl clean)");
-      }
-      throw_os_error("pthread_mutex_trylock(" + segment.path() + ")", rc);
+    if (rc == ENOTRECOVERABLE || rc == EINVAL) {
+      // Not a lock any more: an owner died and recovery failed, or its bytes were overwritten.
+      segment.detach(kOverwritten);
+      throw RegistryUnusable("registry lock of " + segment.path() + " is damaged (" +
+                             std::strerror(rc) + "); this process takes no more memory through "
+                             "it. Remove the file once no engine uses it, then restart the engines");
     }
+    if (rc != EBUSY) throw_os_error("pthread_mutex_trylock(" + segment.path() + ")", rc);
     // The file may have shrunk under us: the holder then moved to private pages
     // and will never release the shared mutex. Noticed by fstat while sleeping.
     if (attempt < kYieldingAttempts) {

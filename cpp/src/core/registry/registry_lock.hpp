@@ -31,11 +31,20 @@ namespace kvcached::registry_detail {
 
 inline constexpr std::int64_t kLockTimeoutNs = 5'000'000'000;
 
+// What a RegistryLock checks before taking the lock. Hot paths (a page's
+// try_acquire / release) skip the system calls: a shrunk file faults on the
+// lock itself (fault_guard.hpp), and confirm() checks the rest afterwards.
+enum class LockCheck {
+  attached,   // the segment is not detached and its header intact (memory reads)
+  file,       // also fstat: whole, still linked, header intact
+  file_path,  // also that the path still names this file (slow paths)
+};
+
 class RegistryLock {
  public:
-  // Checks the segment (Segment::check_intact), then takes the lock. Throws
-  // RegistryUnusable, or DriverError when the lock stays held past the timeout.
-  explicit RegistryLock(Segment& segment, bool check_path = false);
+  // Checks the segment as asked, then takes the lock. Throws RegistryUnusable,
+  // or DriverError when the lock stays held past the timeout.
+  explicit RegistryLock(Segment& segment, LockCheck check = LockCheck::file_path);
   ~RegistryLock();
   RegistryLock(const RegistryLock&) = delete;
   RegistryLock& operator=(const RegistryLock&) = delete;

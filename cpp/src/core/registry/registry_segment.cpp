@@ -71,6 +71,10 @@ void Segment::check_intact(bool check_path) {
       throw_unusable();
     }
   }
+  check_header();
+}
+
+void Segment::check_header() {
   if (header_mismatch(header(), device_)) {
     detach(kOverwritten);
     throw_unusable();

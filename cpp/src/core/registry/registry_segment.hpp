@@ -50,6 +50,10 @@ class Segment {
   void check_intact(bool check_path);
   // Throws RegistryUnusable if detached.
   void check_attached() const;
+  // Throws RegistryUnusable (detaching first) if the header no longer
+  // describes this device's registry; memory reads only, no system call.
+  // Called before every lock: a garbage mutex is never handed to pthreads.
+  void check_header();
   [[noreturn]] void throw_unusable() const;
   // Stops using the file (idempotent; the first reason is kept).
   void detach(DetachReason reason) noexcept;
