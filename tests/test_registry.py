@@ -196,3 +196,35 @@ def test_default_budget_follows_documented_utilisation(monkeypatch):
     registry = registry_for("cpu", total_bytes=12 * PAGE_BYTES)
     assert registry.budget_bytes == 12 * PAGE_BYTES
     assert registry_for("cpu", total_bytes=1).budget_bytes == 12 * PAGE_BYTES, "first user decides"
+
+
+class _OpenedGpu:
+    """Stands for an opened GPU: its name as this process sees it and, maybe, its identity."""
+
+    def __init__(self, name: str, canonical_name: str = "") -> None:
+        self.name, self.canonical_name = name, canonical_name
+
+
+def test_a_gpu_is_resolved_to_its_physical_identity_and_remembered_as_this_process_sees_it():
+    from kvcached.registry import DeviceName, resolve_device
+
+    assert resolve_device(_OpenedGpu("cuda:1", GPU_A)) == DeviceName(GPU_A, "cuda:1")
+    assert resolve_device(GPU_A) == DeviceName(GPU_A, "")
+    assert resolve_device(" CPU ") == resolve_device("host") == DeviceName("cpu", "cpu")
+    registry = registry_for(_OpenedGpu("cuda:1", GPU_A), total_bytes=8 * PAGE_BYTES)
+    assert (registry.device, registry.local_device) == (GPU_A, "cuda:1")
+    registry.register("seen-as-cuda-1")
+    registry_for(_OpenedGpu("cuda:0", GPU_A)).register("seen-as-cuda-0")  # same GPU, another mask
+    assert [(e["name"], e["local_device"]) for e in DeviceRegistry(GPU_A).entries()] == [
+        ("seen-as-cuda-1", "cuda:1"), ("seen-as-cuda-0", "cuda:0")], "one registry, each entry as its process sees it"
+
+
+def test_a_gpu_without_identity_is_keyed_by_index_and_a_bad_identity_is_refused(caplog):
+    from kvcached.registry import DeviceName, resolve_device
+
+    assert resolve_device(_OpenedGpu("hip:2")) == DeviceName("hip-index-2", "hip:2")
+    assert "reports no device identity" in caplog.text
+    with pytest.raises(ValueError, match="not a device identity"):
+        resolve_device(_OpenedGpu("cuda:0", "cuda-index-0"))
+    with pytest.raises(ValueError, match="unknown device '../x'"):
+        resolve_device("../x")

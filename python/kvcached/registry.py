@@ -15,9 +15,9 @@ processes that see one GPU under different indices (``CUDA_VISIBLE_DEVICES``)
 share one budget: ``cpu``, ``cuda-GPU-<uuid>``, ``hip-GPU-<id>`` or
 ``hip-pci-<bus id>`` (``kvcached/registry/registry_names.hpp`` has the grammar).
 Functions here also accept a device as this process sees it (``"cuda:0"``,
-``"hip:1"``) and resolve it through the device's ``identity``; a backend that
-cannot report one gets ``cuda-index-N`` / ``hip-index-N`` (keyed by index, with
-a warning). Each entry also records the device as its own process sees it.
+``"hip:1"``) and resolve it through the opened device's ``canonical_name``; a
+backend that cannot report one gets ``cuda-index-N`` / ``hip-index-N`` (keyed by
+index, with a warning). Each entry also records the device as its own process sees it.
 
 Access. A registry is private to the user who created it unless
 ``KVCACHED_REGISTRY_GROUP`` names a group to share it with (``docs/security.md``).
@@ -111,8 +111,9 @@ _warned_index_keyed: set[str] = set()
 
 
 def _identity_of(device: Any, local: str) -> str:
-    """The registry name of an opened GPU: its identity, else its index (with a warning once)."""
-    identity = getattr(device, "identity", None)
+    """The registry name of an opened GPU: its physical identity (``Device.canonical_name``),
+    else its index (with a warning once) for a backend that cannot report one."""
+    identity = getattr(device, "canonical_name", None)
     if identity:
         if registry_device_kind(identity) != "gpu_identity":
             raise ValueError(f"{local}: the backend reported {identity!r}, which is not a device identity")
