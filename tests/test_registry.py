@@ -213,8 +213,9 @@ def test_a_gpu_is_resolved_to_its_physical_identity_and_remembered_as_this_proce
     assert resolve_device(" CPU ") == resolve_device("host") == DeviceName("cpu", "cpu")
     registry = registry_for(_OpenedGpu("cuda:1", GPU_A), total_bytes=8 * PAGE_BYTES)
     assert (registry.device, registry.local_device) == (GPU_A, "cuda:1")
-    registry.register("seen-as-cuda-1")
-    registry_for(_OpenedGpu("cuda:0", GPU_A)).register("seen-as-cuda-0")  # same GPU, another mask
+    first = registry.register("seen-as-cuda-1")
+    second = registry_for(_OpenedGpu("cuda:0", GPU_A)).register("seen-as-cuda-0")  # same GPU, another mask
+    assert first.registered and second.registered
     assert [(e["name"], e["local_device"]) for e in DeviceRegistry(GPU_A).entries()] == [
         ("seen-as-cuda-1", "cuda:1"), ("seen-as-cuda-0", "cuda:0")], "one registry, each entry as its process sees it"
 
