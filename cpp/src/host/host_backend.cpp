@@ -3,8 +3,6 @@
 // fixed address, so two mappings of one allocation share bytes, as on a GPU.
 #include "host_backend.hpp"
 
-#include "kvcached/sizes.hpp"
-
 #include <errno.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -16,6 +14,8 @@
 #include <cstring>
 #include <cstdio>
 #include <string>
+
+#include "kvcached/sizes.hpp"
 
 namespace kvcached {
 
