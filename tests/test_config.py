@@ -141,3 +141,15 @@ def test_a_relative_registry_dir_is_refused(monkeypatch):
     monkeypatch.setenv("KVCACHED_REGISTRY_DIR", "relative/dir")
     with pytest.raises(ValueError, match="KVCACHED_REGISTRY_DIR='relative/dir' must be an absolute path"):
         registry_for("cpu", total_bytes=1 << 20)
+
+
+def test_an_older_name_is_honoured_when_the_option_is_unset(monkeypatch):
+    monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    assert config.get("enable") is True
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    assert config.get("enable") is False, "the current name wins"
+    monkeypatch.delenv("KVCACHED_ENABLE")
+    monkeypatch.setenv("ENABLE_KVCACHED", "perhaps")
+    with pytest.raises(ValueError, match="ENABLE_KVCACHED='perhaps'"):
+        config.get("enable")

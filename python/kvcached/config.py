@@ -89,11 +89,12 @@ class Option(Generic[T]):
     default: T
     parse: Callable[[str], T]
     doc: str
-    #: Who reads it, when not kvcached.config.get (C++, the vLLM integration).
-    read_by: str = "kvcached.config"
+    #: Older names still honoured when ``env`` is unset.
+    aliases: tuple[str, ...] = ()
 
     def get(self) -> T:
-        text = os.environ.get(self.env)
+        env = next((name for name in (self.env, *self.aliases) if os.environ.get(name)), self.env)
+        text = os.environ.get(env)
         if text is None or text == "":
             return self.default
         try:
@@ -101,8 +102,8 @@ class Option(Generic[T]):
         except ValueError as exc:
             reason = str(exc)
             if reason.startswith(f"{text!r} "):  # the size parser quotes the text itself
-                raise ValueError(f"{self.env}={reason}") from None
-            raise ValueError(f"{self.env}={text!r} is invalid: {reason}") from None
+                raise ValueError(f"{env}={reason}") from None
+            raise ValueError(f"{env}={text!r} is invalid: {reason}") from None
 
 
 OPTIONS: dict[str, Option] = {
@@ -149,37 +150,31 @@ OPTIONS: dict[str, Option] = {
     "host_capacity_bytes": Option(
         "KVCACHED_HOST_CAPACITY_BYTES", None, _parse_positive_size,
         "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
-        read_by="host backend (C++), same size grammar",
     ),
     "registry_dir": Option(
         "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,
         "Directory of the per-device registry files (created with the registry's mode if missing).",
-        read_by="device registry (C++)",
     ),
     "registry_group": Option(
         "KVCACHED_REGISTRY_GROUP", None, _parse_text,
         "Group (name or gid) that shares the registries; unset: private to the creating user.",
-        read_by="device registry (C++)",
     ),
     "enable": Option(
         "KVCACHED_ENABLE", False, _parse_bool,
         "Switch kvcached on in a vLLM engine (ENABLE_KVCACHED=true works too).",
-        read_by="vLLM integration",
+        aliases=("ENABLE_KVCACHED",),
     ),
     "name": Option(
         "KVCACHED_NAME", None, _parse_instance_name,
         "An engine's name in the device registry (kvctl, kvtop); unset: derived from the model.",
-        read_by="vLLM integration",
     ),
     "limit_bytes": Option(
         "KVCACHED_LIMIT_BYTES", None, _parse_size,
         "An engine's own limit on physical KV memory; unset: vLLM's kv_cache_memory_bytes, else none.",
-        read_by="vLLM integration",
     ),
     "idle_cache_bytes": Option(
         "KVCACHED_IDLE_CACHE_BYTES", 0, _parse_size,
         "Prefix-cache memory an idle engine keeps (0: an engine with no requests returns all its KV memory).",
-        read_by="vLLM integration",
     ),
 }
 
