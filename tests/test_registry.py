@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvcached import _core
-from kvcached.errors import KvcachedError
+from kvcached.errors import KvcachedError, RegistryError, RegistryUnusableError
 from kvcached.registry import (
     DEFAULT_GPU_UTILIZATION,
     DeviceRegistry,
@@ -229,3 +229,8 @@ def test_a_gpu_without_identity_is_keyed_by_index_and_a_bad_identity_is_refused(
         resolve_device(_OpenedGpu("cuda:0", "cuda-index-0"))
     with pytest.raises(ValueError, match="unknown device '../x'"):
         resolve_device("../x")
+
+
+def test_a_registry_error_is_a_kvcached_error_and_keeps_its_builtin_base():
+    assert issubclass(RegistryUnusableError, RegistryError) and issubclass(RegistryError, KvcachedError)
+    assert issubclass(RegistryError, RuntimeError)

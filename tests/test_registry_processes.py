@@ -1,4 +1,4 @@
-"""The per-device registry across processes: one budget, racing users, and nothing a dead one can break."""
+"""The per-device registry across processes and threads: one budget, racing users, nothing a dead one can break."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from kvcached.registry import DeviceRegistry
+import kvcached
+from kvcached.registry import DeviceRegistry, registry_for
 
 PAGE_BYTES = 2 * 1024 * 1024
 DEVICE = "cpu"
@@ -257,3 +260,67 @@ def test_a_forked_child_cannot_unregister_its_parent():
     child.join(CHILD_TIMEOUT_S)
     assert child.exitcode == 0
     assert budget.registered and [entry["name"] for entry in registry.entries()] == ["parent"]
+
+
+# ---- threads, and pools coming and going ----------------------------------
+
+
+def test_threads_and_a_reader_share_one_registry_exactly():
+    registry = make_registry(32)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def engine(index: int) -> None:
+        try:
+            for cycle in range(40):
+                with registry.register(f"thread-{index}-{cycle}") as budget:
+                    held = sum(budget.try_acquire(PAGE_BYTES) for _ in range(3))
+                    budget.release(held * PAGE_BYTES)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                assert registry.mapped_bytes <= registry.budget_bytes
+                registry.set_limit("nobody", PAGE_BYTES)
+                registry.entries()
+            except BaseException as error:
+                errors.append(error)
+                return
+
+    threads = [threading.Thread(target=engine, args=(index,)) for index in range(6)]
+    watcher = threading.Thread(target=reader)
+    watcher.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(CHILD_TIMEOUT_S)
+    stop.set()
+    watcher.join(CHILD_TIMEOUT_S)
+    assert errors == []
+    assert registry.mapped_bytes == 0 and registry.entries() == []
+
+
+def _resources() -> tuple[int, int, int]:
+    """Open descriptors, memory mappings and threads of this process."""
+    maps = Path("/proc/self/maps").read_text().count("\n")
+    return len(os.listdir("/proc/self/fd")), maps, len(os.listdir("/proc/self/task"))
+
+
+def test_pool_create_close_cycles_leave_descriptors_mappings_and_threads_flat():
+    def cycle() -> None:
+        with kvcached.KVPool(num_layers=2, block_bytes=64 << 10, num_blocks=64, device="cpu",
+                             page_bytes=256 << 10) as pool:
+            pool.free(pool.alloc(8))
+
+    for _ in range(20):  # warm up: lazily created singletons, allocator arenas
+        cycle()
+    before = _resources()
+    for _ in range(200):
+        cycle()
+    after = _resources()
+    assert after[0] == before[0], "file descriptors"
+    assert after[2] == before[2], "threads"
+    assert after[1] <= before[1] + 2, f"mappings grew from {before[1]} to {after[1]}"
+    assert registry_for(DEVICE).entries() == []
