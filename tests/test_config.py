@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from kvcached import config
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "configuration.md"
+OPTIONS_HEADING = "## Options (`kvcached.config.OPTIONS`)"
+
+
+def _documented_options() -> dict[str, str]:
+    """Option name -> variable, from the rows of the doc's options table."""
+    section = DOC.read_text().split(OPTIONS_HEADING, 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| `(KVCACHED_\w+)` \|", section, flags=re.MULTILINE)
+    return dict(rows)
 
 
 def test_every_option_is_documented_with_its_default():
@@ -18,9 +28,20 @@ def test_every_option_is_documented_with_its_default():
         assert f"`{name}`" in text, f"option {name} is missing from docs/configuration.md"
 
 
-@pytest.mark.parametrize("env", ["KVCACHED_HOST_CAPACITY_BYTES", "KVCACHED_REGISTRY_DIR", "KVCACHED_GPU_BACKENDS"])
-def test_variables_outside_the_table_are_documented_too(env):
-    assert f"`{env}`" in DOC.read_text()
+def test_the_doc_table_and_the_options_table_are_the_same():
+    assert _documented_options() == {name: option.env for name, option in config.OPTIONS.items()}
+
+
+def test_every_variable_the_package_reads_is_documented():
+    """Any KVCACHED_* name in the library's source (Python and C++) is in the doc."""
+    text = DOC.read_text()
+    sources = [*(ROOT / "python").rglob("*.py"), *(ROOT / "cpp").rglob("*.[ch]pp")]
+    named = set()
+    for source in sources:
+        named |= set(re.findall(r"\"(KVCACHED_[A-Z_]+)\"", source.read_text()))
+    named |= {"KVCACHED_GPU_BACKENDS"}  # read by CMake
+    undocumented = sorted(env for env in named if f"`{env}`" not in text)
+    assert not undocumented, f"missing from docs/configuration.md: {undocumented}"
 
 
 def test_defaults_apply_when_unset(monkeypatch):
@@ -43,6 +64,12 @@ def test_defaults_apply_when_unset(monkeypatch):
         ("gpu_utilization", "0.5", 0.5),
         ("min_reserve_pages", "0", 0),
         ("virtual_capacity_bytes", "1.5G", 3 << 29),
+        ("virtual_capacity_bytes", "2GB", 2 * 10**9),
+        ("limit_bytes", "512MiB", 512 << 20),
+        ("idle_cache_bytes", "0", 0),
+        ("name", "llama-8b", "llama-8b"),
+        ("registry_dir", "/run/kvcached", "/run/kvcached"),
+        ("enable", "on", True),
     ],
 )
 def test_valid_values_parse(monkeypatch, name, text, value):
@@ -63,6 +90,13 @@ def test_valid_values_parse(monkeypatch, name, text, value):
         ("gpu_utilization", "0"),
         ("gpu_utilization", "1.5"),
         ("virtual_capacity_bytes", "-1G"),
+        ("virtual_capacity_bytes", "1e99"),
+        ("gpu_utilization", "abc"),
+        ("gpu_utilization", "nan"),
+        ("limit_bytes", "0.5"),
+        ("host_capacity_bytes", "0"),
+        ("name", "bad\x1bname"),
+        ("registry_dir", "relative/dir"),
     ],
 )
 def test_invalid_values_raise_a_clear_value_error(monkeypatch, name, text):
@@ -79,3 +113,43 @@ def test_an_invalid_variable_stops_pool_creation(monkeypatch):
     with pytest.raises(ValueError, match="KVCACHED_LAYOUT"):
         kvcached.KVPool(1, 4096, num_blocks=4, page_bytes=16384, device=kvcached._core.open_host_device(1 << 20),
                         background_worker=False)
+
+
+def test_a_missing_registry_dir_is_created_private(tmp_path, monkeypatch):
+    from kvcached.registry import registry_for
+
+    directory = tmp_path / "new-registry-dir"
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(directory))
+    monkeypatch.delenv("KVCACHED_REGISTRY_GROUP", raising=False)
+    registry = registry_for("cpu", total_bytes=1 << 20)
+    assert directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
+    assert Path(registry.path).parent == directory
+
+
+def test_a_registry_dir_whose_parent_is_missing_is_a_plain_error(tmp_path, monkeypatch):
+    from kvcached.errors import RegistryNotFoundError
+    from kvcached.registry import registry_for
+
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(RegistryNotFoundError, match=r"KVCACHED_REGISTRY_DIR=.*parent .*/no/such does not exist"):
+        registry_for("cpu", total_bytes=1 << 20)
+
+
+def test_a_relative_registry_dir_is_refused(monkeypatch):
+    from kvcached.registry import registry_for
+
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", "relative/dir")
+    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_DIR='relative/dir' must be an absolute path"):
+        registry_for("cpu", total_bytes=1 << 20)
+
+
+def test_an_older_name_is_honoured_when_the_option_is_unset(monkeypatch):
+    monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    assert config.get("enable") is True
+    monkeypatch.setenv("KVCACHED_ENABLE", "0")
+    assert config.get("enable") is False, "the current name wins"
+    monkeypatch.delenv("KVCACHED_ENABLE")
+    monkeypatch.setenv("ENABLE_KVCACHED", "perhaps")
+    with pytest.raises(ValueError, match="ENABLE_KVCACHED='perhaps'"):
+        config.get("enable")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -13,9 +14,12 @@ import time
 import pytest
 
 from kvcached.registry import DeviceRegistry
+from registry_files import entry_offset, poke
 
 PAGE_BYTES = 2 * 1024 * 1024
 DEVICE = "cpu"
+# A made-up physical identity, shaped like nvidia-smi's.
+GPU = "cuda-GPU-0a1b2c3d-0000-4000-8000-00000000000a"
 BUDGET_BYTES = 64 * PAGE_BYTES
 COMMAND_TIMEOUT_S = 60
 # Wide enough that kvtop's table never elides a column.
@@ -34,11 +38,10 @@ def registry(env):
 
 
 def run(env, module, *args, expect_rc=0):
-    done = subprocess.run(
-        [sys.executable, "-m", f"kvcached.{module}", *args],
-        env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-    )
-    assert done.returncode == expect_rc, done.stderr
+    """Runs kvctl / kvtop; ``expect_rc=None`` leaves checking the exit code to the caller."""
+    argv = [os.fsencode(arg) for arg in (sys.executable, "-m", f"kvcached.{module}", *args)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    assert expect_rc is None or done.returncode == expect_rc, done.stderr
     return done
 
 
@@ -76,8 +79,8 @@ def test_kvctl_options_go_before_or_after_the_command(env, registry):
 
 
 def test_kvctl_list_of_an_unused_device_is_empty_not_an_error(env):
-    listing = kvctl_json(env, "--device", "cuda:0", "list")
-    assert listing["exists"] is False and listing["instances"] == []
+    listing = kvctl_json(env, "--device", GPU, "list")
+    assert (listing["device"], listing["exists"], listing["instances"]) == (GPU, False, [])
 
 
 def test_kvctl_limits_reach_the_running_instance(env, registry):
@@ -107,8 +110,14 @@ def test_kvctl_set_budget_takes_effect_at_once(env, registry):
     assert registry.budget_bytes == 4 * PAGE_BYTES
     assert not engine.try_acquire(PAGE_BYTES)
     assert engine.external_limit_bytes == 4 * PAGE_BYTES, "told to shrink to the new budget"
-    fresh = kvctl_json(env, "--device", "cuda:1", "set-budget", "1GiB")
-    assert fresh["previous_budget_bytes"] is None and DeviceRegistry("cuda:1").budget_bytes == 2**30
+
+
+def test_kvctl_set_budget_creates_a_registry_only_for_a_device_this_machine_has(env, tmp_path):
+    fresh = kvctl_json(env, "set-budget", "1GiB")  # the host: nobody registered yet
+    assert fresh["previous_budget_bytes"] is None and DeviceRegistry(DEVICE).budget_bytes == 2**30
+    failed = run(env, "kvctl", "--device", GPU, "set-budget", "1GiB", expect_rc=1)
+    assert "no registry for device" in failed.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["kvcached-cpu"], "nothing made for a GPU not here"
 
 
 def test_kvctl_clean_reclaims_dead_instances(env, registry):
@@ -118,7 +127,7 @@ def test_kvctl_clean_reclaims_dead_instances(env, registry):
     assert child.exitcode == -signal.SIGKILL
     (dead,) = kvctl_json(env, "list")["instances"]
     assert dead["name"] == "crashed" and not dead["alive"]
-    assert kvctl_json(env, "clean") == {"device": DEVICE, "cleaned": 1}
+    assert kvctl_json(env, "clean") == {"device": DEVICE, "cleaned": 1, "removed_files": []}
     assert registry.entries() == [] and registry.available_bytes == BUDGET_BYTES
 
 
@@ -126,12 +135,12 @@ def test_kvtop_once_prints_one_frame_of_every_device(env, registry):
     engine = registry.register("llama-8b", limit_bytes=32 * PAGE_BYTES)
     assert engine.try_acquire(8 * PAGE_BYTES)
     engine.report_usage(4 * PAGE_BYTES, 8 * PAGE_BYTES)
-    other_device = DeviceRegistry("cuda:0", BUDGET_BYTES).register("mistral-7b")  # kept: dropping unregisters
+    other_device = DeviceRegistry(GPU, BUDGET_BYTES).register("mistral-7b", local_device="cuda:3")  # kept
     frame = run(env, "kvtop", "--once").stdout
-    for text in ("cpu", "cuda:0", "budget 128.0 MiB", "llama-8b", str(os.getpid()), "8.0M", "16M", "64M", "ok"):
+    for text in ("cpu", GPU, "cuda:3", "budget 128.0 MiB", "llama-8b", str(os.getpid()), "8.0M", "16M", "64M", "ok"):
         assert text in frame, text
     assert "█" in frame and "▒" in frame, "usage bars drawn"
-    only_cuda = run(env, "kvtop", "--once", "--device", "cuda:0").stdout
+    only_cuda = run(env, "kvtop", "--once", "--device", GPU).stdout
     assert "mistral-7b" in only_cuda and "llama-8b" not in only_cuda
     assert other_device.registered
 
@@ -151,3 +160,93 @@ def test_kvtop_live_view_refreshes_until_interrupted(env, registry):
     out, err = view.communicate(timeout=COMMAND_TIMEOUT_S)
     assert view.returncode == 0, err
     assert "live-engine" in out and engine.registered
+
+
+# ---- bad input: one line on stderr, a non-zero exit, never a traceback ----------------------
+
+
+def assert_one_line_failure(done, rc: int, words: str) -> None:
+    assert done.returncode == rc, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert words in done.stderr, done.stderr
+
+
+def run_in_process(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
+    """The tool's main() in this process (fast): an uncaught exception fails the test like a traceback."""
+    main = importlib.import_module(f"kvcached.{module}").main
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
+@pytest.mark.parametrize("args, rc, words", [
+    (("set-limit", "x", "1e99"), 1, "exponents"),
+    (("set-limit", "x", "0.5"), 1, "whole number of bytes"),
+    (("set-limit", "x", "-1"), 1, "negative"),
+    (("set-limit", "x", "99999999999999999999"), 1, "too large"),
+    (("set-limit", "x", "inf"), 1, "not a size"),
+    (("set-budget", "nan"), 1, "not a size"),
+    (("set-budget", "9223372036854775808"), 1, "too large"),
+    (("--device", "../x", "list"), 1, "unknown device '../x'"),
+    (("--device", "cuda:0/../../etc", "clean"), 1, "unknown device"),
+    (("--device", "cuda:77", "list"), 1, "cannot open"),
+    (("--device", "cuda:77", "set-budget", "1G"), 1, "cannot open"),
+    (("--device", "cuda-GPU-not-a-uuid", "set-budget", "1G"), 1, "unknown device"),
+    (("set-limit", "x"), 2, "the following arguments are required"),
+    (("frobnicate",), 2, "invalid choice"),
+    (("--bogus",), 2, "unrecognized arguments"),
+])
+def test_kvctl_answers_bad_arguments_in_one_line(env, tmp_path, capsys, args, rc, words):
+    assert_one_line_failure(run_in_process(capsys, "kvctl", *args), rc, words)
+    assert list(tmp_path.iterdir()) == [], "a bad argument creates nothing"
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--interval", "nan"), "'nan' is not between"),
+    (("--interval", "inf"), "'inf' is not between"),
+    (("--interval", "-1"), "is not between"),
+    (("--interval", "0"), "is not between"),
+    (("--interval", "soon"), "is not a number of seconds"),
+    (("--device", "../x", "--once"), "unknown device '../x'"),
+    (("--device", "cuda:77", "--once"), "cannot open"),
+])
+def test_kvtop_answers_bad_arguments_in_one_line(env, capsys, args, words):
+    assert_one_line_failure(run_in_process(capsys, "kvtop", *args), 2, words)
+
+
+@pytest.mark.parametrize("module", ["kvctl", "kvtop"])
+@pytest.mark.parametrize("variable, value, words", [
+    ("KVCACHED_REGISTRY_DIR", "relative/dir", "must be an absolute path"),
+    ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached", "names no group"),
+])
+def test_a_bad_setting_is_one_line_too(env, monkeypatch, module, variable, value, words):
+    env = {**env, variable: value}
+    args = ("list",) if module == "kvctl" else ("--once",)
+    assert_one_line_failure(run(env, module, *args, expect_rc=None), 1, words)
+
+
+def test_names_that_are_not_printable_utf8_are_shown_escaped(env, registry):
+    engine = registry.register("crafted-name-xxxx")
+    # What another writer of the file could leave: invalid UTF-8 and a terminal escape sequence.
+    poke(registry.path, entry_offset(engine.slot, "name"), b"crafted\xff\xfe\x1b[2J\x00")
+    (entry,) = registry.entries()
+    assert entry["name"] == "crafted\\xff\\xfe\x1b[2J"
+    listing = run(env, "kvctl", "list").stdout
+    assert "crafted\\xff\\xfe\\x1b[2J" in listing and "\x1b" not in listing
+    assert kvctl_json(env, "list")["instances"][0]["name"] == "crafted\\xff\\xfe\x1b[2J"
+    frame = run(env, "kvtop", "--once").stdout
+    assert "crafted\\xff\\xfe" in frame and "\x1b[2J" not in frame
+    assert kvctl_json(env, "set-limit", "crafted\udcff\udcfe\x1b[2J", "4M")["matched"] == 1, "named as it is stored"
+    assert engine.limit_bytes == 2 * PAGE_BYTES
+
+
+def test_kvctl_files_and_list_report_a_damaged_registry_in_one_line(env, registry, tmp_path):
+    os.truncate(registry.path, 0)
+    assert_one_line_failure(run(env, "kvctl", "list", expect_rc=None), 1, "is empty (truncated)")
+    (damaged,) = kvctl_json(env, "files")["files"]
+    assert (damaged["status"], damaged["removable"]) == ("damaged", True)
+    assert "is empty (truncated)" in run(env, "kvtop", "--once").stdout
+    assert kvctl_json(env, "clean")["removed_files"] == [registry.path]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
+
+from kvcached.sizes import parse_bytes
 
 T = TypeVar("T")
 
@@ -24,20 +26,40 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_size(text: str) -> int:
-    """Bytes, with an optional K/M/G/T suffix (powers of 1024)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    stripped = text.strip().lower().removesuffix("ib").removesuffix("b")
-    factor = units.get(stripped[-1:], 1) if stripped else 1
-    number = stripped[:-1] if factor != 1 else stripped
-    value = int(float(number) * factor)
-    if value < 0:
-        raise ValueError(f"sizes must not be negative, got {text!r}")
+    """A size in the package's one grammar (:mod:`kvcached.sizes`): 4096, 512MiB, 8G, 2GB."""
+    return parse_bytes(text)
+
+
+def _parse_positive_size(text: str) -> int:
+    value = parse_bytes(text)
+    if value == 0:
+        raise ValueError("expected more than 0 bytes")
     return value
 
 
+def _parse_text(text: str) -> str:
+    return text
+
+
+def _parse_instance_name(text: str) -> str:
+    from kvcached._core import validate_instance_name
+
+    validate_instance_name(text)
+    return text
+
+
+def _parse_directory(text: str) -> str:
+    if not text.startswith("/"):
+        raise ValueError("expected an absolute path (processes started elsewhere would disagree)")
+    return text
+
+
 def _parse_fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number in (0, 1], e.g. 0.9, got {text!r}") from None
+    if not 0.0 < value <= 1.0:  # also refuses nan
         raise ValueError(f"expected a fraction in (0, 1], got {text!r}")
     return value
 
@@ -50,7 +72,10 @@ def _parse_layout(text: str) -> str:
 
 
 def _parse_count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a non-negative integer, got {text!r}") from None
     if value < 0:
         raise ValueError(f"expected a non-negative integer, got {text!r}")
     return value
@@ -58,19 +83,27 @@ def _parse_count(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Option(Generic[T]):
+    """One option: its variable, its default (used when unset or empty), its parser and meaning."""
+
     env: str
     default: T
     parse: Callable[[str], T]
     doc: str
+    #: Older names still honoured when ``env`` is unset.
+    aliases: tuple[str, ...] = ()
 
     def get(self) -> T:
-        text = os.environ.get(self.env)
+        env = next((name for name in (self.env, *self.aliases) if os.environ.get(name)), self.env)
+        text = os.environ.get(env)
         if text is None or text == "":
             return self.default
         try:
             return self.parse(text)
         except ValueError as exc:
-            raise ValueError(f"{self.env}={text!r} is invalid: {exc}") from None
+            reason = str(exc)
+            if reason.startswith(f"{text!r} "):  # the size parser quotes the text itself
+                raise ValueError(f"{env}={reason}") from None
+            raise ValueError(f"{env}={text!r} is invalid: {reason}") from None
 
 
 OPTIONS: dict[str, Option] = {
@@ -114,10 +147,39 @@ OPTIONS: dict[str, Option] = {
         "KVCACHED_VIRTUAL_CAPACITY_BYTES", 0, _parse_size,
         "Virtual KV capacity of a pool when none is given (0: the device's total memory).",
     ),
+    "host_capacity_bytes": Option(
+        "KVCACHED_HOST_CAPACITY_BYTES", None, _parse_positive_size,
+        "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
+    ),
+    "registry_dir": Option(
+        "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,
+        "Directory of the per-device registry files (created with the registry's mode if missing).",
+    ),
+    "registry_group": Option(
+        "KVCACHED_REGISTRY_GROUP", None, _parse_text,
+        "Group (name or gid) that shares the registries; unset: private to the creating user.",
+    ),
+    "enable": Option(
+        "KVCACHED_ENABLE", False, _parse_bool,
+        "Switch kvcached on in a vLLM engine (ENABLE_KVCACHED=true works too).",
+        aliases=("ENABLE_KVCACHED",),
+    ),
+    "name": Option(
+        "KVCACHED_NAME", None, _parse_instance_name,
+        "An engine's name in the device registry (kvctl, kvtop); unset: derived from the model.",
+    ),
+    "limit_bytes": Option(
+        "KVCACHED_LIMIT_BYTES", None, _parse_size,
+        "An engine's own limit on physical KV memory; unset: vLLM's kv_cache_memory_bytes, else none.",
+    ),
+    "idle_cache_bytes": Option(
+        "KVCACHED_IDLE_CACHE_BYTES", 0, _parse_size,
+        "Prefix-cache memory an idle engine keeps (0: an engine with no requests returns all its KV memory).",
+    ),
 }
 
 
-def get(name: str):
+def get(name: str) -> Optional[object]:
     """Current value of option ``name`` (environment variable, else default)."""
     return OPTIONS[name].get()
 

@@ -3,7 +3,10 @@
 Every failure of a driver call becomes :class:`DriverError` carrying the
 backend, the call, the driver's numeric code and its own message. Running out
 of memory is always a :class:`MemoryError` subclass, so ``except MemoryError``
-catches it whether the device or a kvcached limit said no.
+catches it whether the device or a kvcached limit said no. Every exception
+kvcached defines (the integrations' too) derives from :class:`KvcachedError`
+and keeps the built-in base callers would expect (``ValueError``,
+``RuntimeError``, ``FileNotFoundError``, ...).
 """
 
 from __future__ import annotations
@@ -39,10 +42,39 @@ class BackendUnavailableError(KvcachedError, RuntimeError):
     """The requested backend or device cannot be used here; the message says why."""
 
 
+class RegistryError(KvcachedError, RuntimeError):
+    """The shared device registry cannot do what was asked; the message says why and what to do."""
+
+
+class RegistryNotFoundError(RegistryError, FileNotFoundError):
+    """No registry exists for the device (no engine has registered on it) and none was to be created."""
+
+
+class RegistryAccessError(RegistryError, PermissionError):
+    """The access-control model refuses the registry file or its directory to this user.
+
+    The message names the file and ``KVCACHED_REGISTRY_GROUP``; ``docs/security.md``
+    describes the model.
+    """
+
+
+class RegistryUnusableError(RegistryError):
+    """The file cannot serve as the device's registry.
+
+    It is not a registry, an old-style one still in use, damaged, a symbolic
+    link, or it was truncated, removed or replaced while this process used it
+    (then this process takes no more memory through it until restarted).
+    """
+
+
 __all__ = [
     "KvcachedError",
     "DriverError",
     "OutOfMemoryError",
     "DeviceOutOfMemoryError",
     "BackendUnavailableError",
+    "RegistryError",
+    "RegistryNotFoundError",
+    "RegistryAccessError",
+    "RegistryUnusableError",
 ]

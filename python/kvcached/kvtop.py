@@ -6,29 +6,40 @@
     kvtop --interval 0.5        refresh period in seconds
 
 Each instance's bar shows used memory (solid), its mapped free reserve (shaded)
-and the rest of its allowance (its limit, or the device budget). Also runs as
-``python -m kvcached.kvtop``. Needs ``rich`` (``pip install kvcached[ui]``).
+and the rest of its allowance (its limit, or the device budget). Devices are
+shown by registry name (``cuda-GPU-<uuid>``), each instance with the device as
+its own process sees it. A bad argument is one line on stderr and exit code 2.
+Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (``pip install kvcached[ui]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvcached.registry import DeviceRegistry, format_bytes, known_devices, open_existing, registry_dir
+from kvcached.errors import KvcachedError
+from kvcached.kvctl import OneLineArgumentParser
+from kvcached.registry import (
+    DeviceRegistry,
+    format_bytes,
+    open_existing,
+    printable,
+    registry_dir,
+    registry_files,
+    resolve_device,
+)
+from kvcached.sizes import format_bytes_short as short_bytes
 
 DEFAULT_INTERVAL_S = 1.0
+# Refresh periods outside this range are mistakes (a busy loop, or a frozen view).
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0
 # Bars stretch with the terminal between these widths (in cells).
 MIN_BAR_WIDTH, MAX_BAR_WIDTH = 10, 40
 NAME_MAX_WIDTH = 24
 USED_CHAR, RESERVED_CHAR, FREE_CHAR = "█", "▒", "·"
-# Binary prefixes, one letter each, so a size fits in five cells ("512M", "3.5G").
-_SHORT_UNITS = ("B", "K", "M", "G", "T")
-_UNIT_STEP = 1024
-_ONE_DECIMAL_BELOW = 10
-
 try:
     from rich import box
     from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -39,18 +50,6 @@ try:
     from rich.text import Text
 except ImportError:  # reported by main(), so importing this module never fails
     Console = None
-
-
-def short_bytes(count: Optional[int]) -> str:
-    """A size in at most five cells: ``512M``, ``3.5G``; ``-`` for None."""
-    if count is None:
-        return "-"
-    value = float(count)
-    for unit in _SHORT_UNITS:
-        if value < _UNIT_STEP or unit == _SHORT_UNITS[-1]:
-            return f"{value:.1f}{unit}" if unit != "B" and value < _ONE_DECIMAL_BELOW else f"{value:.0f}{unit}"
-        value /= _UNIT_STEP
-    raise AssertionError("unreachable")
 
 
 class UsageBar:
@@ -78,11 +77,15 @@ class UsageBar:
 
 def _status(entry: dict[str, Any]) -> "Text":
     if not entry["alive"]:
-        return Text("dead", style="red")
-    if entry["wanted_bytes"]:
+        status = Text("dead", style="red")
+    elif entry["wanted_bytes"]:
         # Refused in the last second: the device budget is the bottleneck.
-        return Text(f"waits {short_bytes(entry['wanted_bytes'])}", style="bold red")
-    return Text("ok", style="green")
+        status = Text(f"waits {short_bytes(entry['wanted_bytes'])}", style="bold red")
+    else:
+        status = Text("ok", style="green")
+    if entry["worker_errors"]:
+        status.append(f" {entry['worker_errors']} err", style="bold yellow")
+    return status
 
 
 def _instance_row(entry: dict[str, Any], budget_bytes: int) -> list[Any]:
@@ -90,8 +93,9 @@ def _instance_row(entry: dict[str, Any], budget_bytes: int) -> list[Any]:
     # Used comes from the pool's last report; mapped is what the budget counts.
     reserved = max(entry["reserved_bytes"], entry["mapped_bytes"] - entry["used_bytes"])
     return [
-        entry["name"],
+        printable(entry["name"]),
         str(entry["pid"]),
+        printable(entry["local_device"]) or "-",
         short_bytes(entry["used_bytes"]),
         short_bytes(entry["mapped_bytes"]),
         short_bytes(limit),
@@ -105,8 +109,10 @@ def device_view(registry: DeviceRegistry) -> "Group":
     budget, mapped = registry.budget_bytes, registry.mapped_bytes
     share = mapped / budget if budget else 0.0
     header = Table.grid(padding=(0, 2))
+    local = registry.local_device
+    label = registry.device if not local or local == registry.device else f"{registry.device} ({local} here)"
     header.add_row(
-        Text(registry.device, style="bold cyan"),
+        Text(label, style="bold cyan"),
         f"budget {format_bytes(budget)}  mapped {format_bytes(mapped)} ({share:.0%})  "
         f"available {format_bytes(registry.available_bytes)}",
     )
@@ -118,7 +124,8 @@ def device_view(registry: DeviceRegistry) -> "Group":
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
     # Short columns never shrink (rich would cut "512M" to "5…"); the name and the bar give way.
     for index, (column, justify) in enumerate(
-        (("PID", "right"), ("USED", "right"), ("MAPPED", "right"), ("LIMIT", "right"), ("STATUS", "left")),
+        (("PID", "right"), ("AS", "left"), ("USED", "right"), ("MAPPED", "right"), ("LIMIT", "right"),
+         ("STATUS", "left")),
         start=1,
     ):
         width = max([len(column)] + [len(str(row[index])) for row in rows])
@@ -131,16 +138,32 @@ def device_view(registry: DeviceRegistry) -> "Group":
     return Group(header, table, Text(""))
 
 
-def frame(devices: Optional[Sequence[str]]) -> "Group":
-    """Everything kvtop shows at one instant."""
-    names = list(devices) if devices else known_devices()
-    views: list[Any] = []
-    for name in names:
+def _device_or_error(name: str) -> Any:
+    """One device's view, or a line saying why it cannot be shown (the file may change under us)."""
+    try:
         registry = open_existing(name)
         if registry is None:
-            views.append(Text(f"{name}: no registry yet (no engine has registered)", style="dim"))
-        else:
-            views.append(device_view(registry))
+            return Text(f"{name}: no registry yet (no engine has registered)", style="dim")
+        return device_view(registry)
+    except (KvcachedError, ValueError, OSError) as error:
+        return Text(printable(f"{name}: {error}"), style="yellow")
+
+
+def frame(devices: Optional[Sequence[str]]) -> "Group":
+    """Everything kvtop shows at one instant."""
+    views: list[Any] = []
+    try:
+        files = [] if devices else registry_files()
+    except (KvcachedError, ValueError, OSError) as error:  # e.g. the directory went away meanwhile
+        files, views = [], [Text(printable(str(error)), style="yellow")]
+    if devices:
+        views = [_device_or_error(name) for name in devices]
+    else:
+        for file in files:
+            if file["status"] == "current":
+                views.append(_device_or_error(file["device"]))
+            elif file["status"] != "unfinished":
+                views.append(Text(printable(f"{file['file_name']}: {file['status']}: {file['detail']}"), style="yellow"))
     if not views:
         views.append(Text(f"no kvcached registry under {registry_dir()}", style="dim"))
     footer = Text(f"{USED_CHAR} used  {RESERVED_CHAR} reserved  {FREE_CHAR} free   "
@@ -148,32 +171,53 @@ def frame(devices: Optional[Sequence[str]]) -> "Group":
     return Group(*views, footer)
 
 
+def _interval(text: str) -> float:
+    """Seconds between refreshes: a finite number in [MIN_INTERVAL_S, MAX_INTERVAL_S]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between {MIN_INTERVAL_S:g} and {MAX_INTERVAL_S:g} seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtop", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", action="append", help="device to show (repeatable); default: all")
-    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between refreshes")
+    parser = OneLineArgumentParser(prog="kvtop", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", action="append",
+                        help="device to show: cpu, cuda:0 or a registry name (repeatable); default: all")
+    parser.add_argument("--interval", type=_interval, default=DEFAULT_INTERVAL_S,
+                        help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if Console is None:
         print("kvtop needs rich: pip install 'kvcached[ui]'", file=sys.stderr)
         return 1
-    if args.interval <= 0:
-        print("kvtop: --interval must be > 0", file=sys.stderr)
-        return 2
+    try:
+        # Resolved once, so a bad name is an error now, not a line in every frame.
+        devices = [resolve_device(name).registry for name in args.device or []]
+    except (KvcachedError, ValueError, OSError) as error:
+        parser.error(printable(str(error)))
+    try:
+        registry_files()  # a bad KVCACHED_REGISTRY_DIR or _GROUP: say so once, and stop
+    except (KvcachedError, ValueError, OSError) as error:
+        print(f"kvtop: {printable(str(error))}", file=sys.stderr)
+        return 1
     console = Console()
     if args.once:
-        console.print(frame(args.device))
+        console.print(frame(devices))
         return 0
     try:
         # Refreshed by hand, once per interval: each frame reads the registry.
-        with Live(frame(args.device), console=console, auto_refresh=False) as live:
+        with Live(frame(devices), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(args.interval)
-                live.update(frame(args.device), refresh=True)
+                live.update(frame(devices), refresh=True)
     except KeyboardInterrupt:
         pass
     return 0

@@ -9,6 +9,8 @@ namespace kvcached::bindings {
 void bind_device(nanobind::module_& m);
 // MemoryBudget, DeviceRegistry / RegistryBudget (shared per-device budget).
 void bind_registry(nanobind::module_& m);
+// parse_size_bytes: the one size grammar, shared with Python (kvcached.sizes).
+void bind_sizes(nanobind::module_& m);
 // KVSpace, BlockManager, PageOps, FixedBudget. Call after bind_registry (needs MemoryBudget).
 void bind_kv(nanobind::module_& m);
 

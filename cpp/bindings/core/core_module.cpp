@@ -10,6 +10,7 @@ NB_MODULE(_core, m) {
   // Tensors exported through DLPack keep a KVMemoryOwner alive and may still
   // be held by torch when the interpreter shuts down; that is not a leak.
   nanobind::set_leak_warnings(false);
+  kvcached::bindings::bind_sizes(m);
   kvcached::bindings::bind_device(m);
   kvcached::bindings::bind_registry(m);
   kvcached::bindings::bind_kv(m);

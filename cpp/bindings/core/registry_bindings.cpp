@@ -4,13 +4,17 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/bindings.hpp"
+#include "error_translation.hpp"
 #include "kvcached/registry/device_registry.hpp"
+#include "kvcached/registry/registry_directory.hpp"
+#include "kvcached/registry/registry_names.hpp"
 
 namespace kvcached::bindings {
 
@@ -32,20 +36,82 @@ std::optional<std::size_t> checked_optional_bytes(const char* what,
   return checked_bytes(what, *bytes);
 }
 
+// Names come from a file other processes write: bytes that are not UTF-8 are
+// shown escaped (\\xff) instead of failing the whole listing.
+nb::object text_of(const std::string& bytes) {
+  return nb::steal(PyUnicode_DecodeUTF8(bytes.data(), static_cast<Py_ssize_t>(bytes.size()),
+                                        "backslashreplace"));
+}
+
 nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   nb::dict entry;
   entry["slot"] = info.slot;
   entry["instance_id"] = info.instance_id;
-  entry["name"] = info.name;
+  entry["name"] = text_of(info.name);
   entry["pid"] = info.pid;
   entry["start_time_ticks"] = info.start_time_ticks;
+  entry["uid"] = info.uid;
+  entry["local_device"] = text_of(info.local_device);
   entry["alive"] = info.alive;
   entry["limit_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
   entry["mapped_bytes"] = info.mapped_bytes;
   entry["used_bytes"] = info.used_bytes;
   entry["reserved_bytes"] = info.reserved_bytes;
   entry["wanted_bytes"] = info.wanted_bytes;
+  entry["worker_errors"] = info.worker_errors;
   return entry;
+}
+
+nb::dict file_to_dict(const RegistryFileInfo& info) {
+  nb::dict file;
+  file["file_name"] = text_of(info.file_name);
+  file["path"] = text_of(info.path);
+  file["device"] = text_of(info.device);
+  file["status"] = status_name(info.status);
+  file["live_pids"] = info.live_pids;
+  file["removable"] = info.removable;
+  file["detail"] = text_of(info.detail);
+  return file;
+}
+
+// A pid (int), or a name (str, or bytes for names that are not UTF-8).
+std::variant<std::int64_t, std::string> name_or_pid_of(nb::handle target) {
+  if (nb::isinstance<nb::bool_>(target)) throw InvalidArgument("name_or_pid must be an int pid or a name");
+  if (nb::isinstance<nb::int_>(target)) return nb::cast<std::int64_t>(target);
+  if (nb::isinstance<nb::str>(target)) return nb::cast<std::string>(target);
+  if (nb::isinstance<nb::bytes>(target)) {
+    const nb::bytes raw = nb::borrow<nb::bytes>(target);
+    return std::string(raw.c_str(), raw.size());
+  }
+  throw InvalidArgument("name_or_pid must be an int pid or a name (str or bytes)");
+}
+
+const char* kind_name(RegistryDeviceKind kind) {
+  switch (kind) {
+    case RegistryDeviceKind::host:
+      return "host";
+    case RegistryDeviceKind::gpu_identity:
+      return "gpu_identity";
+    case RegistryDeviceKind::gpu_index:
+      return "gpu_index";
+  }
+  return "unknown";
+}
+
+void install_registry_error_translator() {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const RegistryNotFound& e) {
+      raise_python_error("RegistryNotFoundError", e.what());
+    } catch (const RegistryAccessDenied& e) {
+      raise_python_error("RegistryAccessError", e.what());
+    } catch (const RegistryUnusable& e) {
+      raise_python_error("RegistryUnusableError", e.what());
+    } catch (const RegistryError& e) {
+      raise_python_error("RegistryError", e.what());
+    }
+  });
 }
 
 // Binds a bare MemoryBudget only when nobody has, so RegistryBudget can name it
@@ -75,25 +141,69 @@ void ensure_memory_budget_bound(nb::module_& m) {
 }  // namespace
 
 void bind_registry(nb::module_& m) {
-  nb::exception<RegistryNotFound>(m, "RegistryNotFoundError", PyExc_FileNotFoundError);
+  install_registry_error_translator();
   m.attr("REGISTRY_CAPACITY") = kRegistryCapacity;
+  m.attr("REGISTRY_NAME_MAX_BYTES") = kRegistryNameMaxBytes;
+  m.attr("REGISTRY_DEVICE_MAX_BYTES") = kRegistryDeviceMaxBytes;
+  m.attr("REGISTRY_LOCAL_DEVICE_MAX_BYTES") = kRegistryLocalDeviceMaxBytes;
   ensure_memory_budget_bound(m);
+
+  m.def("registry_device_kind", [](const std::string& device) { return kind_name(registry_device_kind(device)); },
+        "device"_a,
+        "'host', 'gpu_identity' or 'gpu_index' for a canonical registry device name; "
+        "ValueError stating the grammar otherwise.");
+  nb::dict layout;
+  for (const auto& [field, offset] : registry_layout_offsets()) layout[field.c_str()] = offset;
+  m.attr("_REGISTRY_LAYOUT") = layout;
+  m.def("validate_instance_name", &validate_instance_name, "name"_a,
+        "ValueError unless `name` is a valid instance name (1-63 bytes of UTF-8, no control characters).");
+  m.def("registry_directory", &registry_directory_path,
+        "The registry directory: KVCACHED_REGISTRY_DIR (absolute) or /dev/shm.");
+  m.def("is_legacy_device_name", &is_legacy_device_name, "device"_a,
+        "True for index names older kvcached versions used ('cuda:0', 'rocm:1').");
+  m.def("scan_registry_directory", [] {
+          std::vector<RegistryFileInfo> files;
+          {
+            nb::gil_scoped_release unlocked;
+            files = scan_registry_directory();
+          }
+          nb::list result;
+          for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
+          return result;
+        }, nb::sig("def scan_registry_directory() -> list[dict[str, typing.Any]]"),
+        "Every kvcached-* file of the registry directory, with its status; changes nothing.");
+  m.def("clean_registry_directory", [] {
+          std::vector<RegistryFileInfo> files;
+          {
+            nb::gil_scoped_release unlocked;
+            files = clean_registry_directory();
+          }
+          nb::list result;
+          for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
+          return result;
+        }, nb::sig("def clean_registry_directory() -> list[dict[str, typing.Any]]"),
+        "Removes old-style files without live instances, damaged files, unfinished creations "
+        "and the caller's symbolic links; returns what was removed.");
 
   nb::class_<RegistryBudget, MemoryBudget>(
       m, "RegistryBudget",
       "One registered instance's share of a device's budget (a MemoryBudget).\n\n"
       "Unregisters when dropped or on unregister(); usable as a context manager.")
-      .def_prop_ro("name", &RegistryBudget::name)
+      .def_prop_ro("name", [](const RegistryBudget& self) { return text_of(self.name()); })
       .def_prop_ro("slot", &RegistryBudget::slot)
       .def_prop_ro("instance_id", &RegistryBudget::instance_id)
       .def_prop_ro("registered", &RegistryBudget::registered,
-                   "False once unregistered or reclaimed as stale.")
+                   "False once unregistered, reclaimed as stale, or the registry file is gone.")
       .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes,
                    "This instance's own limit (set by kvctl), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
                    "Bytes this instance holds against the device budget.")
       .def_prop_ro("pressure_bytes", &RegistryBudget::pressure_bytes,
                    "Bytes other instances were refused in the last second: give reserve back.")
+      .def("report_worker_errors", [](RegistryBudget& self, std::int64_t worker_errors) {
+             self.report_worker_errors(checked_bytes("worker_errors", worker_errors));
+           }, "worker_errors"_a,
+           "Publishes how many times the pool's background worker has failed (kvctl, kvtop).")
       .def("unregister", &RegistryBudget::unregister, nb::call_guard<nb::gil_scoped_release>(),
            "Removes the entry now; bytes still counted return to the budget.")
       .def("__enter__", [](std::shared_ptr<RegistryBudget> self) { return self; })
@@ -105,18 +215,22 @@ void bind_registry(nb::module_& m) {
   nb::class_<DeviceRegistry>(
       m, "DeviceRegistry",
       "The shared-memory registry of one device: its budget and its instances.")
-      .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes) {
+      .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes,
+                       const std::string& local_device) {
              const auto budget = checked_optional_bytes("budget_bytes", budget_bytes);
              nb::gil_scoped_release unlocked;
-             return DeviceRegistry::open(device, budget);
+             return DeviceRegistry::open(device, budget, local_device);
            }),
-           "device"_a, "budget_bytes"_a = nb::none(),
-           "Opens the registry of `device`, creating it with `budget_bytes` if it does not "
-           "exist (an existing registry keeps its budget). Without a budget a missing "
-           "registry raises RegistryNotFoundError (a FileNotFoundError).")
+           "device"_a, "budget_bytes"_a = nb::none(), "local_device"_a = "",
+           "Opens the registry of canonical `device` ('cpu', 'cuda-GPU-<uuid>', ...), creating "
+           "it with `budget_bytes` if it does not exist (an existing registry keeps its budget). "
+           "Without a budget a missing registry raises RegistryNotFoundError. `local_device` "
+           "('cuda:1') is recorded by register() as the device this process sees. "
+           "kvcached.registry.registry_for resolves names such as 'cuda:0' first.")
       .def_static("segment_path", &DeviceRegistry::segment_path, "device"_a,
                   "Where the registry file of `device` lives (KVCACHED_REGISTRY_DIR or /dev/shm).")
       .def_prop_ro("device", &DeviceRegistry::device)
+      .def_prop_ro("local_device", &DeviceRegistry::local_device)
       .def_prop_ro("path", &DeviceRegistry::path)
       .def_prop_rw("budget_bytes", &DeviceRegistry::budget_bytes,
                    [](DeviceRegistry& self, std::int64_t budget_bytes) {
@@ -139,23 +253,26 @@ void bind_registry(nb::module_& m) {
              return entries;
            }, nb::sig("def entries(self) -> list[dict[str, typing.Any]]"),
            "Snapshot of the live table: one dict per registered instance.")
-      .def("set_limit", [](DeviceRegistry& self, const std::variant<std::int64_t, std::string>& name_or_pid,
+      .def("set_limit", [](DeviceRegistry& self, nb::handle name_or_pid,
                            std::optional<std::int64_t> limit_bytes) {
+             const auto target = name_or_pid_of(name_or_pid);
              const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
              nb::gil_scoped_release unlocked;
-             return self.set_limit(name_or_pid, limit);
+             return self.set_limit(target, limit);
            }, "name_or_pid"_a, "limit_bytes"_a.none(),
-           "Sets (None: clears) the limit of instances matching a pid (int) or name (str); "
-           "returns how many matched.")
+           nb::sig("def set_limit(self, name_or_pid: int | str | bytes, limit_bytes: int | None) -> int"),
+           "Sets (None: clears) the limit of instances matching a pid (int) or name (str or "
+           "bytes); returns how many matched.")
       .def("clean_stale", &DeviceRegistry::clean_stale, nb::call_guard<nb::gil_scoped_release>(),
            "Frees entries of dead processes (their memory returns to the budget); returns how many.")
-      .def("register", [](DeviceRegistry& self, const std::string& name,
-                          std::optional<std::int64_t> pid, std::optional<std::int64_t> limit_bytes) {
+      .def("register", [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
+                          std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device) {
              const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
              nb::gil_scoped_release unlocked;
-             return self.register_instance(name, pid, limit);
-           }, "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(),
-           "Registers an instance (default pid: this process) and returns its RegistryBudget.")
+             return self.register_instance(name, pid, limit, local_device);
+           }, "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
+           "Registers an instance (default pid: this process; default local_device: the one "
+           "given when opening) and returns its RegistryBudget.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test,
            nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");

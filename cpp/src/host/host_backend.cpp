@@ -11,10 +11,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <string>
+
+#include "kvcached/sizes.hpp"
 
 namespace kvcached {
 
@@ -161,16 +164,15 @@ class HostBackend final : public VmmBackend {
 }  // namespace
 
 std::size_t default_host_capacity_bytes() {
-  if (const char* text = std::getenv("KVCACHED_HOST_CAPACITY_BYTES")) {
-    try {
-      const std::size_t value = std::stoull(text);
-      if (value > 0) return value;
-    } catch (...) {
-    }
-    throw InvalidArgument(std::string("KVCACHED_HOST_CAPACITY_BYTES must be a positive integer, got '") +
-                          text + "'");
+  constexpr const char* kCapacityEnv = "KVCACHED_HOST_CAPACITY_BYTES";
+  const char* text = std::getenv(kCapacityEnv);
+  if (text == nullptr || *text == '\0') return machine_memory_limit_bytes() / 2;
+  const std::uint64_t value = parse_size_bytes(text, kCapacityEnv);  // kvcached/sizes.hpp grammar
+  if (value == 0) {
+    throw InvalidArgument(std::string(kCapacityEnv) + "='" + text +
+                          "' is not a valid capacity: it must be more than 0 bytes");
   }
-  return machine_memory_limit_bytes() / 2;
+  return static_cast<std::size_t>(value);
 }
 
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {

@@ -21,7 +21,7 @@ from typing import Any, Optional, Protocol
 
 from kvcached.demo.engine import PoolShape, RunSpec, engine_main
 from kvcached.demo.traffic import TrafficProfile, generate, make_profile
-from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry
+from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry, registry_for
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def run_demo(config: DemoConfig, observer: Optional[Observer] = None) -> dict[st
     os.environ[REGISTRY_DIR_ENV] = private_dir
     fleet: Optional[EngineFleet] = None
     try:
-        registry = DeviceRegistry(config.device, config.budget_bytes)
+        registry = registry_for(config.device, budget_bytes=config.budget_bytes)
         geometry = measure_geometry(config)
         profile = make_profile(geometry.budget_blocks, config.engines, config.duration_s)
         schedules = generate(profile, config.seed)

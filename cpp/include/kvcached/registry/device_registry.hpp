@@ -7,20 +7,28 @@
 // from one device-wide budget, atomically across processes, and returned only
 // once really unmapped.
 //
-// Approach. One file per device, `<dir>/kvcached-<device>` (dir: env
-// KVCACHED_REGISTRY_DIR, default /dev/shm), mapped MAP_SHARED by every user. It
-// holds a versioned header, a process-shared robust mutex, the device budget and
-// a fixed table of instance entries (name, pid, process start time, limit,
-// mapped / used / reserved bytes). The first user builds the file under a
-// temporary name and links it into place, so nobody ever sees it half-made.
-// Every field is a lock-free 64-bit atomic: writers hold the mutex (so "check
-// the budget, then take" is one step), readers on the hot path (available
-// bytes, limits) read without it.
+// Approach. One file per physical device, `<dir>/kvcached-<device>` (dir: env
+// KVCACHED_REGISTRY_DIR, default /dev/shm; device: a canonical name such as
+// "cpu" or "cuda-GPU-<uuid>", registry_names.hpp), mapped MAP_SHARED by every
+// user. It holds a versioned header, a process-shared robust mutex, the device
+// budget and a fixed table of instance entries (name, pid, process start time,
+// uid, the device as its process sees it, limit, mapped / used / reserved
+// bytes, worker errors); registry_format.hpp has the layout. The first user
+// builds the file under a temporary name and links it into place, so nobody
+// ever sees it half-made. Writers hold the mutex (so "check the budget, then
+// take" is one step); readers on the hot path (available bytes, limits) read
+// lock-free atomics. The file is private to its creator or shared with one
+// named group (registry_access.hpp, docs/security.md), opened without following
+// symbolic links, and checked on every locked operation: a file that shrank,
+// was removed or replaced detaches the registry with a clear error instead of
+// crashing (SIGBUS, fault_guard.hpp) or silently splitting the budget in two.
 //
 // Limitations. Liveness is judged from /proc/<pid>/stat, so all users must
 // share one PID namespace (containers sharing a GPU must also share PIDs). The
 // layout depends on the C library's pthread_mutex_t; a layout or version
-// mismatch is refused with a message, never guessed at.
+// mismatch is refused with a message, never guessed at. An engine whose
+// registry was truncated, removed or replaced cannot take more memory until it
+// is restarted (it keeps what it has mapped).
 #pragma once
 
 #include <atomic>
@@ -28,31 +36,20 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <variant>
 #include <vector>
 
 #include "kvcached/blocks/memory_budget.hpp"
+#include "kvcached/registry/registry_errors.hpp"
+#include "kvcached/registry/registry_names.hpp"
 
 namespace kvcached {
 
 namespace registry_detail {
-struct Segment;
-}
-
-// How many instances one device's registry can hold at once.
-inline constexpr std::size_t kRegistryCapacity = 64;
-// Longest instance name, in bytes (the table stores names inline).
-inline constexpr std::size_t kRegistryNameMaxBytes = 63;
-// Longest device name ("cpu", "cuda:0", "rocm:7"), in bytes.
-inline constexpr std::size_t kRegistryDeviceMaxBytes = 31;
-
-// The registry file for `device` does not exist and no budget was given to create it.
-class KVCACHED_EXPORT RegistryNotFound : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+class Segment;
+struct EntryRecord;
+}  // namespace registry_detail
 
 // One instance as seen in a snapshot of the table.
 struct RegistryEntryInfo {
@@ -61,37 +58,44 @@ struct RegistryEntryInfo {
   std::string name;
   std::int64_t pid = 0;
   std::uint64_t start_time_ticks = 0;  // /proc/<pid>/stat field 22
+  std::uint64_t uid = 0;               // effective uid of the registering process
+  std::string local_device;            // the device as that process sees it ("cuda:1"), or ""
   bool alive = false;
   std::optional<std::size_t> limit_bytes;
   std::size_t mapped_bytes = 0;    // taken from the budget (every mapped page)
   std::size_t used_bytes = 0;      // pages holding blocks in use, as the pool reports
   std::size_t reserved_bytes = 0;  // mapped but free (background reserve), as reported
   std::size_t wanted_bytes = 0;    // last refused request, while recent (see pressure)
+  std::uint64_t worker_errors = 0;  // background worker failures, as the pool reports
 };
 
 class RegistryBudget;
 
 class KVCACHED_EXPORT DeviceRegistry {
  public:
-  // Opens the registry of `device` ("cpu", "cuda:0", ...), creating it with
-  // `budget_bytes` if it does not exist yet (the first user decides; later
-  // users keep the existing budget). Without a budget a missing registry is
-  // RegistryNotFound.
+  // Opens the registry of canonical `device` ("cpu", "cuda-GPU-<uuid>", ...),
+  // creating it with `budget_bytes` if it does not exist yet (the first user
+  // decides; later users keep the existing budget). Without a budget a missing
+  // registry is RegistryNotFound. `local_device` ("cuda:1") is what
+  // register_instance records by default as the device its process sees.
   static std::shared_ptr<DeviceRegistry> open(const std::string& device,
-                                              std::optional<std::size_t> budget_bytes);
+                                              std::optional<std::size_t> budget_bytes,
+                                              const std::string& local_device = "");
   // Where the registry of `device` lives (honours KVCACHED_REGISTRY_DIR).
   static std::string segment_path(const std::string& device);
 
   const std::string& device() const noexcept { return device_; }
+  const std::string& local_device() const noexcept { return local_device_; }
   const std::string& path() const noexcept;
 
-  std::size_t budget_bytes() const noexcept;
+  // These throw RegistryUnusable once the file is no longer this registry.
+  std::size_t budget_bytes() const;
   // Takes effect at once: a lower budget refuses new pages until enough are
   // unmapped, and instances are told to shrink (external_limit_bytes).
   void set_budget_bytes(std::size_t budget_bytes);
   // Sum of every entry's mapped bytes, dead ones included until reclaimed.
-  std::size_t mapped_bytes() const noexcept;
-  std::size_t available_bytes() const noexcept;
+  std::size_t mapped_bytes() const;
+  std::size_t available_bytes() const;
 
   std::vector<RegistryEntryInfo> entries() const;
   // Sets (or, with nullopt, clears) the limit of the instances with this pid,
@@ -102,19 +106,24 @@ class KVCACHED_EXPORT DeviceRegistry {
   // budget. Returns how many were freed.
   std::size_t clean_stale();
   // Adds an entry for `pid` (default: this process) with an optional initial
-  // limit. Stale entries are reclaimed first, so a restarted engine finds its
-  // predecessor's memory free.
+  // limit and the device as that process sees it (default: the one given to
+  // open). Stale entries are reclaimed first, so a restarted engine finds its
+  // predecessor's memory free. A GPU instance is refused while a registry
+  // keyed another way has live instances (registry_directory.hpp).
   std::shared_ptr<RegistryBudget> register_instance(
       const std::string& name, std::optional<std::int64_t> pid = std::nullopt,
-      std::optional<std::size_t> limit_bytes = std::nullopt);
+      std::optional<std::size_t> limit_bytes = std::nullopt,
+      std::optional<std::string> local_device = std::nullopt);
 
   // Test hook: takes the registry lock and returns without releasing it, so a
   // test can kill the process while it holds the lock. Never use otherwise.
   void hold_lock_for_test();
 
  private:
-  DeviceRegistry(std::string device, std::shared_ptr<registry_detail::Segment> segment);
+  DeviceRegistry(std::string device, std::string local_device,
+                 std::shared_ptr<registry_detail::Segment> segment);
   std::string device_;
+  std::string local_device_;
   std::shared_ptr<registry_detail::Segment> segment_;
 };
 
@@ -130,7 +139,9 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
 
   // Takes `bytes` if both the device budget and this instance's limit allow.
   // When refused, dead processes' entries are reclaimed (at most every
-  // kStaleScanInterval) and the request is retried once.
+  // kStaleScanInterval) and the request is retried once. Throws
+  // BackendUnavailable once the entry is gone and RegistryUnusable once the
+  // file is no longer this registry.
   bool try_acquire(std::size_t bytes) override;
   void release(std::size_t bytes) noexcept override;
   std::size_t available_bytes() const override;
@@ -139,6 +150,8 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // instance shrinks lazily until the device fits again.
   std::optional<std::size_t> external_limit_bytes() const override;
   void report_usage(std::size_t used_bytes, std::size_t mapped_bytes) noexcept override;
+  // Publishes the pool's count of background worker failures (kvctl, kvtop).
+  void report_worker_errors(std::uint64_t worker_errors) noexcept;
 
   // Bytes other instances were recently refused: a hint for this pool's
   // background worker to give its free reserve back.
@@ -154,6 +167,10 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   void unregister() noexcept;
 
  private:
+  // The entry while it still belongs to this handle and the registry is
+  // usable; null once unregistered, reclaimed, or the file detached.
+  registry_detail::EntryRecord* owned_entry() const noexcept;
+
   std::shared_ptr<registry_detail::Segment> segment_;
   std::size_t slot_;
   std::uint64_t instance_id_;

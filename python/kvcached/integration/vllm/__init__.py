@@ -27,6 +27,8 @@ import os
 from types import ModuleType
 from typing import Any
 
+from kvcached.errors import KvcachedError
+
 from .settings import Settings, is_enabled
 
 # A child of vLLM's logger, so messages appear in vLLM's log stream and format.
@@ -39,7 +41,7 @@ _PATCH_MODULES: dict[tuple[int, int], str] = {
 SUPPORTED_VERSIONS = ", ".join(f"{a}.{b}.x" for a, b in sorted(_PATCH_MODULES))
 
 
-class UnsupportedVLLMVersion(RuntimeError):
+class UnsupportedVLLMVersion(KvcachedError, RuntimeError):
     """The installed vLLM is not one kvcached has patches for."""
 
 

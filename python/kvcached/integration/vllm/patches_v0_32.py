@@ -61,6 +61,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcached.errors import KvcachedError
+
 from .registry_hook import ensure_registry, register_engine
 from .settings import Settings
 
@@ -75,7 +77,7 @@ _MARKER = "_kvcached_patched"  # on every patched function (idempotence)
 _settings: Settings | None = None
 
 
-class KVCachePoolExhausted(ValueError):
+class KVCachePoolExhausted(KvcachedError, ValueError):
     """kvcached cannot provide the blocks vLLM asked for right now.
 
     A ValueError, like the exception of vLLM's own ``get_new_blocks`` when it
@@ -83,7 +85,7 @@ class KVCachePoolExhausted(ValueError):
     """
 
 
-class UnsupportedVLLMConfig(RuntimeError):
+class UnsupportedVLLMConfig(KvcachedError, RuntimeError):
     """A vLLM feature kvcached does not support is enabled."""
 
 
@@ -429,7 +431,7 @@ def _wrap_get_kv_cache_configs(original: Any) -> Any:
         if rounded < 2:
             raise RuntimeError(
                 f"kvcached: virtual KV capacity of {geometry.num_blocks} blocks is below one "
-                f"{page_bytes}-byte page per layer; raise KVCACHED_VIRTUAL_BYTES"
+                f"{page_bytes}-byte page per layer; raise KVCACHED_VIRTUAL_CAPACITY_BYTES"
             )
         if rounded != geometry.num_blocks:
             cache_config = vllm_config.cache_config

@@ -29,7 +29,7 @@ def is_enabled() -> bool:
 
 
 def _env_bytes(name: str) -> int | None:
-    from kvcached.registry import parse_bytes
+    from kvcached.sizes import parse_bytes
 
     text = os.environ.get(name, "").strip()
     if not text:

@@ -1,0 +1,211 @@
+// The access-control model of registry_access.hpp: group setting, directory and file checks.
+#include "registry_access.hpp"
+
+#include <grp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <vector>
+
+#include "kvcached/error.hpp"
+#include "kvcached/registry/registry_errors.hpp"
+#include "registry_os.hpp"
+
+namespace kvcached::registry_detail {
+
+namespace {
+
+constexpr std::size_t kGroupBufferBytes = 1 << 16;
+constexpr const char* kSecurityDoc = " (see docs/security.md)";
+
+std::string group_hint(const AccessPolicy& policy) {
+  return policy.group ? std::string(kRegistryGroupEnv) + "=" + policy.group_text
+                      : std::string(kRegistryGroupEnv) + " (unset)";
+}
+
+std::string describe_file(const struct stat& info) {
+  return "owner " + describe_user(info.st_uid) + ", group " + describe_group(info.st_gid) +
+         ", mode " + octal_mode(info.st_mode);
+}
+
+std::optional<gid_t> lookup_group(const std::string& text) {
+  std::vector<char> buffer(kGroupBufferBytes);
+  group entry{};
+  group* found = nullptr;
+  const bool numeric = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  if (numeric) {
+    const unsigned long gid = std::strtoul(text.c_str(), nullptr, 10);
+    if (getgrgid_r(static_cast<gid_t>(gid), &entry, buffer.data(), buffer.size(), &found) != 0 ||
+        found == nullptr) {
+      // A gid without a name is still a group the kernel knows.
+      return static_cast<gid_t>(gid);
+    }
+    return found->gr_gid;
+  }
+  if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
+    return std::nullopt;
+  }
+  return found->gr_gid;
+}
+
+bool trusted_owner(uid_t owner) { return owner == geteuid() || owner == 0; }
+
+}  // namespace
+
+AccessPolicy AccessPolicy::from_environment() {
+  AccessPolicy policy;
+  const char* text = std::getenv(kRegistryGroupEnv);
+  if (text == nullptr || *text == '\0') return policy;
+  policy.group_text = text;
+  policy.group = lookup_group(text);
+  if (!policy.group) {
+    throw InvalidArgument(std::string(kRegistryGroupEnv) + "='" + text +
+                          "' names no group on this machine; give a group name or gid" +
+                          kSecurityDoc);
+  }
+  return policy;
+}
+
+std::string registry_directory() {
+  const char* text = std::getenv(kRegistryDirEnv);
+  std::string directory = (text && *text) ? text : kDefaultRegistryDir;
+  if (directory.front() != '/') {
+    // Processes started from different working directories would disagree.
+    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + directory +
+                          "' must be an absolute path");
+  }
+  while (directory.size() > 1 && directory.back() == '/') directory.pop_back();
+  return directory;
+}
+
+void prepare_directory(const std::string& directory, const AccessPolicy& policy, bool create) {
+  const std::string setting = std::string(kRegistryDirEnv) + "=" + directory;
+  struct stat info {};
+  if (stat(directory.c_str(), &info) != 0) {
+    const int error = errno;
+    if (error != ENOENT) throw_os_error("stat(" + directory + ")", error);
+    const std::size_t slash = directory.rfind('/');
+    const std::string parent = slash == 0 ? "/" : directory.substr(0, slash);
+    if (!create) {
+      throw RegistryNotFound("no kvcached registry in " + directory +
+                             ": the directory does not exist (" + setting +
+                             "; it is created when the first engine registers)");
+    }
+    if (mkdir(directory.c_str(), policy.directory_mode()) != 0 && errno != EEXIST) {
+      const int mkdir_error = errno;
+      if (mkdir_error == ENOENT) {
+        throw RegistryNotFound("cannot create the registry directory " + directory + " (" + setting +
+                               "): its parent " + parent +
+                               " does not exist; create it or choose another directory");
+      }
+      throw_os_error("mkdir(" + directory + ") for " + setting, mkdir_error);
+    }
+    // The umask may have narrowed the mode; the group must be the policy's.
+    if (policy.group && chown(directory.c_str(), static_cast<uid_t>(-1), *policy.group) != 0) {
+      throw RegistryAccessDenied("cannot give the registry directory " + directory + " to group " +
+                                 describe_group(*policy.group) + " (" + group_hint(policy) +
+                                 "): you are not a member of it" + kSecurityDoc);
+    }
+    if (chmod(directory.c_str(), policy.directory_mode()) != 0) {
+      throw_os_error("chmod(" + directory + ")", errno);
+    }
+    if (stat(directory.c_str(), &info) != 0) throw_os_error("stat(" + directory + ")", errno);
+  }
+  if (!S_ISDIR(info.st_mode)) {
+    throw RegistryUnusable(setting + " is not a directory");
+  }
+  const bool group_trusted = policy.group && info.st_gid == *policy.group;
+  if (!trusted_owner(info.st_uid) && !group_trusted) {
+    throw RegistryAccessDenied("registry directory " + directory + " (" + setting + ") has " +
+                               describe_file(info) +
+                               ": its owner could replace the registries in it. Use a directory "
+                               "of your own, root's, or one of the group in " + group_hint(policy) +
+                               kSecurityDoc);
+  }
+  const bool sticky = info.st_mode & S_ISVTX;
+  if ((info.st_mode & S_IWOTH) && !sticky) {
+    throw RegistryAccessDenied("registry directory " + directory + " (" + setting +
+                               ") is writable by every user without the sticky bit (mode " +
+                               octal_mode(info.st_mode) +
+                               "): anyone could replace the registries in it" + kSecurityDoc);
+  }
+  if ((info.st_mode & S_IWGRP) && !sticky && !group_trusted) {
+    throw RegistryAccessDenied("registry directory " + directory + " (" + setting +
+                               ") is writable by group " + describe_group(info.st_gid) +
+                               " without the sticky bit, and " + group_hint(policy) +
+                               " does not name that group: its members could replace the "
+                               "registries in it" + kSecurityDoc);
+  }
+}
+
+void check_file(const struct stat& info, const std::string& path, const AccessPolicy& policy) {
+  if (!S_ISREG(info.st_mode)) {
+    throw RegistryUnusable("registry path " + path + " is not a regular file; remove it");
+  }
+  const mode_t mode = info.st_mode & 0777;
+  if (mode & 0007) {
+    throw RegistryAccessDenied(
+        "registry " + path + " is open to every user (" + describe_file(info) +
+        "): anyone could change its budgets or damage it, so kvcached does not use it. Remove it "
+        "once no engine uses it; kvcached then creates it private to its user (mode 0600), or "
+        "shared with the group in " + std::string(kRegistryGroupEnv) + " (mode 0660)" + kSecurityDoc);
+  }
+  if (!policy.group) {
+    if (mode & 0070) {
+      throw RegistryAccessDenied("registry " + path + " is shared with group " +
+                                 describe_group(info.st_gid) + " (" + describe_file(info) + ") but " +
+                                 kRegistryGroupEnv + " is not set here: set " + kRegistryGroupEnv +
+                                 "=" + group_name(info.st_gid) + " to use it" + kSecurityDoc);
+    }
+    if (info.st_uid != geteuid()) {
+      throw RegistryAccessDenied("registry " + path + " is private to " + describe_user(info.st_uid) +
+                                 " (" + describe_file(info) +
+                                 "); only its owner may use it. To share a device between users, "
+                                 "set " + kRegistryGroupEnv +
+                                 " to a group all of them belong to, for every engine and tool" +
+                                 kSecurityDoc);
+    }
+    return;
+  }
+  if (info.st_gid != *policy.group || (mode & 0060) != 0060) {
+    throw RegistryAccessDenied("registry " + path + " (" + describe_file(info) +
+                               ") is not shared with the group in " + group_hint(policy) +
+                               " (expected that group and mode 0660). It was created with another "
+                               "setting: use the same " + kRegistryGroupEnv +
+                               " everywhere, or remove the file once no engine uses it" +
+                               kSecurityDoc);
+  }
+}
+
+void throw_open_denied(const std::string& path, const AccessPolicy& policy) {
+  struct stat info {};
+  if (lstat(path.c_str(), &info) != 0) {
+    throw RegistryAccessDenied("registry " + path + " cannot be opened: permission denied (" +
+                               group_hint(policy) + ")" + kSecurityDoc);
+  }
+  std::string why;
+  if (info.st_mode & 0070) {
+    why = "it is shared with group " + describe_group(info.st_gid) +
+          " and you are not a member of it";
+  } else {
+    why = "it is private to " + describe_user(info.st_uid) +
+          "; to share a device between users, set " + std::string(kRegistryGroupEnv) +
+          " to a group all of them belong to, for every engine and tool";
+  }
+  throw RegistryAccessDenied("registry " + path + " (" + describe_file(info) +
+                             ") cannot be opened by " + describe_user(geteuid()) + ": " + why +
+                             " (here " + group_hint(policy) + ")" + kSecurityDoc);
+}
+
+void apply_policy(int fd, const std::string& path, const AccessPolicy& policy) {
+  if (policy.group && fchown(fd, static_cast<uid_t>(-1), *policy.group) != 0) {
+    throw RegistryAccessDenied("cannot give registry " + path + " to group " +
+                               describe_group(*policy.group) + " (" + group_hint(policy) +
+                               "): you are not a member of it" + kSecurityDoc);
+  }
+  if (fchmod(fd, policy.file_mode()) != 0) throw_os_error("fchmod(" + path + ")", errno);
+}
+
+}  // namespace kvcached::registry_detail

@@ -1,0 +1,180 @@
+// RegistryBudget: one instance's share of the device budget (a MemoryBudget over the registry).
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "kvcached/registry/device_registry.hpp"
+#include "registry_lock.hpp"
+#include "registry_os.hpp"
+#include "registry_table.hpp"
+
+namespace kvcached {
+
+using registry_detail::EntryRecord;
+using registry_detail::RegistryLock;
+using registry_detail::saturating_sub;
+using registry_detail::Segment;
+
+RegistryBudget::RegistryBudget(std::shared_ptr<Segment> segment, std::size_t slot,
+                               std::uint64_t instance_id, std::string name)
+    : segment_(std::move(segment)),
+      slot_(slot),
+      instance_id_(instance_id),
+      name_(std::move(name)),
+      creator_pid_(getpid()) {}
+
+RegistryBudget::~RegistryBudget() { unregister(); }
+
+EntryRecord* RegistryBudget::owned_entry() const noexcept {
+  if (unregistered_.load() || segment_->detached()) return nullptr;
+  EntryRecord& entry = segment_->entry(slot_);
+  return registry_detail::owns_entry(entry, instance_id_) ? &entry : nullptr;
+}
+
+bool RegistryBudget::registered() const noexcept { return owned_entry() != nullptr; }
+
+bool RegistryBudget::try_acquire(std::size_t bytes) {
+  if (bytes == 0) return true;
+  // Checked after the section (confirm) rather than before: one fstat per page.
+  RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
+  EntryRecord* entry = owned_entry();
+  if (entry == nullptr) {
+    lock.confirm();  // a truncated or wiped file also reads as "no entry": say which
+    throw BackendUnavailable("registry entry '" + name_ + "' in " + segment_->path() +
+                             " is gone (unregistered, or reclaimed because its pid was "
+                             "judged dead); register again");
+  }
+  registry_detail::Layout& layout = segment_->layout();
+  const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
+  const auto limit = registry_detail::limit_of(*entry);
+  if (limit && bytes > saturating_sub(*limit, own_mapped)) {
+    lock.confirm();
+    return false;
+  }
+  const auto device_has_room = [&] {
+    const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+    return bytes <= saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
+  };
+  bool granted = device_has_room();
+  if (!granted) {
+    const std::int64_t now = registry_detail::monotonic_now_ns();
+    const std::int64_t last_scan = layout.header.last_stale_scan_ns.load();
+    if (now - last_scan >= registry_detail::kStaleScanIntervalNs &&
+        registry_detail::clean_stale_locked(layout) > 0) {
+      granted = device_has_room();
+    }
+  }
+  if (!granted) {
+    // Only a device-wide refusal is pressure on others; one's own limit is not.
+    entry->wanted_bytes.store(bytes, std::memory_order_relaxed);
+    entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
+    lock.confirm();
+    return false;
+  }
+  entry->mapped_bytes.store(own_mapped + bytes, std::memory_order_relaxed);
+  entry->wanted_bytes.store(0, std::memory_order_relaxed);
+  lock.confirm();  // a fault mid-way means nothing was really taken: refuse loudly
+  return true;
+}
+
+void RegistryBudget::release(std::size_t bytes) noexcept {
+  if (bytes == 0) return;
+  try {
+    // No file check: returning bytes to a file that is gone harms nobody.
+    RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
+    EntryRecord* entry = owned_entry();
+    if (entry == nullptr) return;
+    const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
+    entry->mapped_bytes.store(saturating_sub(own_mapped, bytes), std::memory_order_relaxed);
+  } catch (...) {
+    // The lock timed out, or the registry is no longer usable: the bytes stay
+    // counted, which errs on the safe side (the budget looks fuller than it
+    // is) until this process exits.
+  }
+}
+
+std::size_t RegistryBudget::available_bytes() const {
+  const EntryRecord* entry = owned_entry();
+  if (entry == nullptr) return 0;
+  const registry_detail::Layout& layout = segment_->layout();
+  const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  std::size_t available = saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
+  if (const auto limit = registry_detail::limit_of(*entry)) {
+    available = std::min(available,
+                         saturating_sub(*limit, entry->mapped_bytes.load(std::memory_order_relaxed)));
+  }
+  return available;
+}
+
+std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
+  const EntryRecord* entry = owned_entry();
+  if (entry == nullptr) return std::nullopt;
+  const registry_detail::Layout& layout = segment_->layout();
+  std::optional<std::size_t> limit = registry_detail::limit_of(*entry);
+  const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  const std::size_t total = registry_detail::total_mapped_bytes(layout);
+  if (total > budget) {
+    const std::size_t others = total - entry->mapped_bytes.load(std::memory_order_relaxed);
+    const std::size_t share = saturating_sub(budget, others);
+    limit = limit ? std::min(*limit, share) : share;
+  }
+  return limit;
+}
+
+void RegistryBudget::report_usage(std::size_t used_bytes, std::size_t mapped_bytes) noexcept {
+  EntryRecord* entry = owned_entry();
+  if (entry == nullptr) return;
+  // Display-only fields, each written by its owner alone: no lock needed.
+  entry->used_bytes.store(used_bytes, std::memory_order_relaxed);
+  entry->reported_mapped_bytes.store(mapped_bytes, std::memory_order_relaxed);
+}
+
+void RegistryBudget::report_worker_errors(std::uint64_t worker_errors) noexcept {
+  EntryRecord* entry = owned_entry();
+  if (entry != nullptr) entry->worker_errors.store(worker_errors, std::memory_order_relaxed);
+}
+
+std::size_t RegistryBudget::pressure_bytes() const noexcept {
+  if (segment_->detached()) return 0;
+  const std::int64_t now = registry_detail::monotonic_now_ns();
+  std::size_t wanted = 0;
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    if (slot == slot_) continue;
+    const EntryRecord& entry = segment_->entry(slot);
+    if (!registry_detail::slot_active(entry)) continue;
+    if (now - entry.wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs) {
+      wanted += entry.wanted_bytes.load(std::memory_order_relaxed);
+    }
+  }
+  return wanted;
+}
+
+std::optional<std::size_t> RegistryBudget::limit_bytes() const noexcept {
+  const EntryRecord* entry = owned_entry();
+  return entry ? registry_detail::limit_of(*entry) : std::nullopt;
+}
+
+std::size_t RegistryBudget::mapped_bytes() const noexcept {
+  const EntryRecord* entry = owned_entry();
+  return entry ? entry->mapped_bytes.load(std::memory_order_relaxed) : 0;
+}
+
+void RegistryBudget::unregister() noexcept {
+  if (unregistered_ || getpid() != creator_pid_) return;
+  try {
+    RegistryLock lock(*segment_, registry_detail::LockCheck::file);
+    EntryRecord& entry = segment_->entry(slot_);
+    if (registry_detail::owns_entry(entry, instance_id_)) {
+      entry.state.store(registry_detail::kSlotFree, std::memory_order_release);
+      entry.mapped_bytes.store(0, std::memory_order_relaxed);
+    }
+    unregistered_ = true;
+  } catch (const RegistryUnusable&) {
+    unregistered_ = true;  // nothing of ours is left in a file we no longer use
+  } catch (...) {
+    // Lock timed out: the entry stays and is reclaimed as stale once this
+    // process exits.
+  }
+}
+
+}  // namespace kvcached

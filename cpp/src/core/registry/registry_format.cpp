@@ -1,0 +1,89 @@
+// Building and checking the registry layout (registry_format.hpp).
+#include "registry_format.hpp"
+
+#include <cstddef>
+#include <cstring>
+#include <new>
+
+#include "kvcached/registry/registry_directory.hpp"
+#include "registry_os.hpp"
+
+namespace kvcached::registry_detail {
+
+void init_layout(void* memory, const std::string& device, std::size_t budget_bytes) {
+  Layout* layout = new (memory) Layout();
+  Header& header = layout->header;
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  // Relocking from the owning thread is an error (EDEADLK), not a silent hang.
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+  const int rc = pthread_mutex_init(&header.mutex, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc != 0) throw_os_error("pthread_mutex_init", rc);
+  header.prefix.version = kRegistryLayoutVersion;
+  header.prefix.capacity = kRegistryCapacity;
+  header.prefix.layout_bytes = kLayoutBytes;
+  std::strncpy(header.device, device.c_str(), kRegistryDeviceMaxBytes);
+  header.budget_bytes.store(budget_bytes);
+  std::atomic_thread_fence(std::memory_order_release);
+  header.prefix.magic = kRegistryMagic;
+}
+
+std::optional<std::string> header_mismatch(const Header& header, const std::string& device) {
+  const HeaderPrefix& prefix = header.prefix;
+  if (prefix.magic != kRegistryMagic) return "is not a kvcached registry";
+  if (prefix.version != kRegistryLayoutVersion) {
+    return "has layout version " + std::to_string(prefix.version) + ", expected " +
+           std::to_string(kRegistryLayoutVersion);
+  }
+  if (prefix.capacity != kRegistryCapacity || prefix.layout_bytes != kLayoutBytes) {
+    return "has a different table size (made by another kvcached build)";
+  }
+  // Compared in place: this runs on every locked operation.
+  const std::size_t owner_bytes = strnlen(header.device, sizeof header.device);
+  if (owner_bytes != device.size() || std::memcmp(header.device, device.data(), owner_bytes) != 0) {
+    return "belongs to device '" + std::string(header.device, owner_bytes) + "'";
+  }
+  return std::nullopt;
+}
+
+std::size_t total_mapped_bytes(const Layout& layout) noexcept {
+  std::size_t total = 0;
+  for (const EntryRecord& entry : layout.entries) {
+    if (slot_active(entry)) total += entry.mapped_bytes.load(std::memory_order_relaxed);
+  }
+  return total;
+}
+
+}  // namespace kvcached::registry_detail
+
+namespace kvcached {
+
+std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets() {
+  using registry_detail::EntryRecord;
+  using registry_detail::Header;
+  using registry_detail::Layout;
+  // offsetof on these standard-layout-in-practice types: what the bytes are.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+  return {
+      {"layout_bytes", sizeof(Layout)},
+      {"header.magic", offsetof(Header, prefix.magic)},
+      {"header.version", offsetof(Header, prefix.version)},
+      {"header.device", offsetof(Header, device)},
+      {"header.budget_bytes", offsetof(Header, budget_bytes)},
+      {"entries", offsetof(Layout, entries)},
+      {"entry_bytes", sizeof(EntryRecord)},
+      {"entry.state", offsetof(EntryRecord, state)},
+      {"entry.pid", offsetof(EntryRecord, pid)},
+      {"entry.start_time_ticks", offsetof(EntryRecord, start_time_ticks)},
+      {"entry.mapped_bytes", offsetof(EntryRecord, mapped_bytes)},
+      {"entry.name", offsetof(EntryRecord, name)},
+      {"entry.local_device", offsetof(EntryRecord, local_device)},
+  };
+#pragma GCC diagnostic pop
+}
+
+}  // namespace kvcached

@@ -1,0 +1,108 @@
+// The registry's shared-memory format (layout version 2): what every process maps.
+//
+// One file per device holds a Layout: a header (identity, the process-shared
+// robust mutex, the device budget) and a fixed table of instance entries.
+// Every mutable field is a lock-free 64-bit atomic: writers hold the mutex,
+// hot-path readers read without it. Version 1 differed in the device name
+// (31 bytes), had no per-entry local device, uid or worker-error count; it is
+// recognised by registry_legacy.hpp, never mapped.
+#pragma once
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kvcached/registry/registry_names.hpp"
+
+namespace kvcached::registry_detail {
+
+// "KVCREGST" read as a little-endian integer; says the file is ours.
+inline constexpr std::uint64_t kRegistryMagic = 0x545347455243564bULL;
+// Bump whenever the layout below changes; other versions are refused, never misread.
+inline constexpr std::uint32_t kRegistryLayoutVersion = 2;
+// Stored in place of a limit when an instance has none.
+inline constexpr std::uint64_t kNoLimit = UINT64_MAX;
+inline constexpr std::uint64_t kSlotFree = 0;
+inline constexpr std::uint64_t kSlotActive = 1;
+
+using Counter = std::atomic<std::uint64_t>;
+using SignedCounter = std::atomic<std::int64_t>;
+static_assert(Counter::is_always_lock_free, "registry counters must be lock-free in shared memory");
+static_assert(SignedCounter::is_always_lock_free);
+
+// One instance's row. `name` and `local_device` are written before `state`
+// turns active (release) and never while active.
+struct alignas(64) EntryRecord {
+  Counter state;
+  Counter instance_id;  // unique for the life of the file; slots are reused
+  SignedCounter pid;
+  Counter start_time_ticks;  // /proc/<pid>/stat field 22: tells a reused pid apart
+  Counter owner_uid;         // effective uid of the registering process
+  Counter limit_bytes;       // kNoLimit: none
+  Counter mapped_bytes;      // taken from the budget: every mapped page
+  Counter used_bytes;        // reported by the pool (display only)
+  Counter reported_mapped_bytes;
+  Counter wanted_bytes;  // last device-wide refusal, while recent
+  SignedCounter wanted_at_ns;
+  Counter worker_errors;  // the pool's background worker failures, as reported
+  char name[kRegistryNameMaxBytes + 1];
+  char local_device[kRegistryLocalDeviceMaxBytes + 1];  // e.g. "cuda:1": as its process sees it
+};
+
+// The first fields of every layout version, in this order; enough to tell a
+// file's version and owner device apart before mapping it.
+struct HeaderPrefix {
+  std::uint64_t magic;
+  std::uint32_t version;
+  std::uint32_t capacity;
+  std::uint64_t layout_bytes;  // guards against a different pthread ABI or build
+};
+
+struct Header {
+  HeaderPrefix prefix;
+  char device[kRegistryDeviceMaxBytes + 1];
+  pthread_mutex_t mutex;
+  Counter budget_bytes;
+  Counter next_instance_id;
+  SignedCounter last_stale_scan_ns;
+  SignedCounter lock_owner_pid;  // for the timeout message only
+  Counter lock_recoveries;       // times a dead owner's lock was taken over
+};
+
+struct Layout {
+  Header header;
+  EntryRecord entries[kRegistryCapacity];
+};
+
+inline constexpr std::size_t kLayoutBytes = sizeof(Layout);
+
+// Builds a fresh layout in `memory` (kLayoutBytes, zeroed): robust mutex,
+// budget, device; the magic is written last.
+void init_layout(void* memory, const std::string& device, std::size_t budget_bytes);
+
+// Why a file's header does not describe a current registry of `device`;
+// nullopt when it does. `header` may be a copy read with pread.
+std::optional<std::string> header_mismatch(const Header& header, const std::string& device);
+
+// ---- table rules every caller shares (callers hold the lock to write) ------
+
+inline bool slot_active(const EntryRecord& entry) noexcept {
+  return entry.state.load(std::memory_order_acquire) == kSlotActive;
+}
+
+inline std::optional<std::size_t> limit_of(const EntryRecord& entry) noexcept {
+  const std::uint64_t limit = entry.limit_bytes.load(std::memory_order_relaxed);
+  if (limit == kNoLimit) return std::nullopt;
+  return static_cast<std::size_t>(limit);
+}
+
+inline std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept { return a > b ? a - b : 0; }
+
+// Sum of every active entry's mapped bytes.
+std::size_t total_mapped_bytes(const Layout& layout) noexcept;
+
+}  // namespace kvcached::registry_detail
