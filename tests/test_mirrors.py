@@ -15,12 +15,12 @@ NUM_LAYERS = 2
 BLOCK_BYTES = 4 << 10
 PAGE_BYTES = 16 << 10
 NUM_BLOCKS = 32
+LAYOUT = kvcached.KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES)
 
 
 def mirror_main(conn) -> None:
     """A worker process: its own host KV space, applying page ops in order and touching blocks."""
-    space = kvcached.KVSpace(NUM_BLOCKS, BLOCK_BYTES, NUM_LAYERS, page_bytes=PAGE_BYTES,
-                             device=_core.open_host_device(64 << 20), zero_backing=True)
+    space = kvcached.KVSpace(LAYOUT, _core.open_host_device(64 << 20), kvcached.KVSpaceOptions(zero_backing=True))
 
     def addresses(block: int):
         for layer in range(NUM_LAYERS):
@@ -76,17 +76,15 @@ def mirrors():
 
 
 def test_page_ops_pickle_round_trip():
-    ops = kvcached.PageOps()
-    ops.seq, ops.map_pages, ops.unmap_pages = 7, [1, 2], [3]
+    ops = kvcached.PageOps(7, [1, 2], [3])
     back = pickle.loads(pickle.dumps(ops))
-    assert (back.seq, back.map_pages, back.unmap_pages) == (7, [1, 2], [3])
+    assert (back.seq, back.map_pages, back.unmap_pages) == (7, [1, 2], [3]) and back == ops
 
 
 def test_memory_is_released_only_after_every_mirror_acknowledges(mirrors):
+    # Both mirrors live on the one host device: each page is charged twice on its budget.
     budget = _core.FixedBudget(1 << 30)
-    manager = kvcached.BlockManager(NUM_BLOCKS, BLOCK_BYTES, NUM_LAYERS, page_bytes=PAGE_BYTES, num_mirrors=2,
-                                    budget=budget, background_worker=False, min_reserve_pages=0,
-                                    max_reserve_pages=0)
+    manager = kvcached.BlockManager(LAYOUT, kvcached.BlockManagerOptions(), mirrors=2, budget=budget)
     page = manager.page_id_bytes
     per_page = manager.blocks_per_page
 
@@ -96,7 +94,7 @@ def test_memory_is_released_only_after_every_mirror_acknowledges(mirrors):
 
     # Grow: two pages decided here, mapped there.
     ids = manager.alloc(2 * per_page).tolist()
-    assert budget.used_bytes == 2 * page  # memory is counted when decided
+    assert budget.used_bytes == 2 * 2 * page  # memory is counted when decided, on every mirror
     send(manager.take_page_ops())
     assert [m.call("mapped_pages") for m in mirrors] == [2, 2]
     for index, m in enumerate(mirrors):  # each mirror has its own memory
@@ -113,15 +111,18 @@ def test_memory_is_released_only_after_every_mirror_acknowledges(mirrors):
     ops = manager.take_page_ops()
     assert len(ops.unmap_pages) == 1 and not ops.map_pages
     held_before = manager.stats()["held_bytes"]
-    assert manager.stats()["pending_pages"] == 1 and budget.used_bytes == 2 * page
+    assert manager.stats()["pending_pages"] == 1 and budget.used_bytes == 2 * 2 * page
 
     send(ops, to=(0,))
-    assert manager.stats()["pending_pages"] == 1, "released before the second mirror acknowledged"
-    assert manager.stats()["held_bytes"] == held_before and budget.used_bytes == 2 * page
+    assert manager.stats()["pending_pages"] == 1, "the page id was reused before the second mirror acknowledged"
+    # Mirror 0 has unmapped it: its share goes back; mirror 1 still holds the page.
+    assert budget.used_bytes == (1 + 2) * page
+    assert [m["held_bytes"] for m in manager.stats()["mirrors"]] == [page, 2 * page]
+    assert manager.stats()["held_bytes"] == held_before
 
     send(ops, to=(1,))
     assert manager.stats()["pending_pages"] == 0
-    assert manager.stats()["held_bytes"] == page and budget.used_bytes == page
+    assert manager.stats()["held_bytes"] == page and budget.used_bytes == 2 * page
     assert [m.call("mapped_pages") for m in mirrors] == [1, 1]
     for m in mirrors:  # the unmapped page reads zeros; the other keeps its data
         assert m.call("read", first_page[0]) == [{0}] * (2 * NUM_LAYERS)
@@ -145,8 +146,7 @@ def test_memory_is_released_only_after_every_mirror_acknowledges(mirrors):
 
 
 def test_acknowledging_an_unknown_mirror_or_seq_is_refused():
-    manager = kvcached.BlockManager(NUM_BLOCKS, BLOCK_BYTES, NUM_LAYERS, page_bytes=PAGE_BYTES, num_mirrors=2,
-                                    background_worker=False)
+    manager = kvcached.BlockManager(LAYOUT, mirrors=2)
     manager.alloc(1)
     ops = manager.take_page_ops()
     with pytest.raises(ValueError, match="mirror index"):

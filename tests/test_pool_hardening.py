@@ -116,21 +116,20 @@ def test_manager_alloc_after_close_raises_instead_of_answering_none():
 
 
 def test_worker_failures_are_counted_and_visible_in_stats():
-    # The pool takes its pages from the shared registry; removing its entry
-    # behind its back makes the worker's next budget call fail.
+    # Closing the pool's KV space behind its back makes the worker's next map fail.
     pool = make_pool(background_worker=True, min_reserve_pages=2, max_reserve_pages=4)
     try:
         deadline = time.monotonic() + 5
         while pool.stats()["free_pages"] < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pool.stats()["free_pages"] >= 2, "the worker did not fill its reserve"
-        pool._registration.unregister()
+        pool.space.close()
         ids = pool.alloc(2 * pool.blocks_per_page)  # from the reserve: the worker must refill it
         while pool.stats()["worker_errors"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         stats = pool.stats()
         assert stats["worker_errors"] >= 1
-        assert "gone" in stats["last_worker_error"]
+        assert "closed" in stats["last_worker_error"]
         pool.free(ids)
     finally:
         pool.close()

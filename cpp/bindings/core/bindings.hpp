@@ -9,7 +9,8 @@ namespace kvcached::bindings {
 void bind_device(nanobind::module_& m);
 // MemoryBudget, DeviceRegistry / RegistryBudget (shared per-device budget).
 void bind_registry(nanobind::module_& m);
-// KVSpace, BlockManager, PageOps, FixedBudget. Call after bind_registry (needs MemoryBudget).
+// KVLayout and the options values, PageOps, Mirror, KVSpace, BlockManager, FixedBudget.
+// Call after bind_registry (needs MemoryBudget).
 void bind_kv(nanobind::module_& m);
 
 }  // namespace kvcached::bindings

@@ -21,7 +21,12 @@ class KVCACHED_EXPORT MemoryBudget {
   // Return bytes taken earlier, once they are no longer mapped anywhere.
   virtual void release(std::size_t bytes) noexcept = 0;
   // What try_acquire could grant right now (a hint: others may take it first).
+  // Must not take a lock another process can hold (it is read on fast paths).
   virtual std::size_t available_bytes() const = 0;
+  // Whether try_acquire / release may wait on a lock another process can hold.
+  // A block manager calls a budget that cannot block under its own state lock,
+  // so its figures stay exact; one that can is called outside that lock.
+  virtual bool may_block() const noexcept { return true; }
   // A limit set from outside the pool (e.g. by kvctl) that the pool must
   // respect, shrinking lazily if it is below current use; nullopt when none.
   virtual std::optional<std::size_t> external_limit_bytes() const { return std::nullopt; }
