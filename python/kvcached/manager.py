@@ -82,6 +82,7 @@ class KVCacheManager:
                            budget=budget, name=name)
         self.reserve_null_block = reserve_null_block
         self._alloc = self.pool.alloc_list  # bound once: the veneer costs one Python call
+        self._free = self.pool.free
 
     @property
     def num_blocks(self) -> int:
@@ -117,7 +118,7 @@ class KVCacheManager:
 
         Unknown, repeated, reserved or already-free ids raise ValueError and
         free nothing; non-integer ids raise TypeError."""
-        self.pool.free(indices)
+        self._free(indices)
 
     def try_to_reserve(self, need_size: int) -> bool:
         """Set ``need_size`` more blocks aside; the next :meth:`alloc` calls hand them out first,

@@ -76,17 +76,6 @@ void test_a_partial_last_page_counts_as_empty_at_its_own_size() {
   CHECK(release.size() == 1 && release[0] == 3);
 }
 
-void test_empty_pages_for_a_run() {
-  BestFitIndex index(16, 16, 16);
-  index.insert(0, 7);
-  index.insert(1, 7);
-  CHECK(index.empty_pages_for_run(1) == 0);   // a hole holds it
-  CHECK(index.empty_pages_for_run(7) == 0);
-  CHECK(index.empty_pages_for_run(8) == 1);   // no hole holds 8: one fresh page
-  CHECK(index.empty_pages_for_run(40) == 3);  // 2 whole pages, the rest (8) in a fresh one
-  CHECK(index.empty_pages_for_run(38) == 2);  // 2 whole pages, the rest (6) in a hole
-}
-
 void test_release_order_and_count() {
   BestFitIndex index(8, 4, 4);
   for (std::uint32_t p : {5u, 1u, 6u, 2u}) index.insert(p, 4);
@@ -105,7 +94,6 @@ int main() {
   test_a_run_goes_to_the_tightest_page_that_holds_it();
   test_entirely_free_pages_can_be_ruled_out();
   test_a_partial_last_page_counts_as_empty_at_its_own_size();
-  test_empty_pages_for_a_run();
   test_release_order_and_count();
   return kvcached_test::summary();
 }

@@ -1,7 +1,11 @@
 // BlockManager as a specification, without Python: memory truth (every page
 // accounted for, budget charges), reservations, limits, trim, placement, and
 // the device-less manager driving mirrors on their own budgets.
+#include <stdlib.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <set>
 #include <thread>
@@ -10,6 +14,7 @@
 #include "check.hpp"
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
+#include "kvcached/registry/device_registry.hpp"
 #include "kvcached/space/kv_space.hpp"
 #include "../../cpp/src/host/host_backend.hpp"
 
@@ -138,26 +143,33 @@ void test_trim_is_kept_until_the_next_alloc() {
   CHECK(device->counters().mapped_bytes == 0 && device->counters().created_bytes == 0);
 }
 
-void test_a_run_lands_on_one_page_and_single_blocks_fill_holes() {
-  BlockManager m(layout_of(64 * 8, 2, 64), BlockManagerOptions{}, {MirrorSpec{}});
-  std::vector<std::int64_t> held = m.alloc(6 * 64);
-  std::vector<std::int64_t> holes;
-  for (std::size_t p = 0; p < 6; ++p) {
+// Six pages with a hole of 7 blocks each, and one entirely free page (the reserve).
+std::vector<std::int64_t> leave_holes(BlockManager& m) {
+  std::vector<std::int64_t> held = m.alloc(7 * 64);
+  std::vector<std::int64_t> freed;
+  for (std::size_t p = 0; p < 7; ++p) {
+    std::size_t on_page = 0;
     for (std::int64_t b : held) {
-      if (m.page_of(b) == p && holes.size() < (p + 1) * 7) holes.push_back(b);
+      if (m.page_of(b) == p && (p == 6 || on_page++ < 7)) freed.push_back(b);
     }
   }
-  m.free(holes);
+  m.free(freed);
+  return freed;
+}
+
+void test_a_run_lands_on_one_page_and_single_blocks_fill_holes() {
+  BlockManager m(layout_of(64 * 8, 2, 64), BlockManagerOptions{}, {MirrorSpec{}});
+  leave_holes(m);
   std::vector<std::int64_t> run = m.alloc(40);
   CHECK(pages_of(m, run) == 1);
+  CHECK(m.page_of(run[0]) == 6);  // the free page, not six holes
   std::vector<std::int64_t> single = m.alloc(1);
   CHECK(m.page_of(single[0]) < 6);
 
   BlockManagerOptions old;
   old.placement = Placement::kFullestFirst;
   BlockManager scattered(layout_of(64 * 8, 2, 64), old, {MirrorSpec{}});
-  held = scattered.alloc(6 * 64);
-  scattered.free(holes);
+  leave_holes(scattered);
   CHECK(pages_of(scattered, scattered.alloc(40)) == 6);  // what the fewest-pages policy avoids
 }
 
@@ -190,6 +202,160 @@ void test_close_from_two_threads() {
   }
 }
 
+
+// ---- mirrors: every page charged on every mirror's budget ---------------------------
+
+std::vector<std::shared_ptr<FixedBudget>> fixed_budgets(std::size_t count, std::size_t bytes) {
+  std::vector<std::shared_ptr<FixedBudget>> budgets;
+  for (std::size_t i = 0; i < count; ++i) budgets.push_back(std::make_shared<FixedBudget>(bytes));
+  return budgets;
+}
+
+template <typename Budget>
+std::vector<MirrorSpec> specs(const std::vector<std::shared_ptr<Budget>>& budgets) {
+  std::vector<MirrorSpec> mirrors;
+  for (const auto& b : budgets) mirrors.push_back({b, std::nullopt});
+  return mirrors;
+}
+
+std::vector<std::size_t> used(const std::vector<std::shared_ptr<FixedBudget>>& budgets) {
+  std::vector<std::size_t> out;
+  for (const auto& b : budgets) out.push_back(b->used_bytes());
+  return out;
+}
+
+void test_charges_are_taken_on_every_mirror_and_released_per_mirror() {
+  const KVLayout layout = layout_of(64);
+  const std::size_t page = layout.page_id_bytes();
+  auto budgets = fixed_budgets(3, 1 << 30);
+  BlockManager m(layout, BlockManagerOptions{}, specs(budgets));
+  std::vector<std::int64_t> blocks = m.alloc(8);
+  CHECK(used(budgets) == std::vector<std::size_t>(3, 2 * page));
+  for (std::size_t i = 0; i < 3; ++i) m.acknowledge(i, m.take_page_ops().seq);
+  m.free(blocks);
+  m.trim();
+  const PageOps unmap = m.take_page_ops();
+  CHECK(unmap.unmap_pages.size() == 2);
+  m.acknowledge(2, unmap.seq);
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page, 0}));
+  CHECK(m.stats().pending_pages == 2);  // reusable only once every mirror has acknowledged
+  m.acknowledge(0, unmap.seq);
+  m.acknowledge(1, unmap.seq);
+  CHECK(used(budgets) == std::vector<std::size_t>(3, 0) && m.stats().pending_pages == 0);
+  CHECK(throws<InvalidArgument>([&] { m.acknowledge(3, 1); }));
+  CHECK(throws<InvalidArgument>([&] { m.acknowledge(0, unmap.seq + 1); }));
+}
+
+void test_a_refusing_mirror_leaves_nothing_taken_elsewhere() {
+  const KVLayout layout = layout_of(64);
+  const std::size_t page = layout.page_id_bytes();
+  std::vector<std::shared_ptr<FixedBudget>> budgets = {std::make_shared<FixedBudget>(8 * page),
+                                                       std::make_shared<FixedBudget>(page),
+                                                       std::make_shared<FixedBudget>(8 * page)};
+  BlockManager m(layout, BlockManagerOptions{}, specs(budgets));
+  CHECK(m.available() == 4);
+  CHECK(throws<BudgetExhausted>([&] { m.alloc_ids({0, 4}); }));
+  CHECK(used(budgets) == std::vector<std::size_t>(3, 0) && m.take_page_ops().empty());
+  CHECK(m.alloc(4).size() == 4 && used(budgets) == std::vector<std::size_t>(3, page));
+  CHECK(throws<BudgetExhausted>([&] { m.alloc(1); }));
+  CHECK(used(budgets) == std::vector<std::size_t>(3, page));
+}
+
+void test_pipeline_stages_are_charged_their_own_page_cost() {
+  const KVLayout whole = layout_of(64, 4);
+  const KVLayout first = layout_of(64, 3), second = layout_of(64, 1);
+  auto budgets = fixed_budgets(2, 1 << 30);
+  BlockManager m(whole, BlockManagerOptions{}, {{budgets[0], first}, {budgets[1], second}});
+  m.alloc(12);
+  CHECK((used(budgets) == std::vector<std::size_t>{3 * first.page_id_bytes(), 3 * second.page_id_bytes()}));
+  CHECK(throws<InvalidArgument>([&] {
+    BlockManager bad(whole, BlockManagerOptions{}, {{nullptr, layout_of(64, 1, 8)}});
+  }));
+}
+
+void test_charges_awaiting_acknowledgement_are_reused_at_once() {
+  const KVLayout layout = layout_of(64);
+  const std::size_t page = layout.page_id_bytes();
+  auto budgets = fixed_budgets(2, 2 * page);
+  BlockManager m(layout, BlockManagerOptions{}, specs(budgets));
+  std::vector<std::int64_t> blocks = m.alloc(8);
+  const PageOps map = m.take_page_ops();
+  m.acknowledge(0, map.seq);
+  m.acknowledge(1, map.seq);
+  m.free(std::vector<std::int64_t>(blocks.begin(), blocks.begin() + 4));
+  m.trim();
+  const PageOps unmap = m.take_page_ops();  // handed out, not yet acknowledged
+  m.acknowledge(0, unmap.seq);              // mirror 0 has unmapped; mirror 1 has not
+  CHECK((used(budgets) == std::vector<std::size_t>{page, 2 * page}));
+  CHECK(m.available() == 4);
+  std::vector<std::int64_t> again = m.alloc(4);  // mirror 1's pending charge covers its new page
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page}));
+  CHECK(std::find(unmap.unmap_pages.begin(), unmap.unmap_pages.end(),
+                  static_cast<std::int64_t>(m.page_of(again[0]))) == unmap.unmap_pages.end());
+  m.acknowledge(1, unmap.seq);
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page}));  // the charge moved, not released
+  const PageOps map_again = m.take_page_ops();
+  m.acknowledge(0, map_again.seq);
+  m.acknowledge(1, map_again.seq);
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page}) && m.stats().pending_pages == 0);
+}
+
+void test_a_lost_mirror_gives_back_its_budget() {
+  const KVLayout layout = layout_of(64);
+  const std::size_t page = layout.page_id_bytes();
+  auto budgets = fixed_budgets(2, 1 << 30);
+  BlockManager m(layout, BlockManagerOptions{}, specs(budgets));
+  std::vector<std::int64_t> blocks = m.alloc(12);
+  m.acknowledge(0, m.take_page_ops().seq);  // mirror 1 stopped answering
+  m.free(std::vector<std::int64_t>(blocks.begin(), blocks.begin() + 4));
+  m.trim();
+  m.acknowledge(0, m.take_page_ops().seq);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  BlockManagerStats s = m.stats();
+  CHECK(s.mirrors[0].progress.unacked_batches == 0 && s.mirrors[0].progress.oldest_unacked_age_s == 0);
+  CHECK(s.mirrors[1].progress.unacked_batches == 2 && s.mirrors[1].progress.oldest_unacked_age_s >= 0.02);
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 3 * page}) && s.pending_pages == 1);
+  m.mirror_lost(1);
+  s = m.stats();
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 0}) && s.pending_pages == 0 && !s.mirrors[1].progress.alive);
+  m.alloc(4);
+  CHECK((used(budgets) == std::vector<std::size_t>{3 * page, 0}));
+  m.close();
+  CHECK(used(budgets) == std::vector<std::size_t>(2, 0));
+}
+
+void test_mirrors_on_the_shared_registry_budget() {
+  char dir[] = "/tmp/kvcached-test-registry-XXXXXX";
+  if (mkdtemp(dir) == nullptr) return;
+  setenv("KVCACHED_REGISTRY_DIR", dir, 1);
+  const KVLayout layout = layout_of(64);
+  const std::size_t page = layout.page_id_bytes();
+  auto registry = DeviceRegistry::open("cpu", std::size_t{1} << 30);
+  std::vector<std::shared_ptr<RegistryBudget>> ranks = {registry->register_instance("rank-0"),
+                                                        registry->register_instance("rank-1")};
+  const auto mapped = [&] { return std::vector<std::size_t>{ranks[0]->mapped_bytes(), ranks[1]->mapped_bytes()}; };
+  {
+    BlockManager m(layout, BlockManagerOptions{}, specs(ranks));
+    std::vector<std::int64_t> blocks = m.alloc(8);
+    CHECK(mapped() == std::vector<std::size_t>(2, 2 * page));
+    m.acknowledge(0, m.take_page_ops().seq);
+    m.acknowledge(1, 1);
+    registry->set_limit(std::string("rank-0"), 2 * page);
+    CHECK(throws<BudgetExhausted>([&] { m.alloc(4); }));
+    CHECK(mapped() == std::vector<std::size_t>(2, 2 * page));  // nothing stayed taken on rank 1
+    m.free(blocks);
+    m.trim();
+    const PageOps unmap = m.take_page_ops();
+    m.acknowledge(0, unmap.seq);
+    CHECK((mapped() == std::vector<std::size_t>{0, 2 * page}));
+    m.mirror_lost(1);
+    CHECK(mapped() == std::vector<std::size_t>(2, 0) && m.stats().pending_pages == 0);
+  }
+  for (auto& r : ranks) r->unregister();
+  unlink(DeviceRegistry::segment_path("cpu").c_str());
+  rmdir(dir);
+}
+
 }  // namespace
 
 int main() {
@@ -202,5 +368,11 @@ int main() {
   test_a_run_lands_on_one_page_and_single_blocks_fill_holes();
   test_a_refused_budget_takes_nothing();
   test_close_from_two_threads();
+  test_charges_are_taken_on_every_mirror_and_released_per_mirror();
+  test_a_refusing_mirror_leaves_nothing_taken_elsewhere();
+  test_pipeline_stages_are_charged_their_own_page_cost();
+  test_charges_awaiting_acknowledgement_are_reused_at_once();
+  test_a_lost_mirror_gives_back_its_budget();
+  test_mirrors_on_the_shared_registry_budget();
   return kvcached_test::summary();
 }

@@ -49,7 +49,33 @@ void append_ids(const AnyArray& array, std::vector<std::int64_t>& out) {
 // Block ids from anything but an int64 array: an array of another integer
 // dtype, or a sequence of Python / numpy integers. Floats and bools are a
 // TypeError (2.9 must not quietly free block 2, True block 1).
+std::int64_t id_from(nb::handle item) {
+  if (PyLong_CheckExact(item.ptr())) {  // the common case, without a temporary
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
+    if (overflow != 0) throw InvalidArgument("block id " + text_of(item) + " is out of range");
+    return value;
+  }
+  if (PyBool_Check(item.ptr()) || !PyIndex_Check(item.ptr())) {
+    not_integer_ids(text_of(nb::repr(item)) + " (" + text_of(item.type().attr("__name__")) + ")");
+  }
+  nb::object index = nb::steal(PyNumber_Index(item.ptr()));
+  if (!index.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) throw InvalidArgument("block id " + text_of(item) + " is out of range");
+  return value;
+}
+
+std::vector<std::int64_t> ids_from_list(nb::handle list) {
+  const Py_ssize_t size = PyList_GET_SIZE(list.ptr());
+  std::vector<std::int64_t> out(static_cast<std::size_t>(size));
+  for (Py_ssize_t i = 0; i < size; ++i) out[static_cast<std::size_t>(i)] = id_from(PyList_GET_ITEM(list.ptr(), i));
+  return out;
+}
+
 std::vector<std::int64_t> ids_from(nb::handle ids) {
+  if (PyList_CheckExact(ids.ptr())) return ids_from_list(ids);
   std::vector<std::int64_t> out;
   AnyArray array;
   if (nb::try_cast(ids, array, false)) {
@@ -75,18 +101,7 @@ std::vector<std::int64_t> ids_from(nb::handle ids) {
     not_integer_ids("a " + text_of(ids.type().attr("__name__")));
   }
   nb::sequence seq = nb::borrow<nb::sequence>(ids);
-  for (nb::handle item : seq) {
-    if (PyBool_Check(item.ptr()) || !PyIndex_Check(item.ptr())) {
-      not_integer_ids(nb::cast<std::string>(nb::repr(item)) + " (" +
-                      text_of(item.type().attr("__name__")) + ")");
-    }
-    nb::object index = nb::steal(PyNumber_Index(item.ptr()));
-    if (!index.is_valid()) throw nb::python_error();
-    int overflow = 0;
-    const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-    if (overflow != 0) throw InvalidArgument("block id " + text_of(item) + " is out of range");
-    out.push_back(value);
-  }
+  for (nb::handle item : seq) out.push_back(id_from(item));
   return out;
 }
 
@@ -235,6 +250,7 @@ void bind_block_manager(nb::module_& m) {
              b.alloc_ids(v);
            },
            "ids"_a, "Take exactly these free block ids (all or nothing).")
+      .def("free", [](BlockManager& b, const nb::list& ids) { b.free(ids_from_list(ids)); }, "ids"_a)
       .def("free", [](BlockManager& b, const Int64Ids& ids) {
              if (ids.stride(0) == 1) {
                b.free(ids.data(), ids.shape(0));  // no copy for the common contiguous case

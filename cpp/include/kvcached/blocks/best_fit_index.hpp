@@ -47,11 +47,6 @@ class KVCACHED_EXPORT BestFitIndex {
   // The page with the fewest free blocks that still has at least `n` (n >= 1),
   // or kNone. `allow_empty` as in choose().
   std::uint32_t tightest_fit(std::size_t n, bool allow_empty) const;
-  // Entirely free pages (of blocks_per_page blocks) a run of `n` blocks needs
-  // to land on the fewest pages possible, ceil(n / blocks_per_page): one per
-  // whole page of the run, plus one for the rest unless a partly used page
-  // holds it. A caller compares this with the free pages it may use.
-  std::size_t empty_pages_for_run(std::size_t n) const;
   // Up to `count` entirely free pages, in descending id order (a partial last
   // page first: it holds the fewest blocks).
   std::vector<std::uint32_t> empty_pages_to_release(std::size_t count) const;

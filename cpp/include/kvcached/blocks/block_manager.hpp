@@ -165,8 +165,9 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t available_locked() const;
   // Blocks on the next `pages` page ids to be grown (a partial last page has fewer).
   std::size_t growth_blocks_locked(std::size_t pages) const noexcept;
-  // Pages obtainable beyond the empty ones: ids, limit, budgets, device.
-  std::size_t growth_room_locked() const;
+  // Pages obtainable beyond the empty ones: ids, limit, budgets, device;
+  // `bound_by` (optional) names the one that binds, for messages.
+  std::size_t growth_room_locked(std::string* bound_by = nullptr) const;
 
   // ---- pages (map_mutex_ held; mutex_ held on entry and exit, released inside) ----
   std::vector<std::int64_t> grow_locked(Lock& lock, std::size_t count, const std::vector<std::int64_t>* wanted);

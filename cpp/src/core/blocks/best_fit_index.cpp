@@ -122,11 +122,6 @@ std::uint32_t BestFitIndex::tightest_fit(std::size_t n, bool allow_empty) const 
   return kNone;
 }
 
-std::size_t BestFitIndex::empty_pages_for_run(std::size_t n) const {
-  const std::size_t whole = n / blocks_per_page_, rest = n % blocks_per_page_;
-  return whole + (rest > 0 && tightest_fit(rest, false) == kNone ? 1 : 0);
-}
-
 std::uint32_t BestFitIndex::choose(std::size_t remaining, Placement placement, bool allow_empty) const {
   if (remaining == 0) return kNone;
   if (placement == Placement::kFullestFirst) return tightest_fit(1, allow_empty);

@@ -145,25 +145,12 @@ void BlockManager::give_blocks_locked(const std::int64_t* ids, std::size_t count
 
 BlockManager::AllocPlan BlockManager::plan_alloc_locked(std::size_t n, bool into_reserve) const {
   const std::size_t rest = n - (into_reserve ? 0 : std::min(n, reserved_.size()));
-  if (rest == 0) return {AllocPlan::kTake, 0};
   const std::size_t takeable = takeable_locked();
-  // A run lands on the fewest pages when enough entirely free pages are at
-  // hand; single blocks fill holes. Short of free pages, map fresh ones
-  // rather than scatter the run over holes (which would pin many pages).
-  std::size_t extra = 0;
-  if (options_.placement == Placement::kFewestPages && rest > 1) {
-    const std::size_t usable_empty = std::min(index_.empty_pages(), new_page_quota_locked());
-    const std::size_t needed = index_.empty_pages_for_run(rest);
-    extra = needed > usable_empty ? needed - usable_empty : 0;
-  }
-  if (takeable >= rest && extra == 0) return {AllocPlan::kTake, 0};
+  if (takeable >= rest) return {AllocPlan::kTake, 0};
   const std::size_t room = growth_room_locked();
-  if (takeable >= rest) return extra <= room ? AllocPlan{AllocPlan::kGrow, extra} : AllocPlan{AllocPlan::kTake, 0};
-  const std::size_t for_count = (rest - takeable + blocks_per_page_ - 1) / blocks_per_page_;
-  if (takeable + growth_blocks_locked(room) < rest) return {AllocPlan::kRefuse, for_count};  // decided up front
-  if (std::max(for_count, extra) <= room) return {AllocPlan::kGrow, std::max(for_count, extra)};
-  if (for_count <= room) return {AllocPlan::kGrow, for_count};
-  return {AllocPlan::kRefuse, for_count};
+  const std::size_t pages = (rest - takeable + blocks_per_page_ - 1) / blocks_per_page_;
+  if (takeable + growth_blocks_locked(room) < rest) return {AllocPlan::kRefuse, pages};  // decided up front
+  return {AllocPlan::kGrow, pages};
 }
 
 void BlockManager::take_locked(std::size_t n, bool into_reserve, std::vector<std::int64_t>& out) {
@@ -245,11 +232,13 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
       if (plan.action == AllocPlan::kTake) break;
       if (plan.action == AllocPlan::kRefuse) {
         const std::size_t can = available_locked();
+        std::string bound_by;
+        growth_room_locked(&bound_by);
         roll_back();
         rolled_back = true;
         probe_budget_for_pressure(lock, plan.pages);
         throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: " + std::to_string(can) +
-                              " are available (limit " + std::to_string(limit_pages_) + " pages of " +
+                              " are available (bound by " + bound_by + "; pages of " +
                               std::to_string(layout_.page_id_bytes()) + " bytes, " +
                               std::to_string(index_.pages()) + " mapped)");
       }
@@ -309,8 +298,10 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   std::vector<std::int64_t> to_map;
   check(to_map);
   if (!to_map.empty()) {
-    if (growth_room_locked() < to_map.size()) {
-      throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) + " more page(s) for these blocks");
+    std::string bound_by;
+    if (growth_room_locked(&bound_by) < to_map.size()) {
+      throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) + " more page(s) for these blocks: " +
+                            "bound by " + bound_by);
     }
     grow_locked(lock, to_map.size(), &to_map);
     std::vector<std::int64_t> again;

@@ -1,6 +1,7 @@
 // BlockManager, accounting: what is available, stats, and the mirrors' budget
 // charges (taken all or nothing before a map, given back once no longer needed).
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -10,21 +11,29 @@ namespace kvcached {
 
 // ---- what is there ----------------------------------------------------------------
 
-std::size_t BlockManager::growth_room_locked() const {
+std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
   const std::size_t committed = index_.pages() + mapping_pages_;  // mapped or being mapped
+  std::size_t room = std::numeric_limits<std::size_t>::max();
+  const auto bound = [&](std::size_t pages, const std::string& what) {
+    if (pages >= room) return;
+    room = pages;
+    if (bound_by != nullptr) *bound_by = what;
+  };
   // Ids: unmapped ones, and those being unmapped (alloc waits for that).
-  std::size_t room = unmapped_.size() + unmapping_pages_;
-  room = std::min(room, limit_pages_ > committed ? limit_pages_ - committed : 0);
+  bound(unmapped_.size() + unmapping_pages_, "the virtual capacity (page ids)");
+  bound(limit_pages_ > committed ? limit_pages_ - committed : 0,
+        "the limit of " + std::to_string(limit_pages_) + " page(s)");
   for (std::size_t i = 0; i < budgets_.size(); ++i) {
     if (!budgets_.alive(i) || budgets_.budget(i) == nullptr) continue;
     // Pages already charged but not mapped (being unmapped, spares, unmaps the
     // mirror has not acknowledged) count: a new page reuses their charge.
     const auto slack = static_cast<std::int64_t>(budgets_.charged_pages(i)) - static_cast<std::int64_t>(committed);
-    const std::int64_t pages = static_cast<std::int64_t>(std::min<std::size_t>(budgets_.room_pages(i), KVLayout::kMaxPages)) + slack;
-    room = std::min(room, static_cast<std::size_t>(std::max<std::int64_t>(pages, 0)));
+    const auto budget_pages = static_cast<std::int64_t>(std::min<std::size_t>(budgets_.room_pages(i), KVLayout::kMaxPages));
+    bound(static_cast<std::size_t>(std::max<std::int64_t>(budget_pages + slack, 0)),
+          budgets_.size() > 1 ? "the memory budget of mirror " + std::to_string(i) : "the memory budget");
   }
   if (device_free_pages_) {
-    room = std::min(room, *device_free_pages_ + unmapping_pages_ + mapper_->spare_pages());
+    bound(*device_free_pages_ + unmapping_pages_ + mapper_->spare_pages(), "the device's free memory");
   }
   return room;
 }
