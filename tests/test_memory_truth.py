@@ -167,3 +167,17 @@ def test_available_size_is_exact_at_once_after_free_with_the_worker_on():
             assert m.available_size() == before - n
             m.free(ids)
             assert m.available_size() == before
+
+
+def test_a_limit_set_from_outside_shows_in_available_at_once():
+    """kvctl set-limit (the registry) is read by available() itself, worker or not."""
+    from kvcached.registry import registry_for
+
+    with make_manager(64, background_worker=False, name="truth-limit") as m:
+        assert m.available_size() == 64
+        page_id_bytes = m.pool.page_id_bytes
+        registry_for(m.pool.device.name).set_limit("truth-limit", 2 * page_id_bytes)
+        assert m.available_size() == 2 * m.pool.blocks_per_page
+        assert m.alloc(2 * m.pool.blocks_per_page + 1) is None
+        registry_for(m.pool.device.name).set_limit("truth-limit", None)
+        assert m.available_size() == 64

@@ -134,6 +134,16 @@ void bind_layout(nb::module_& m) {
       });
 }
 
+nb::tuple options_state(const BlockManagerOptions& o) {
+  return nb::make_tuple(o.null_block, o.limit_bytes, o.reserve.min_free_pages, o.reserve.max_free_pages,
+                        o.reserve.min_spare_pages, o.reserve.max_spare_pages, o.background_worker,
+                        placement_name(o.placement));
+}
+
+nb::tuple space_options_state(const KVSpaceOptions& o) {
+  return nb::make_tuple(o.zero_backing, o.zero_chunk_bytes, o.max_spare_pages);
+}
+
 void bind_options(nb::module_& m) {
   nb::class_<KVSpaceOptions>(m, "KVSpaceOptions", "How a KV space maps: zero backing, spare allocations.")
       .def("__init__",
@@ -149,8 +159,10 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("zero_backing", [](const KVSpaceOptions& o) { return o.zero_backing; })
       .def_prop_ro("zero_chunk_bytes", [](const KVSpaceOptions& o) { return o.zero_chunk_bytes; })
       .def_prop_ro("max_spare_pages", [](const KVSpaceOptions& o) { return o.max_spare_pages; })
-      .def("__getstate__", [](const KVSpaceOptions& o) {
-             return nb::make_tuple(o.zero_backing, o.zero_chunk_bytes, o.max_spare_pages);
+      .def("__getstate__", &space_options_state)
+      .def("__eq__", [](const KVSpaceOptions& a, nb::handle b) {
+             return nb::isinstance<KVSpaceOptions>(b) &&
+                    space_options_state(a).equal(space_options_state(nb::cast<const KVSpaceOptions&>(b)));
            })
       .def("__setstate__", [](KVSpaceOptions& self, const std::tuple<bool, std::size_t, std::size_t>& t) {
         KVSpaceOptions o;
@@ -195,6 +207,22 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("max_spare_pages", [](const BlockManagerOptions& o) { return o.reserve.max_spare_pages; })
       .def_prop_ro("background_worker", [](const BlockManagerOptions& o) { return o.background_worker; })
       .def_prop_ro("placement", [](const BlockManagerOptions& o) { return placement_name(o.placement); })
+      .def("__getstate__", &options_state)
+      .def("__setstate__",
+           [](BlockManagerOptions& self, const std::tuple<bool, std::optional<std::size_t>, std::size_t, std::size_t,
+                                                          std::size_t, std::size_t, bool, std::string>& t) {
+             BlockManagerOptions o;
+             o.null_block = std::get<0>(t);
+             o.limit_bytes = std::get<1>(t);
+             o.reserve = {std::get<2>(t), std::get<3>(t), std::get<4>(t), std::get<5>(t)};
+             o.background_worker = std::get<6>(t);
+             o.placement = parse_placement(std::get<7>(t));
+             new (&self) BlockManagerOptions(o);
+           })
+      .def("__eq__", [](const BlockManagerOptions& a, nb::handle b) {
+             return nb::isinstance<BlockManagerOptions>(b) &&
+                    options_state(a).equal(options_state(nb::cast<const BlockManagerOptions&>(b)));
+           })
       .def("__repr__", [](const BlockManagerOptions& o) {
         return "BlockManagerOptions(null_block=" + std::string(o.null_block ? "True" : "False") +
                ", limit_bytes=" + (o.limit_bytes ? std::to_string(*o.limit_bytes) : "None") +

@@ -181,7 +181,7 @@ class KVCACHED_EXPORT BlockManager {
   // Give back what the mirrors hold beyond what they need now.
   void settle_locked(Lock& lock);
   void give_back_locked(Lock& lock, std::vector<std::pair<std::size_t, std::size_t>> releases);
-  void refresh_limit_locked();
+  void refresh_limit_locked() const;
   std::optional<std::size_t> device_free_pages() const;  // a driver call: no mutex_ held
   void report_usage_locked() const noexcept;
   void trim_spares_locked(Lock& lock, std::size_t keep);
@@ -210,7 +210,9 @@ class KVCACHED_EXPORT BlockManager {
   std::vector<std::int64_t> reserved_;                   // try_reserve, handed out first
   std::size_t used_blocks_ = 0;
   std::size_t mapping_pages_ = 0, mapping_blocks_ = 0, unmapping_pages_ = 0, awaiting_ack_pages_ = 0;
-  std::size_t limit_pages_;                              // options and the budgets' external limits
+  // The options' limit and the budgets' external limits (kvctl), in pages:
+  // refreshed by every call that decides on it (available() included).
+  mutable std::size_t limit_pages_;
   std::optional<std::size_t> device_free_pages_;         // as of the last mapper call (local only)
   MirrorBudgets budgets_;
   ReservePolicy reserve_;

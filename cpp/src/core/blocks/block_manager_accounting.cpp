@@ -51,6 +51,7 @@ std::size_t BlockManager::growth_blocks_locked(std::size_t pages) const noexcept
 
 std::size_t BlockManager::available() const {
   Lock lock(mutex_);
+  if (!closed_) refresh_limit_locked();  // a limit set from outside (kvctl) shows at once
   return available_locked();
 }
 
@@ -126,7 +127,7 @@ BlockManagerStats BlockManager::stats() const {
 
 // ---- budgets ----------------------------------------------------------------------
 
-void BlockManager::refresh_limit_locked() {
+void BlockManager::refresh_limit_locked() const {
   std::size_t limit = layout_.num_pages();
   if (options_.limit_bytes) limit = std::min(limit, *options_.limit_bytes / layout_.page_id_bytes());
   if (auto external = budgets_.external_limit_pages()) limit = std::min(limit, *external);
