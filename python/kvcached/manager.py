@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 import numpy as np
 
 from kvcached import _core
+from kvcached.devices import default_device, open_device
 from kvcached.errors import OutOfMemoryError
 from kvcached.layout import KVLayout, block_manager_options
 from kvcached.pool import KVPool
@@ -74,11 +75,12 @@ class KVCacheManager:
         self.block_size = _check_positive("block_size", block_size)
         self.cell_size = _check_positive("cell_size", cell_size)
         self.block_mem_size = self.block_size * self.cell_size  # bytes of one block of one buffer
+        dev = device if isinstance(device, _core.Device) else open_device(device or default_device())
         kv_layout = KVLayout(num_layers, self.block_mem_size, num_blocks, num_buffers=num_kv_buffers,
-                             page_bytes=page_bytes, kind=layout, device=device)
+                             page_bytes=page_bytes, kind=layout, device=dev)
         options = block_manager_options(null_block=reserve_null_block, limit_bytes=limit_bytes,
                                         background_worker=background_worker)
-        self.pool = KVPool(kv_layout=kv_layout, options=options, device=device, zero_backing=zero_backing,
+        self.pool = KVPool(kv_layout=kv_layout, options=options, device=dev, zero_backing=zero_backing,
                            budget=budget, name=name)
         self.reserve_null_block = reserve_null_block
         self._alloc = self.pool.alloc_list  # bound once: the veneer costs one Python call

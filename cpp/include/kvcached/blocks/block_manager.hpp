@@ -21,6 +21,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -173,6 +174,12 @@ class KVCACHED_EXPORT BlockManager {
   std::vector<std::int64_t> grow_locked(Lock& lock, std::size_t count, const std::vector<std::int64_t>* wanted);
   std::size_t shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages);
   void undo_grow_locked(const std::vector<std::int64_t>& pages);
+  // Pages whose unmap every live mirror has acknowledged: their ids are reusable.
+  void make_reusable_locked(const std::vector<std::int64_t>& pages);
+  // Runs a mapper call: a local space's (driver calls) with mutex_ released,
+  // the op log's (a leaf lock that never waits) under it. mutex_ is held again
+  // on return, also when the call throws.
+  void with_mapper(Lock& lock, const std::function<void()>& call);
   // Pages mirror i must hold once the operation in progress is done: `maps`
   // pages of mapping_pages_ are being mapped, `new_spares` spares being made.
   std::size_t required_pages_locked(std::size_t i, std::size_t maps, std::size_t new_spares) const;

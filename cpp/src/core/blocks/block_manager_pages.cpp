@@ -1,6 +1,7 @@
 // BlockManager, page side: mapping and unmapping pages (with rollback), spare
 // allocations, and the mirrors' acknowledgements.
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -10,6 +11,19 @@ namespace kvcached {
 
 
 // ---- mapping and unmapping (map_mutex_ held) ----------------------------------------
+
+void BlockManager::with_mapper(Lock& lock, const std::function<void()>& call) {
+  if (op_log_ != nullptr) {
+    call();  // recording for mirrors: a leaf lock that never waits, so page states change with it
+    return;
+  }
+  lock.unlock();  // a local space calls the driver
+  struct Relock {
+    Lock& lock;
+    ~Relock() { lock.lock(); }
+  } relock{lock};
+  call();
+}
 
 void BlockManager::undo_grow_locked(const std::vector<std::int64_t>& pages) {
   for (std::int64_t p : pages) {
@@ -43,19 +57,17 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
     undo_grow_locked(pages);
     throw;
   }
-  lock.unlock();
+  std::optional<std::size_t> device;
   try {
-    mapper_->map_pages(pages);
+    with_mapper(lock, [&] {
+      mapper_->map_pages(pages);
+      device = device_free_pages();
+    });
   } catch (...) {
-    const auto device = device_free_pages();
-    lock.lock();
-    if (device) device_free_pages_ = device;
     undo_grow_locked(pages);
     settle_locked(lock);  // what the failed map kept as spares stays charged; the rest goes back
     throw;
   }
-  const auto device = device_free_pages();
-  lock.lock();
   if (device) device_free_pages_ = device;
   for (std::int64_t p : pages) {
     const auto page = static_cast<std::uint32_t>(p);
@@ -82,12 +94,14 @@ std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint3
     ids.push_back(p);
   }
   unmapping_pages_ += pages.size();
-  lock.unlock();
   UnmapOutcome outcome;
+  std::optional<std::size_t> device;
   try {
-    outcome = mapper_->unmap_pages(ids);
+    with_mapper(lock, [&] {
+      outcome = mapper_->unmap_pages(ids);
+      device = device_free_pages();
+    });
   } catch (...) {
-    lock.lock();
     for (std::uint32_t p : pages) {  // still mapped: put the pages back
       const std::size_t capacity = index_.capacity(p);
       auto& slots = free_slots_[p];
@@ -99,8 +113,6 @@ std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint3
     unmapping_pages_ -= pages.size();
     throw;
   }
-  const auto device = device_free_pages();
-  lock.lock();
   if (device) device_free_pages_ = device;
   for (std::int64_t p : outcome.unmapped) {
     state_[p] = PageState::kUnmapped;
@@ -115,20 +127,16 @@ std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint3
 }
 
 void BlockManager::trim_spares_locked(Lock& lock, std::size_t keep) {
-  lock.unlock();
-  mapper_->trim_spares(keep);
-  lock.lock();
+  with_mapper(lock, [&] { mapper_->trim_spares(keep); });
   settle_locked(lock);
 }
 
 void BlockManager::add_spares_locked(Lock& lock, std::size_t count) {
   charge_locked(lock, 0, count);  // BudgetExhausted: nothing made, nothing charged
-  lock.unlock();
   try {
-    mapper_->add_spares(count);  // best effort: stops early when the device is full
+    with_mapper(lock, [&] { mapper_->add_spares(count); });  // best effort: stops early when the device is full
   } catch (...) {
   }
-  lock.lock();
   settle_locked(lock);  // what was not made goes back
 }
 
@@ -139,16 +147,21 @@ PageOps BlockManager::take_page_ops() {
   return op_log_->take_ops();
 }
 
+void BlockManager::make_reusable_locked(const std::vector<std::int64_t>& pages) {
+  for (std::int64_t p : pages) {
+    if (state_[p] != PageState::kAwaitingAck) continue;  // defensive: only what the log handed out
+    state_[p] = PageState::kUnmapped;
+    unmapped_.insert(p);
+    --awaiting_ack_pages_;
+  }
+}
+
 void BlockManager::acknowledge(std::size_t mirror, std::uint64_t seq) {
   if (op_log_ == nullptr) throw InvalidArgument("this pool maps its own pages; it has no mirrors to acknowledge");
   Lock lock(mutex_);
   const std::vector<std::int64_t> reusable = op_log_->acknowledge(mirror, seq);
   if (closed_) return;
-  for (std::int64_t p : reusable) {
-    state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
-  }
-  awaiting_ack_pages_ -= reusable.size();
+  make_reusable_locked(reusable);
   settle_locked(lock);  // mirror `mirror` may now hold less: give that back on its budget
   report_usage_locked();
 }
@@ -158,11 +171,7 @@ void BlockManager::mirror_lost(std::size_t mirror) {
   Lock lock(mutex_);
   const std::vector<std::int64_t> reusable = op_log_->mirror_lost(mirror);
   if (closed_) return;
-  for (std::int64_t p : reusable) {
-    state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
-  }
-  awaiting_ack_pages_ -= reusable.size();
+  make_reusable_locked(reusable);
   if (budgets_.alive(mirror)) {
     const std::size_t held = budgets_.mark_lost(mirror);
     budgets_.begin_release(mirror, held);
