@@ -13,7 +13,8 @@ how many bytes stay mapped per byte of blocks in use (1.0 would be perfect packi
   cache (3000 blocks) evicts it, least recently finished first — so the runs of a request
   outlive the neighbours they were placed among, as in an engine with prefix caching.
 
-Geometry as elsewhere in bench/: 32 layers, K+V, 32 KiB blocks, 2 MiB pages (64 blocks per page).
+Geometry as elsewhere in bench/: 32 layers, K+V, 2 MiB pages, with 32 KiB blocks (64 per page,
+the bench's usual geometry) and 128 KiB blocks (16 per page: runs span more pages).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import pytest
 from kvcached.layout import BlockManagerOptions, KVLayout
 from kvcached.pool import BlockManager
 
-NUM_LAYERS, BLOCK_BYTES, PAGE_BYTES = 32, 32 << 10, 2 << 20
-NUM_BLOCKS = 64 * 2048  # 2048 page ids: never the limit here
+NUM_LAYERS, PAGE_BYTES = 32, 2 << 20
+BLOCKS_PER_PAGE = (64, 16)
+NUM_PAGES = 4096  # never the limit here
 SEED = 20240601
 POLICIES = ("fullest_first", "fewest_pages")
 
@@ -35,8 +37,9 @@ POLICIES = ("fullest_first", "fewest_pages")
 class Replay:
     """Runs a trace on one policy; the trace calls alloc / free, then end_step()."""
 
-    def __init__(self, placement: str) -> None:
-        self.layout = KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES)
+    def __init__(self, placement: str, blocks_per_page: int) -> None:
+        self.layout = KVLayout(NUM_LAYERS, PAGE_BYTES // blocks_per_page, NUM_PAGES * blocks_per_page,
+                               page_bytes=PAGE_BYTES)
         options = BlockManagerOptions(placement=placement)  # no reserve, no worker
         self.manager = BlockManager(self.layout, options)
         self.mapped_bytes: list[int] = []
@@ -119,19 +122,20 @@ def prefix_cache_trace(replay: Replay, rng: np.random.Generator) -> None:
 TRACES = {"decode": decode_trace, "prefix_cache": prefix_cache_trace}
 
 
+@pytest.mark.parametrize("blocks_per_page", BLOCKS_PER_PAGE)
 @pytest.mark.parametrize("trace", list(TRACES))
-def test_placement(trace, record_result):
+def test_placement(trace, blocks_per_page, record_result):
     """Both policies on the same seeded trace; the new one must not be worse."""
     results = {}
     for policy in POLICIES:
-        replay = Replay(policy)
+        replay = Replay(policy, blocks_per_page)
         TRACES[trace](replay, np.random.default_rng(SEED))
         assert replay.manager.stats()["used_blocks"] == 0
         results[policy] = replay.result()
         replay.manager.close()
     for policy, r in results.items():
-        record_result(f"placement.{trace}", "host", {"policy": policy, **r})
-        print(f"{trace:>12} {policy:>13}: mapped/used {r['mapped_per_used']:.3f}  mean mapped "
+        record_result(f"placement.{trace}", "host", {"policy": policy, "blocks_per_page": blocks_per_page, **r})
+        print(f"{trace:>12} {blocks_per_page:>2} blocks/page {policy:>13}: mapped/used {r['mapped_per_used']:.3f}  mean mapped "
               f"{r['mean_mapped_gib']:.2f} GiB  mean used {r['mean_used_gib']:.2f} GiB  peak mapped "
               f"{r['peak_mapped_pages']} pages  peak used {r['peak_used_blocks']} blocks")
     assert results["fewest_pages"]["mapped_per_used"] <= results["fullest_first"]["mapped_per_used"] * 1.01
