@@ -90,11 +90,39 @@ void test_unmapped_regions_read_zero() {
   CHECK(bytes[3 * 2 * kMiB + 11] == 0);
 }
 
+void test_a_space_applies_page_ops_in_order() {
+  auto device = Device::open(make_host_backend(64 * kMiB));
+  KVLayoutConfig config;
+  config.num_layers = 2;
+  config.num_buffers = 2;
+  config.block_bytes = 64 * 1024;
+  config.page_bytes = 2 * kMiB;
+  config.num_blocks = 4 * 32;
+  KVSpaceOptions options;
+  options.max_spare_pages = 1;
+  KVSpace space(device, KVLayout(config), options);
+  CHECK(space.apply(PageOps{1, {0, 1}, {}}) == 1 && space.mapped_pages() == 2);
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{1, {2}, {}}); }));   // applied already
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{3, {2}, {}}); }));   // batch 2 missing
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {1}, {}}); }));   // mapped already
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {}, {3}}); }));   // not mapped
+  CHECK(space.applied_seq() == 1 && space.mapped_pages() == 2);                // nothing changed
+  CHECK(space.apply(PageOps{2, {0}, {0, 1}}) == 2);  // unmaps first: page 0 comes back fresh
+  CHECK(space.mapped_pages() == 1 && space.spare_pages() == 0);  // the kept spare backed page 0 again
+  const UnmapResult result = space.unmap_pages({0});
+  CHECK(result.unmapped_pages == 1 && result.kept_spare_pages == 1 && result.released_pages() == 0);
+  CHECK(space.trim_spares(0) == 1 && space.spare_pages() == 0);
+  CHECK(space.apply(PageOps{}) == 0);
+  space.close();
+  CHECK(device->counters().mapped_bytes == 0 && device->counters().created_bytes == 0);
+}
+
 }  // namespace
 
 int main() {
   test_device_rules();
   test_block_manager_over_a_kv_space();
   test_unmapped_regions_read_zero();
+  test_a_space_applies_page_ops_in_order();
   return kvcached_test::summary();
 }
