@@ -249,7 +249,8 @@ void bind_block_manager(nb::module_& m) {
              nb::gil_scoped_release release;
              b.alloc_ids(v);
            },
-           "ids"_a, "Take exactly these free block ids (all or nothing).")
+           "ids"_a, nb::sig("def alloc_ids(self, ids: Sequence[int] | numpy.ndarray) -> None"),
+           "Take exactly these free block ids (all or nothing).")
       .def("free", [](BlockManager& b, const nb::list& ids) { b.free(ids_from_list(ids)); }, "ids"_a)
       .def("free", [](BlockManager& b, const Int64Ids& ids) {
              if (ids.stride(0) == 1) {
@@ -263,6 +264,7 @@ void bind_block_manager(nb::module_& m) {
              }
            }, "ids"_a.noconvert())
       .def("free", [](BlockManager& b, nb::handle ids) { b.free(ids_from(ids)); }, "ids"_a,
+           nb::sig("def free(self, ids: Sequence[int] | numpy.ndarray) -> None"),
            "Free block ids (integers, all distinct and handed out, or nothing is freed).")
       .def("try_reserve", &BlockManager::try_reserve, "n"_a, Released(),
            "Set n more blocks aside for the next allocs, which hand them out first; False (nothing taken) "
@@ -277,7 +279,7 @@ void bind_block_manager(nb::module_& m) {
              nb::gil_scoped_release release;
              return b.resize(limit);
            },
-           "limit_bytes"_a.none(),
+           "limit_bytes"_a.none(), nb::sig("def resize(self, limit_bytes: int | None) -> bool"),
            "Set the limit in bytes (None: none). True when the pool is within it now; False when the shrink "
            "is deferred until blocks in use are freed.")
       .def("trim", &BlockManager::trim, Released(),
@@ -288,7 +290,9 @@ void bind_block_manager(nb::module_& m) {
              b.set_reserve({size_arg("min_free_pages", min_free, true), size_arg("max_free_pages", max_free, true),
                             size_arg("min_spare_pages", min_spare, true), size_arg("max_spare_pages", max_spare, true)});
            },
-           "min_free_pages"_a, "max_free_pages"_a, "min_spare_pages"_a, "max_spare_pages"_a)
+           "min_free_pages"_a, "max_free_pages"_a, "min_spare_pages"_a, "max_spare_pages"_a,
+           nb::sig("def set_reserve(self, min_free_pages: int, max_free_pages: int, min_spare_pages: int, "
+                   "max_spare_pages: int) -> None"))
       .def("take_page_ops", &BlockManager::take_page_ops, "Page operations for the mirrors since the last call.")
       .def("acknowledge", &BlockManager::acknowledge, "mirror"_a, "seq"_a, Released(),
            "Mirror `mirror` applied every batch up to `seq`.")

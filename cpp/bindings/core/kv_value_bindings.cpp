@@ -85,7 +85,9 @@ void bind_layout(nb::module_& m) {
              new (self) KVLayout(layout_config(num_layers, block_bytes, num_blocks, page_bytes, num_buffers, kind));
            },
            "num_layers"_a, "block_bytes"_a, "num_blocks"_a, "page_bytes"_a, "num_buffers"_a = 2,
-           "kind"_a = "per_layer")
+           "kind"_a = "per_layer",
+           nb::sig("def __init__(self, num_layers: int, block_bytes: int, num_blocks: int, page_bytes: int, "
+                   "num_buffers: int = 2, kind: str = 'per_layer') -> None"))
       .def_static("for_capacity",
                   [](nb::handle num_layers, nb::handle block_bytes, nb::handle capacity_bytes, nb::handle page_bytes,
                      nb::handle num_buffers, const std::string& kind) {
@@ -94,7 +96,10 @@ void bind_layout(nb::module_& m) {
                     return KVLayout::for_capacity(config, size_arg("capacity_bytes", capacity_bytes, false));
                   },
                   "num_layers"_a, "block_bytes"_a, "capacity_bytes"_a, "page_bytes"_a, "num_buffers"_a = 2,
-                  "kind"_a = "per_layer", "As many whole pages as fit in capacity_bytes (all layers and buffers).")
+                  "kind"_a = "per_layer",
+                  nb::sig("def for_capacity(num_layers: int, block_bytes: int, capacity_bytes: int, page_bytes: int, "
+                          "num_buffers: int = 2, kind: str = 'per_layer') -> KVLayout"),
+                  "As many whole pages as fit in capacity_bytes (all layers and buffers).")
       .def_prop_ro("num_layers", &KVLayout::num_layers)
       .def_prop_ro("num_buffers", &KVLayout::num_buffers)
       .def_prop_ro("block_bytes", &KVLayout::block_bytes, "One block of one layer and one buffer.")
@@ -155,7 +160,9 @@ void bind_options(nb::module_& m) {
              new (self) KVSpaceOptions(o);
            },
            "zero_backing"_a = true, "zero_chunk_bytes"_a = KVSpaceOptions{}.zero_chunk_bytes,
-           "max_spare_pages"_a = 0)
+           "max_spare_pages"_a = 0,
+           nb::sig("def __init__(self, zero_backing: bool = True, zero_chunk_bytes: int = 268435456, "
+                   "max_spare_pages: int = 0) -> None"))
       .def_prop_ro("zero_backing", [](const KVSpaceOptions& o) { return o.zero_backing; })
       .def_prop_ro("zero_chunk_bytes", [](const KVSpaceOptions& o) { return o.zero_chunk_bytes; })
       .def_prop_ro("max_spare_pages", [](const KVSpaceOptions& o) { return o.max_spare_pages; })
@@ -198,7 +205,11 @@ void bind_options(nb::module_& m) {
            },
            "null_block"_a = false, "limit_bytes"_a = nb::none(), "min_free_pages"_a = 0, "max_free_pages"_a = 0,
            "min_spare_pages"_a = 0, "max_spare_pages"_a = 0, "background_worker"_a = false,
-           "placement"_a = "fewest_pages")
+           "placement"_a = "fewest_pages",
+           nb::sig("def __init__(self, null_block: bool = False, limit_bytes: int | None = None, "
+                   "min_free_pages: int = 0, max_free_pages: int = 0, min_spare_pages: int = 0, "
+                   "max_spare_pages: int = 0, background_worker: bool = False, "
+                   "placement: str = 'fewest_pages') -> None"))
       .def_prop_ro("null_block", [](const BlockManagerOptions& o) { return o.null_block; })
       .def_prop_ro("limit_bytes", [](const BlockManagerOptions& o) { return o.limit_bytes; })
       .def_prop_ro("min_free_pages", [](const BlockManagerOptions& o) { return o.reserve.min_free_pages; })
