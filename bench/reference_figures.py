@@ -57,6 +57,7 @@ FIGURES: dict[str, Figure] = {
     "pool.grow64.per_layer": Figure(reference_us=231 * MS, reference=REF),
     "pool.alloc16_free": Figure(target_us=2, reference_us=24, reference="reference implementation, GB10"),
     "pool.available": Figure(target_us=0.3),
+    "manager.alloc16_free": Figure(target_us=3, reference="target: <= 1.5x pool.alloc16_free in the same run"),
     # ---- decode-like trace (custom results, not pytest-benchmark) -----------------------
     "trace.alloc_p99": Figure(target_us=10),
     "trace.idle_to_min_reserve": Figure(target_us=1000 * MS),

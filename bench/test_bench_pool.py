@@ -18,6 +18,7 @@ import pytest
 
 from conftest import GiB, KiB, PAGE_BYTES, describe, is_gpu, time_each
 from kvcached import config
+from kvcached.layout import KVLayout, KVSpaceOptions
 from kvcached.pool import KVPool, KVSpace
 
 NUM_LAYERS = 32
@@ -33,12 +34,14 @@ ROUNDS_GROW64 = 5
 ROUNDS_FAST, ITERATIONS_FAST = 200, 50  # alloc/free and available(): sub-microsecond to microseconds
 
 
+KV_LAYOUTS = {kind: KVLayout(NUM_LAYERS, BLOCK_BYTES, num_buffers=NUM_BUFFERS, kind=kind, page_bytes=PAGE_BYTES,
+                              capacity_bytes=CAPACITY_BYTES) for kind in LAYOUTS}
+
+
 def make_space(device_spec: str, layout: str, *, zero_backing: bool = True, max_spare_pages: int = 0) -> KVSpace:
-    return KVSpace(
-        None, BLOCK_BYTES, NUM_LAYERS, NUM_BUFFERS, layout=layout, page_bytes=PAGE_BYTES,
-        device=device_spec, zero_backing=zero_backing, capacity_bytes=CAPACITY_BYTES,
-        max_spare_pages=max_spare_pages,
-    )
+    options = KVSpaceOptions(zero_backing=zero_backing, zero_chunk_bytes=config.get("zero_chunk_bytes"),
+                             max_spare_pages=max_spare_pages)
+    return KVSpace(KV_LAYOUTS[layout], device_spec, options)
 
 
 def make_pool(device_spec: str, layout: str, *, background_worker: bool) -> KVPool:

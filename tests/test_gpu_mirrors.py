@@ -16,12 +16,13 @@ pytestmark = pytest.mark.gpu
 NUM_LAYERS = 4
 BLOCK_BYTES = 256 << 10
 NUM_BLOCKS = 512
+LAYOUT = kvcached.KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=2 << 20)  # one value on both sides
 
 
 def gpu_mirror_main(conn, device: str) -> None:
     import torch
 
-    space = kvcached.KVSpace(NUM_BLOCKS, BLOCK_BYTES, NUM_LAYERS, device=device, zero_backing=True)
+    space = kvcached.KVSpace(LAYOUT, device, kvcached.KVSpaceOptions(zero_backing=True))
     flat = torch.from_dlpack(space.tensor())
     busy = torch.randn(4096, 4096, device=flat.device)
 
@@ -92,8 +93,7 @@ def gpu_mirror():
 
 def test_gpu_mirror_maps_fences_and_releases_after_acknowledgement(gpu_mirror):
     budget = _core.FixedBudget(1 << 34)
-    manager = kvcached.BlockManager(NUM_BLOCKS, BLOCK_BYTES, NUM_LAYERS, num_mirrors=1, budget=budget,
-                                    background_worker=False, min_reserve_pages=0, max_reserve_pages=0)
+    manager = kvcached.BlockManager(LAYOUT, kvcached.BlockManagerOptions(), budget=budget)
     blocks = manager.alloc(40).tolist()
     seq = gpu_mirror("apply", manager.take_page_ops())
     manager.acknowledge(0, seq)

@@ -31,8 +31,9 @@ SCENARIO = """
     for page_bytes in pages:
         for layout in ("per_layer", "contiguous"):
             for zero_backing in (True, False):
-                space = kvcached.KVSpace(None, block_bytes, 2, 2, layout=layout, page_bytes=page_bytes,
-                                         device=device, zero_backing=zero_backing, capacity_bytes={capacity})
+                kv_layout = kvcached.KVLayout(2, block_bytes, num_buffers=2, kind=layout, page_bytes=page_bytes,
+                                              capacity_bytes={capacity}, device=device)
+                space = kvcached.KVSpace(kv_layout, device, kvcached.KVSpaceOptions(zero_backing=zero_backing))
                 per_page = space.blocks_per_page
                 mapped = [1, 2, 5]
                 space.map_pages(mapped)

@@ -41,9 +41,9 @@ def test_alloc_answers_none_when_memory_is_short_and_takes_nothing():
 
 
 def test_ids_never_reach_past_num_blocks_even_when_pages_round_up():
-    # 30 blocks need 8 pages of 4: the pool has 32 ids, the engine knows 30.
+    # 30 blocks need 8 pages of 4: the last page holds 2, and the pool knows it.
     with make_manager(30) as m:
-        assert m.pool.num_blocks == 32
+        assert m.pool.num_blocks == 30 and m.pool.stats()["num_pages"] == 8
         ids = m.alloc(30)
         assert sorted(ids) == list(range(30))
         assert m.alloc(1) is None and m.available_size() == 0
@@ -120,10 +120,12 @@ def test_null_block_is_held_back():
 def test_try_to_reserve_and_free_reserved():
     with make_manager() as m:
         assert m.try_to_reserve(10)
-        assert m.available_size() == 20
-        assert not m.try_to_reserve(25)
+        assert m.available_size() == 30  # reserved blocks count as available (the reference's figure)
+        assert m.stats()["reserved_blocks"] == 10
+        assert not m.try_to_reserve(25)  # only 20 more exist
+        assert m.stats()["reserved_blocks"] == 10
         m.free_reserved()
-        assert m.available_size() == 30
+        assert m.available_size() == 30 and m.stats()["used_blocks"] == 0
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "contiguous"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -77,3 +78,58 @@ def test_concurrent_alloc_and_free_never_duplicate_ids(layout):
     assert pool.available() == pool.num_blocks
     pool.close()
     assert device.counters()["mapped_bytes"] == 0 and device.counters()["created_bytes"] == 0
+
+
+def _hold_registry_lock(device: str, locked) -> None:
+    from kvcached._core import DeviceRegistry
+
+    DeviceRegistry(device)._hold_lock_for_test()
+    locked.set()
+    time.sleep(60)  # killed by the test: the robust lock then passes to the next locker
+
+
+@pytest.mark.slow
+def test_the_fast_path_never_waits_on_another_process():
+    """Another process holds the registry's lock: a thread whose alloc must map a page waits
+    for it, but alloc from mapped pages, free, available() and stats() in other threads do not."""
+    import multiprocessing as mp
+
+    from kvcached.registry import registry_for
+
+    registry_for("cpu")  # make sure the registry exists
+    pool = kvcached.KVPool(2, 4 << 10, num_blocks=512, page_bytes=16 << 10, device=_core.open_host_device(64 << 20),
+                           background_worker=False, min_reserve_pages=0, max_reserve_pages=0)
+    try:
+        held = pool.alloc(1)  # page 0 mapped, 3 free blocks on it
+        ctx = mp.get_context("spawn")
+        locked = ctx.Event()
+        holder = ctx.Process(target=_hold_registry_lock, args=("cpu", locked))
+        holder.start()
+        assert locked.wait(30)
+        outcome: list = []
+
+        def alloc_that_maps() -> None:  # needs the budget: waits for the registry lock
+            try:
+                outcome.append(pool.alloc(2 * pool.blocks_per_page))
+            except Exception as exc:  # the registry's lock timeout, if it comes first
+                outcome.append(exc)
+
+        slow = threading.Thread(target=alloc_that_maps)
+        slow.start()
+        time.sleep(0.2)
+        assert slow.is_alive(), "the alloc that maps pages should be waiting for the registry lock"
+        start = time.monotonic()
+        for _ in range(100):
+            pool.free(pool.alloc(2))
+            pool.available()
+            pool.stats()
+        assert time.monotonic() - start < 1.0, "the fast path waited on another process"
+        holder.kill()
+        holder.join(30)
+        slow.join(30)
+        assert len(outcome) == 1 and not slow.is_alive()
+        if not isinstance(outcome[0], Exception):
+            pool.free(outcome[0])
+        pool.free(held)
+    finally:
+        pool.close()

@@ -126,8 +126,8 @@ def test_zero_backing_reads_zeros_even_over_garbage_memory():
         import json, kvcached
         from device_access import EmulatedHipWork
         work = EmulatedHipWork()
-        space = kvcached.KVSpace(None, 64 << 10, 2, 2, device="hip:0", capacity_bytes=256 << 20,
-                                 zero_backing=True)
+        layout = kvcached.KVLayout(2, 64 << 10, capacity_bytes=256 << 20, device="hip:0")
+        space = kvcached.KVSpace(layout, "hip:0", kvcached.KVSpaceOptions(zero_backing=True))
         base = space.base_address
         space.map_pages([3])
         per_page = space.blocks_per_page

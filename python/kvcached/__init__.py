@@ -16,6 +16,7 @@ from kvcached.errors import (
     KvcachedError,
     OutOfMemoryError,
 )
+from kvcached.layout import BlockManagerOptions, KVLayout, KVSpaceOptions, Mirror
 from kvcached.manager import KVCacheManager
 from kvcached.pool import BlockManager, KVPool, KVSpace, PageOps
 
@@ -26,12 +27,16 @@ __all__ = [
     "geometry",
     "BackendUnavailableError",
     "BlockManager",
+    "BlockManagerOptions",
     "DeviceOutOfMemoryError",
     "DriverError",
     "KVCacheManager",
+    "KVLayout",
     "KVPool",
     "KVSpace",
+    "KVSpaceOptions",
     "KvcachedError",
+    "Mirror",
     "OutOfMemoryError",
     "PageOps",
     "backends",

@@ -3,19 +3,22 @@
 Names and conventions follow the reference implementation so engine
 integrations port over unchanged: sizes in blocks, ``alloc`` answers ``None``
 when memory is short, ``resize`` takes the bytes of *one* layer's K (or V)
-buffer. Everything else (limits, budget, reserve worker, zero backing) is the
-:class:`~kvcached.pool.KVPool` underneath, reachable as :attr:`KVCacheManager.pool`.
+buffer, ``try_to_reserve`` sets blocks aside that the next ``alloc`` hands out
+first. It is a thin veneer: every count (blocks in use, reserved blocks, the
+null block, the block count itself) lives in the :class:`~kvcached.pool.KVPool`
+underneath, reachable as :attr:`KVCacheManager.pool`.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import numpy as np
 
 from kvcached import _core
+from kvcached.devices import default_device, open_device
 from kvcached.errors import OutOfMemoryError
+from kvcached.layout import KVLayout, block_manager_options
 from kvcached.pool import KVPool
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -36,7 +39,8 @@ class KVCacheManager:
     """Block ids for an engine's KV cache whose memory follows the blocks in use.
 
     Args:
-        num_blocks: blocks the engine addresses; ids are in ``[0, num_blocks)``.
+        num_blocks: blocks the engine addresses; ids are in ``[0, num_blocks)``
+            (need not fill whole pages).
         block_size: tokens per block.
         cell_size: bytes of one token in one layer's K (or V) buffer
             (``num_kv_heads * head_dim * dtype size``).
@@ -68,118 +72,68 @@ class KVCacheManager:
         background_worker: bool = True,
         name: Optional[str] = None,
     ) -> None:
-        self.num_blocks = _check_positive("num_blocks", num_blocks)
         self.block_size = _check_positive("block_size", block_size)
         self.cell_size = _check_positive("cell_size", cell_size)
-        self.num_layers = _check_positive("num_layers", num_layers)
-        self.num_kv_buffers = _check_positive("num_kv_buffers", num_kv_buffers)
         self.block_mem_size = self.block_size * self.cell_size  # bytes of one block of one buffer
-        self.pool = KVPool(
-            num_layers=self.num_layers,
-            block_bytes=self.block_mem_size,
-            num_buffers=self.num_kv_buffers,
-            num_blocks=self.num_blocks,
-            layout=layout,
-            page_bytes=page_bytes,
-            device=device,
-            zero_backing=zero_backing,
-            limit_bytes=limit_bytes,
-            null_block=reserve_null_block,
-            budget=budget,
-            background_worker=background_worker,
-            name=name,
-        )
+        dev = device if isinstance(device, _core.Device) else open_device(device or default_device())
+        kv_layout = KVLayout(num_layers, self.block_mem_size, num_blocks, num_buffers=num_kv_buffers,
+                             page_bytes=page_bytes, kind=layout, device=dev)
+        options = block_manager_options(null_block=reserve_null_block, limit_bytes=limit_bytes,
+                                        background_worker=background_worker)
+        self.pool = KVPool(kv_layout=kv_layout, options=options, device=dev, zero_backing=zero_backing,
+                           budget=budget, name=name)
         self.reserve_null_block = reserve_null_block
-        self._lock = threading.Lock()
-        # The pool rounds capacity up to whole pages; ids past num_blocks exist
-        # there but not in the engine's tables. When the pool hands one out it
-        # is parked here (kept allocated, never given to the caller).
-        self._tail_blocks = self.pool.num_blocks - self.num_blocks
-        self._parked: list[int] = []
-        self._in_use = np.zeros(self.num_blocks, dtype=bool)  # ids handed to the caller
-        self._num_used = 0
-        self._reserved: list[int] = []
+        self._alloc = self.pool.alloc_list  # bound once: the veneer costs one Python call
+        self._free = self.pool.free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_layers(self) -> int:
+        return self.pool.num_layers
+
+    @property
+    def num_kv_buffers(self) -> int:
+        return self.pool.num_buffers
 
     # ---- the reference's API ---------------------------------------------------------
 
     def alloc(self, need_size: int) -> Optional[list[int]]:
-        """``need_size`` block ids, or ``None`` when there is not enough memory.
+        """``need_size`` block ids (reserved ones first), or ``None`` when memory is short.
 
-        Never partial: on ``None`` nothing was allocated.
+        Never partial: on ``None`` nothing was allocated. Memory being given
+        back is waited for, never reported short. Raises ValueError once closed.
         """
-        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)):
+        if need_size.__class__ is not int and (isinstance(need_size, bool) or not isinstance(need_size, np.integer)):
             raise TypeError(f"need_size must be an int, got {type(need_size).__name__}")
         if need_size < 0:
             raise ValueError(f"need_size must not be negative, got {need_size}")
-        if need_size == 0:
-            return []
-        with self._lock:
-            if need_size > self._available_locked():
-                return None
-            try:
-                ids = self.pool.alloc(int(need_size))
-                if self._tail_blocks and ids.max() >= self.num_blocks:
-                    ids = self._replace_tail_ids_locked(ids)
-            except OutOfMemoryError:
-                return None
-            self._in_use[ids] = True
-            self._num_used += len(ids)
-            return ids.tolist()
-
-    def _replace_tail_ids_locked(self, ids: np.ndarray) -> np.ndarray:
-        """Park ids past ``num_blocks`` and allocate replacements (all or nothing)."""
-        good, tail = ids[ids < self.num_blocks], ids[ids >= self.num_blocks]
         try:
-            while tail.size:
-                self._parked.extend(tail.tolist())
-                more = self.pool.alloc(int(tail.size))
-                good = np.concatenate([good, more[more < self.num_blocks]])
-                tail = more[more >= self.num_blocks]
-        except BaseException:
-            if good.size:
-                self.pool.free(good)
-            raise
-        return good
+            return self._alloc(need_size)
+        except OutOfMemoryError:
+            return None
 
     def free(self, indices: Iterable[int]) -> None:
-        """Give block ids back. Unknown, repeated or already-free ids raise
-        ValueError and free nothing."""
-        ids = self._as_ids(indices)
-        if ids.size == 0:
-            return
-        with self._lock:
-            self.pool.free(ids)
-            self._in_use[ids] = False
-            self._num_used -= len(ids)
+        """Give block ids back (a list, a numpy array or a CPU tensor of integers).
+
+        Unknown, repeated, reserved or already-free ids raise ValueError and
+        free nothing; non-integer ids raise TypeError."""
+        self._free(indices)
 
     def try_to_reserve(self, need_size: int) -> bool:
-        """Allocate ``need_size`` blocks and hold them until :meth:`free_reserved`."""
-        ids = self.alloc(need_size)
-        if ids is None:
-            return False
-        self._reserved.extend(ids)
-        return True
+        """Set ``need_size`` more blocks aside; the next :meth:`alloc` calls hand them out first,
+        so an alloc of that size is guaranteed. False (nothing taken) when memory is short."""
+        return self.pool.try_reserve(need_size)
 
     def free_reserved(self) -> None:
-        """Free the blocks taken by :meth:`try_to_reserve`."""
-        reserved, self._reserved = self._reserved, []
-        if reserved:
-            self.free(reserved)
+        """Free the blocks set aside by :meth:`try_to_reserve` and not handed out yet."""
+        self.pool.release_reserved()
 
     def available_size(self) -> int:
-        """Blocks :meth:`alloc` could return right now (within limits and memory)."""
-        with self._lock:
-            return self._available_locked()
-
-    def _available_locked(self) -> int:
-        pool_available = self.pool.available()
-        unparked_tail = self._tail_blocks - len(self._parked)
-        # Free tail ids count in the pool's figure once their page is mapped;
-        # before that the pool would fill every lower page first.
-        if unparked_tail and self.pool.space.is_mapped(self.pool.space.num_pages - 1):
-            pool_available -= unparked_tail
-        engine_free = self.num_blocks - self._num_used - int(self.reserve_null_block)
-        return max(0, min(pool_available, engine_free))
+        """Blocks :meth:`alloc` could return right now (reserved ones included)."""
+        return self.pool.available()
 
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:
         """Physical memory mapped for this cache, in ``unit`` (bytes, kb, mb, gb)."""
@@ -193,32 +147,28 @@ class KVCacheManager:
     def resize(self, new_mem_size: Optional[int]) -> bool:
         """Limit each layer's K (or V) buffer to ``new_mem_size`` bytes (None: no limit).
 
-        A limit below current use is accepted: memory is given back as blocks
-        are freed. Returns True (the reference's signature).
+        Returns True when the cache is within the new limit now, False when the
+        shrink is deferred until blocks in use are freed (blocks set aside by
+        :meth:`try_to_reserve` are freed first) — the reference's meaning.
         """
         if new_mem_size is None:
-            self.pool.resize(None)
-            return True
+            return self.pool.resize(None)
         if isinstance(new_mem_size, bool) or not isinstance(new_mem_size, (int, np.integer)):
             raise TypeError(f"new_mem_size must be an int or None, got {type(new_mem_size).__name__}")
         if new_mem_size < 0:
             raise ValueError(f"new_mem_size must not be negative, got {new_mem_size}")
-        self.pool.resize(int(new_mem_size) * self.num_layers * self.num_kv_buffers)
-        return True
+        return self.pool.resize(int(new_mem_size) * self.num_layers * self.num_kv_buffers)
 
     def trim(self) -> None:
-        """Give back every mapped page that holds no block in use."""
+        """Give back every mapped page that holds no block in use, and every spare.
+
+        The pool then stays that small while idle; its reserve of ready pages
+        refills once allocation resumes."""
         self.pool.trim()
 
     def clear(self) -> None:
-        """Free every block handed out (the null block stays reserved)."""
-        with self._lock:
-            ids = np.flatnonzero(self._in_use)
-            if ids.size:
-                self.pool.free(ids)
-            self._in_use[:] = False
-            self._num_used = 0
-            self._reserved = []
+        """Free every block handed out or reserved (the null block stays)."""
+        self.pool.clear()
 
     # ---- tensors and lifetime -----------------------------------------------------------
 
@@ -248,10 +198,8 @@ class KVCacheManager:
         ]
 
     def stats(self) -> dict:
-        """The pool's counters plus ``parked_blocks`` (pool ids past num_blocks held back)."""
-        stats = self.pool.stats()
-        stats["parked_blocks"] = len(self._parked)
-        return stats
+        """The pool's counters (see :meth:`kvcached.pool.KVPool.stats`)."""
+        return self.pool.stats()
 
     def close(self) -> None:
         """Release all memory; live tensors then read zeros. Idempotent."""
@@ -262,21 +210,6 @@ class KVCacheManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _as_ids(self, indices: Iterable[int]) -> np.ndarray:
-        if hasattr(indices, "__dlpack__") and not isinstance(indices, np.ndarray):
-            indices = np.from_dlpack(indices.cpu() if hasattr(indices, "cpu") else indices)
-        ids = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
-        if ids.size == 0:
-            return ids.astype(np.int64).reshape(0)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise TypeError(f"block ids must be a flat sequence of ints, got {ids.dtype} of shape {ids.shape}")
-        ids = ids.astype(np.int64, copy=False)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.num_blocks:
-            bad = low if low < 0 else high
-            raise ValueError(f"block id {bad} is outside [0, {self.num_blocks})")
-        return np.ascontiguousarray(ids)
 
 
 __all__ = ["KVCacheManager"]

@@ -1,10 +1,12 @@
 """KV pools: virtual KV tensors whose physical memory follows the blocks in use.
 
-Three objects, so that deciding and mapping can live in different processes:
+Three objects, so that deciding and mapping can live in different processes,
+all built from one :class:`~kvcached.layout.KVLayout` value:
 
-* :class:`BlockManager` decides: block ids, limits, the memory budget and the
-  reserve of ready pages. It never touches a device. With mirrors it emits
-  ordered :class:`PageOps` batches for KV spaces in other processes.
+* :class:`BlockManager` decides: block ids, limits, the memory budgets and the
+  reserve of ready pages. It never touches a device. It emits ordered
+  :class:`PageOps` batches for the KV spaces that mirror it (one per
+  tensor-parallel rank or pipeline stage), each charged on its own budget.
 * :class:`KVSpace` maps: a reserved address range laid out for the layers and
   buffers of a model, mapping and unmapping page ids when told to.
 * :class:`KVPool` is both in one process: the manager drives its own space
@@ -23,114 +25,103 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from kvcached import _core, config
+from kvcached import _core
 from kvcached.devices import default_device, open_device
+from kvcached.layout import (
+    BlockManagerOptions,
+    KVLayout,
+    KVSpaceOptions,
+    Mirror,
+    block_manager_options,
+)
+from kvcached.layout import space_options as configured_space_options
 
 BlockIds = Union[Sequence[int], np.ndarray]
-_pool_numbers = itertools.count()
 PageOps = _core.PageOps
+_pool_numbers = itertools.count()
 
 
-def _resolve_page_bytes(device: Optional[_core.Device], page_bytes: Optional[int]) -> int:
-    if page_bytes is None:
-        page_bytes = config.get("page_bytes")
-    if not page_bytes:
-        page_bytes = device.granularity[1] if device is not None else 2 << 20
-    if page_bytes <= 0:
-        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
-    return int(page_bytes)
+def _open(device: Union[str, _core.Device, None]) -> _core.Device:
+    return device if isinstance(device, _core.Device) else open_device(device or default_device())
 
 
-def _resolve_num_pages(
-    num_blocks: Optional[int],
-    capacity_bytes: Optional[int],
-    block_bytes: int,
-    page_bytes: int,
-    regions: int,
-    device: Optional[_core.Device],
-) -> int:
-    if block_bytes <= 0:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    if block_bytes > page_bytes or page_bytes % block_bytes:
-        # Let the C++ layout produce the message with the page size that would work.
-        return 1
-    if num_blocks is not None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        return _core.pages_for_blocks(num_blocks, block_bytes, page_bytes)
-    if capacity_bytes is None:
-        capacity_bytes = config.get("virtual_capacity_bytes") or None
-    if capacity_bytes is None:
-        if device is None:
-            raise ValueError("give num_blocks or capacity_bytes (a manager without a device cannot guess)")
-        capacity_bytes = device.memory_info()[1]
-    if capacity_bytes <= 0:
-        raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
-    num_pages = capacity_bytes // (page_bytes * regions)
-    if num_pages == 0:
-        raise ValueError(
-            f"capacity_bytes={capacity_bytes} is smaller than one page id "
-            f"({page_bytes} bytes x {regions} layer buffers)"
-        )
-    return int(num_pages)
+class _LayoutGeometry:
+    """The layout's geometry as attributes of the object built from it."""
+
+    kv_layout: _core.KVLayout
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_layout.num_layers
+
+    @property
+    def num_buffers(self) -> int:
+        return self.kv_layout.num_buffers
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer and one buffer."""
+        return self.kv_layout.block_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of one layer and one buffer."""
+        return self.kv_layout.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_layout.num_pages
+
+    @property
+    def layout(self) -> str:
+        """The layout's kind: ``"per_layer"`` or ``"contiguous"``."""
+        return self.kv_layout.kind
 
 
-def _check_limit(limit_bytes: Optional[int]) -> None:
-    if limit_bytes is not None and limit_bytes < 0:
-        raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
-
-
-def _check_counts(num_layers: int, num_buffers: int) -> None:
-    if num_layers <= 0:
-        raise ValueError(f"num_layers must be positive, got {num_layers}")
-    if num_buffers not in (1, 2):
-        raise ValueError(f"num_buffers must be 1 (MLA, K||V cells) or 2 (K and V), got {num_buffers}")
-
-
-class KVSpace(_core.KVSpace):
-    """The mapping side: a reservation for ``num_layers`` x ``num_buffers`` block arrays.
+class KVSpace(_LayoutGeometry, _core.KVSpace):
+    """The mapping side: a reservation laid out by ``layout`` on ``device``.
 
     Block ``b`` of layer ``l``, buffer ``k`` lives at
-    ``base_address + offset_of(l, k, b)``; see :attr:`block_stride_bytes`,
-    :attr:`layer_stride_bytes`, :attr:`buffer_stride_bytes`.
+    ``base_address + offset_of(l, k, b)``. Pages are mapped by :meth:`apply`
+    (a :class:`PageOps` batch from a :class:`BlockManager`), or by hand with
+    :meth:`map_pages` / :meth:`unmap_pages`.
     """
 
     def __init__(
         self,
-        num_blocks: Optional[int],
-        block_bytes: int,
-        num_layers: int,
-        num_buffers: int = 2,
-        layout: Optional[str] = None,
-        page_bytes: Optional[int] = None,
+        layout: _core.KVLayout,
         device: Union[str, _core.Device, None] = None,
-        zero_backing: Optional[bool] = None,
-        capacity_bytes: Optional[int] = None,
-        max_spare_pages: Optional[int] = None,
+        options: Optional[KVSpaceOptions] = None,
     ) -> None:
-        _check_counts(num_layers, num_buffers)
-        dev = device if isinstance(device, _core.Device) else open_device(device or default_device())
-        page_bytes = _resolve_page_bytes(dev, page_bytes)
-        num_pages = _resolve_num_pages(
-            num_blocks, capacity_bytes, block_bytes, page_bytes, num_layers * num_buffers, dev
-        )
-        super().__init__(
-            dev,
-            num_layers,
-            num_buffers,
-            block_bytes,
-            page_bytes,
-            num_pages,
-            layout or config.get("layout"),
-            config.get("zero_backing") if zero_backing is None else zero_backing,
-            config.get("zero_chunk_bytes"),
-            config.get("max_spare_pages") if max_spare_pages is None else max_spare_pages,
-        )
-        self.num_layers = num_layers
-        self.num_buffers = num_buffers
-        self.block_bytes = block_bytes
-        self.page_bytes = page_bytes
-        self.layout = layout or config.get("layout")
+        super().__init__(layout, _open(device), options if options is not None else configured_space_options())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_layout.num_blocks
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.kv_layout.blocks_per_page
+
+    @property
+    def page_id_bytes(self) -> int:
+        return self.kv_layout.page_id_bytes
+
+    @property
+    def block_stride_bytes(self) -> int:
+        return self.kv_layout.block_stride_bytes
+
+    @property
+    def layer_stride_bytes(self) -> int:
+        return self.kv_layout.layer_stride_bytes
+
+    @property
+    def buffer_stride_bytes(self) -> int:
+        return self.kv_layout.buffer_stride_bytes
+
+    def offset_of(self, layer: int, buffer: int, block: int) -> int:
+        """Byte offset of (layer, buffer, block) from :attr:`base_address`."""
+        return self.kv_layout.offset_of(layer, buffer, block)
 
     def tensor(self) -> Any:
         """The whole reservation as a flat byte array with ``__dlpack__``.
@@ -147,79 +138,50 @@ class KVSpace(_core.KVSpace):
         self.close()
 
 
-class BlockManager(_core.BlockManager):
-    """The deciding side: block ids, limit, budget and reserve, with no device.
+class BlockManager(_LayoutGeometry, _core.BlockManager):
+    """The deciding side with no device: block ids, limit, budgets and reserve.
 
-    Without ``space`` it records page operations for ``num_mirrors`` KV spaces
-    in other processes: send :meth:`take_page_ops` batches to them, apply with
-    :meth:`KVSpace.apply`, and report back with :meth:`acknowledge`; unmapped
-    memory counts as released only once every mirror has acknowledged.
+    It records page operations for the KV spaces that mirror it (in other
+    processes, each on its own device): send every :meth:`take_page_ops` batch
+    to every mirror, apply it there with :meth:`KVSpace.apply`, and report back
+    with ``acknowledge(mirror_index, seq)``. Every page mapped is charged on
+    every mirror's budget (all or nothing) and given back on a mirror's budget
+    once that mirror has acknowledged the unmap; a page id is reused only once
+    every live mirror has. ``mirror_lost(i)`` gives back what a dead mirror held.
+
+    Args:
+        layout: the cache's :class:`~kvcached.layout.KVLayout` (shared by every mirror).
+        options: :class:`~kvcached.layout.BlockManagerOptions` (default: the
+            configuration's reserve, no worker).
+        budget: with ``mirrors`` an int: the budget each of those mirrors is charged on.
+        mirrors: how many mirrors, or one :class:`~kvcached.layout.Mirror` per
+            mirror (its own budget; a pipeline stage's own layout).
+        name: a label (registries, logs).
     """
 
     def __init__(
         self,
-        num_blocks: Optional[int],
-        block_bytes: int,
-        num_layers: int,
-        num_buffers: int = 2,
-        layout: Optional[str] = None,
-        page_bytes: Optional[int] = None,
-        limit_bytes: Optional[int] = None,
-        null_block: bool = False,
-        num_mirrors: int = 1,
-        capacity_bytes: Optional[int] = None,
+        layout: _core.KVLayout,
+        options: Optional[BlockManagerOptions] = None,
+        *,
         budget: Optional[_core.MemoryBudget] = None,
-        background_worker: bool = True,
-        min_reserve_pages: Optional[int] = None,
-        max_reserve_pages: Optional[int] = None,
+        mirrors: Union[int, Sequence[Mirror]] = 1,
         name: Optional[str] = None,
-        _space: Optional[KVSpace] = None,
     ) -> None:
-        _check_counts(num_layers, num_buffers)
-        _check_limit(limit_bytes)
-        if num_mirrors < 1:
-            raise ValueError(f"num_mirrors must be at least 1, got {num_mirrors}")
-        if _space is not None:
-            page_bytes, num_pages = _space.page_bytes, _space.num_pages
-            spare = (config.get("min_spare_pages"), config.get("max_spare_pages"))
+        if isinstance(mirrors, bool) or not isinstance(mirrors, (int, list, tuple)):
+            raise TypeError(f"mirrors must be a count or a list of Mirror, got {type(mirrors).__name__}")
+        if isinstance(mirrors, int):
+            if mirrors < 1:
+                raise ValueError(f"mirrors must be at least 1, got {mirrors}")
+            specs = [Mirror(budget) for _ in range(mirrors)]
         else:
-            page_bytes = _resolve_page_bytes(None, page_bytes)
-            num_pages = _resolve_num_pages(
-                num_blocks, capacity_bytes, block_bytes, page_bytes, num_layers * num_buffers, None
-            )
-            spare = (0, 0)
-        min_free = config.get("min_reserve_pages") if min_reserve_pages is None else min_reserve_pages
-        max_free = config.get("max_reserve_pages") if max_reserve_pages is None else max_reserve_pages
-        if min_free < 0 or max_free < 0:
-            raise ValueError("reserve sizes must not be negative")
-        super().__init__(
-            num_layers,
-            num_buffers,
-            block_bytes,
-            page_bytes,
-            num_pages,
-            layout or config.get("layout"),
-            _space,
-            num_mirrors,
-            null_block,
-            limit_bytes,
-            min_free,
-            max(min_free, max_free),
-            spare[0],
-            max(spare),
-            background_worker,
-            budget,
-        )
+            if budget is not None:
+                raise ValueError("with a list of Mirror, give each its budget there")
+            specs = list(mirrors)
+        if options is None:
+            options = block_manager_options(spares=False, background_worker=False)
+        super().__init__(layout, options, mirrors=specs)
         self.name = name or f"kvcached-{id(self):x}"
-        self.num_layers = num_layers
-        self.num_buffers = num_buffers
-        self.block_bytes = block_bytes
-        self.null_block = null_block
-
-    def resize(self, limit_bytes: Optional[int]) -> None:
-        """Set the limit in bytes (None: no limit). Below current use, memory returns as blocks are freed."""
-        _check_limit(limit_bytes)
-        super().resize(limit_bytes)
 
     def available_bytes(self) -> int:
         """Physical bytes alloc could still take (``available()`` blocks, all layers)."""
@@ -234,6 +196,10 @@ class BlockManager(_core.BlockManager):
 
 class KVPool(BlockManager):
     """A KV cache in one process: block allocation plus the memory behind it.
+
+    Give either the geometry (``num_layers``, ``block_bytes``, ...) or a whole
+    ``kv_layout``; either way one :class:`~kvcached.layout.KVLayout` is built
+    and used by the space and the manager alike.
 
     Args:
         num_layers: transformer layers.
@@ -251,13 +217,17 @@ class KVPool(BlockManager):
             the pool registers itself in its device's shared registry and
             takes its pages from the device-wide budget there, so pools in
             other processes on the same device (and ``kvctl`` / ``kvtop``) see it.
+        background_worker, min_reserve_pages, max_reserve_pages, placement:
+            see :func:`~kvcached.layout.block_manager_options`.
         register: register in the device registry when no budget is given.
+        kv_layout: the whole geometry instead of the arguments above.
+        options, space_options: whole option values instead of the arguments above.
     """
 
     def __init__(
         self,
-        num_layers: int,
-        block_bytes: int,
+        num_layers: Optional[int] = None,
+        block_bytes: Optional[int] = None,
         num_buffers: int = 2,
         num_blocks: Optional[int] = None,
         capacity_bytes: Optional[int] = None,
@@ -273,50 +243,44 @@ class KVPool(BlockManager):
         max_reserve_pages: Optional[int] = None,
         name: Optional[str] = None,
         register: bool = True,
+        *,
+        kv_layout: Optional[_core.KVLayout] = None,
+        options: Optional[BlockManagerOptions] = None,
+        space_options: Optional[KVSpaceOptions] = None,
+        placement: str = "fewest_pages",
     ) -> None:
-        _check_counts(num_layers, num_buffers)
-        _check_limit(limit_bytes)
-        space = KVSpace(
-            num_blocks,
-            block_bytes,
-            num_layers,
-            num_buffers,
-            layout=layout,
-            page_bytes=page_bytes,
-            device=device,
-            zero_backing=zero_backing,
-            capacity_bytes=capacity_bytes,
-        )
+        dev = _open(device)
+        if kv_layout is None:
+            if num_layers is None or block_bytes is None:
+                raise TypeError("give num_layers and block_bytes, or a kv_layout")
+            kv_layout = KVLayout(num_layers, block_bytes, num_blocks, num_buffers=num_buffers, page_bytes=page_bytes,
+                                 kind=layout, capacity_bytes=capacity_bytes, device=dev)
+        elif num_layers is not None or block_bytes is not None or num_blocks is not None or layout is not None:
+            raise TypeError("give the geometry either as arguments or as kv_layout, not both")
+        if options is None:
+            options = block_manager_options(
+                null_block=null_block, limit_bytes=limit_bytes, min_reserve_pages=min_reserve_pages,
+                max_reserve_pages=max_reserve_pages, background_worker=background_worker, placement=placement,
+            )
+        if space_options is None:
+            space_options = configured_space_options(zero_backing=zero_backing)
+        space = KVSpace(kv_layout, dev, space_options)
+        name = name or f"pool-{os.getpid()}-{next(_pool_numbers)}"
         self._registration = None
         try:
             if budget is None and register:
                 from kvcached.registry import registry_for
 
-                name = name or f"pool-{os.getpid()}-{next(_pool_numbers)}"
                 budget = self._registration = registry_for(space.device.name).register(name)
-            super().__init__(
-                None,
-                block_bytes,
-                num_layers,
-                num_buffers,
-                layout=space.layout,
-                limit_bytes=limit_bytes,
-                null_block=null_block,
-                budget=budget,
-                background_worker=background_worker,
-                min_reserve_pages=min_reserve_pages,
-                max_reserve_pages=max_reserve_pages,
-                name=name,
-                _space=space,
-            )
+            _core.BlockManager.__init__(self, kv_layout, options, space=space, budget=budget)
         except BaseException:
             space.close()
             if self._registration is not None:
                 self._registration.unregister()
             raise
+        self.name = name
         self.space = space
         self.device = space.device
-        self.layout = space.layout
 
     def tensor(self) -> Any:
         """The whole reservation as a flat DLPack byte array (see :meth:`KVSpace.tensor`)."""
@@ -329,15 +293,13 @@ class KVPool(BlockManager):
         return stats
 
     def close(self) -> None:
-        """Unmap everything and stop the worker; live tensors then read zeros. Idempotent."""
+        """Unmap everything and stop the worker; live tensors then read zeros.
+
+        Idempotent, also when several threads call it at once."""
         super().close()
         self.space.close()
         if self._registration is not None:
             self._registration.unregister()
-
-    @property
-    def closed(self) -> bool:
-        return self.space.closed
 
 
 __all__ = ["BlockManager", "KVPool", "KVSpace", "PageOps"]

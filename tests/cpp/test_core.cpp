@@ -1,47 +1,21 @@
 // C++ side of the contract and allocator tests, on the host backend: the same
 // rules the Python suite checks, without Python in the way. Prints
 // "N passed, M failed" and exits non-zero on any failure (run by CTest).
-#include <sys/mman.h>
-
-#include <cstdio>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "check.hpp"
 #include "kvcached/blocks/block_manager.hpp"
-#include "kvcached/device/device.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
+#include "kvcached/device/device.hpp"
 #include "kvcached/space/kv_space.hpp"
 #include "../../cpp/src/host/host_backend.hpp"
 
 namespace {
 
 using namespace kvcached;
-
-int passed = 0, failed = 0;
-
-void check(bool condition, const char* what, int line) {
-  if (condition) {
-    ++passed;
-  } else {
-    ++failed;
-    std::fprintf(stderr, "FAILED line %d: %s\n", line, what);
-  }
-}
-#define CHECK(condition) check((condition), #condition, __LINE__)
-
-template <typename Exception>
-bool throws(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Exception&) {
-    return true;
-  } catch (...) {
-    return false;
-  }
-  return false;
-}
+using kvcached_test::throws;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
@@ -76,12 +50,12 @@ void test_block_manager_over_a_kv_space() {
   config.num_buffers = 2;
   config.block_bytes = 64 * 1024;
   config.page_bytes = 2 * kMiB;
-  config.num_pages = 64;
+  config.num_blocks = 64 * 32;
   const KVLayout layout(config);
   auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
   auto budget = std::make_shared<FixedBudget>(8 * layout.page_id_bytes());
   {
-    BlockManager manager(layout, BlockManagerOptions{}, std::make_shared<LocalPageMapper>(space), budget);
+    BlockManager manager(layout, BlockManagerOptions{}, space, budget);
     std::vector<std::int64_t> blocks = manager.alloc(layout.blocks_per_page() + 1);
     CHECK(manager.stats().mapped_pages == 2 && budget->used_bytes() == 2 * layout.page_id_bytes());
     const std::vector<std::int64_t> twice = {blocks[0], blocks[0]};
@@ -106,7 +80,7 @@ void test_unmapped_regions_read_zero() {
   config.num_buffers = 1;
   config.block_bytes = 2 * kMiB;
   config.page_bytes = 2 * kMiB;
-  config.num_pages = 4;
+  config.num_blocks = 4;
   KVSpace space(device, KVLayout(config), KVSpaceOptions{});
   const auto* bytes = reinterpret_cast<const unsigned char*>(space.base());
   CHECK(bytes[3 * 2 * kMiB + 11] == 0);
@@ -116,12 +90,39 @@ void test_unmapped_regions_read_zero() {
   CHECK(bytes[3 * 2 * kMiB + 11] == 0);
 }
 
+void test_a_space_applies_page_ops_in_order() {
+  auto device = Device::open(make_host_backend(64 * kMiB));
+  KVLayoutConfig config;
+  config.num_layers = 2;
+  config.num_buffers = 2;
+  config.block_bytes = 64 * 1024;
+  config.page_bytes = 2 * kMiB;
+  config.num_blocks = 4 * 32;
+  KVSpaceOptions options;
+  options.max_spare_pages = 1;
+  KVSpace space(device, KVLayout(config), options);
+  CHECK(space.apply(PageOps{1, {0, 1}, {}}) == 1 && space.mapped_pages() == 2);
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{1, {2}, {}}); }));   // applied already
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{3, {2}, {}}); }));   // batch 2 missing
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {1}, {}}); }));   // mapped already
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {}, {3}}); }));   // not mapped
+  CHECK(space.applied_seq() == 1 && space.mapped_pages() == 2);                // nothing changed
+  CHECK(space.apply(PageOps{2, {0}, {0, 1}}) == 2);  // unmaps first: page 0 comes back fresh
+  CHECK(space.mapped_pages() == 1 && space.spare_pages() == 0);  // the kept spare backed page 0 again
+  const UnmapResult result = space.unmap_pages({0});
+  CHECK(result.unmapped_pages == 1 && result.kept_spare_pages == 1 && result.released_pages() == 0);
+  CHECK(space.trim_spares(0) == 1 && space.spare_pages() == 0);
+  CHECK(space.apply(PageOps{}) == 0);
+  space.close();
+  CHECK(device->counters().mapped_bytes == 0 && device->counters().created_bytes == 0);
+}
+
 }  // namespace
 
 int main() {
   test_device_rules();
   test_block_manager_over_a_kv_space();
   test_unmapped_regions_read_zero();
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  test_a_space_applies_page_ops_in_order();
+  return kvcached_test::summary();
 }

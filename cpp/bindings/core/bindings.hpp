@@ -11,7 +11,8 @@ void bind_device(nanobind::module_& m);
 void bind_registry(nanobind::module_& m);
 // parse_size_bytes: the one size grammar, shared with Python (kvcached.sizes).
 void bind_sizes(nanobind::module_& m);
-// KVSpace, BlockManager, PageOps, FixedBudget. Call after bind_registry (needs MemoryBudget).
+// KVLayout and the options values, PageOps, Mirror, KVSpace, BlockManager, FixedBudget.
+// Call after bind_registry (needs MemoryBudget).
 void bind_kv(nanobind::module_& m);
 
 }  // namespace kvcached::bindings

@@ -1,152 +1,231 @@
-// BlockManager: the deciding side of a KV cache. Hands out block ids, tracks
-// which page ids must be mapped, enforces the pool's limit and its memory
-// budget, and keeps a reserve of mapped free pages with a background worker.
-// It never touches a device itself: a PageMapper applies its decisions.
+// BlockManager: the deciding side of a KV cache. Hands out block ids, decides
+// which page ids must be mapped, enforces the pool's limit and its mirrors'
+// memory budgets, and keeps a reserve of mapped free pages with a background
+// worker. It never touches a device itself: a PageMapper applies its
+// decisions (a local KVSpace at once, or PageOps batches for mirrors).
 //
-// Locking: `grow_mutex_` serialises everything that calls the mapper (grow,
-// shrink, spares), `mutex_` guards the block tables. Order: grow_mutex_, then
-// mutex_. The fast path (alloc from mapped pages, free) takes mutex_ only and
-// never waits on a driver call. No Python code runs under either lock.
+// Memory truth: every page id is in exactly one state (unmapped, being
+// mapped, mapped with blocks in use, mapped and entirely free, being unmapped,
+// awaiting the mirrors' acknowledgement), and stats() reports each. Memory in
+// transit is never reported missing: available() counts pages being unmapped
+// (alloc waits for that unmap to finish) and budget held for unmaps the
+// mirrors have not acknowledged yet (a new page can use it at once: every
+// mirror applies the unmap before the map).
+//
+// Locks (see cpp/src/core/LOCK_ORDER.md): close_mutex_ -> map_mutex_ ->
+// mutex_ -> {PageOpLog's mutex, worker_mutex_}. map_mutex_ serialises every
+// mapper call and every budget call that may block; mutex_ guards the block
+// tables and counts and is never held across a driver call or a call that can
+// wait on another process. The fast path (alloc from mapped pages, free)
+// takes mutex_ only.
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
-#include "kvcached/space/kv_layout.hpp"
+#include "kvcached/blocks/best_fit_index.hpp"
+#include "kvcached/blocks/block_manager_options.hpp"
 #include "kvcached/blocks/memory_budget.hpp"
+#include "kvcached/blocks/mirror_budgets.hpp"
 #include "kvcached/blocks/page_mapper.hpp"
+#include "kvcached/blocks/page_op_log.hpp"
+#include "kvcached/blocks/reserve_policy.hpp"
+#include "kvcached/space/kv_layout.hpp"
 
 namespace kvcached {
 
-struct ReserveTargets {
-  std::size_t min_free_pages = 0;  // mapped pages with no block in use, kept ready
-  std::size_t max_free_pages = 0;  // beyond this, free pages are unmapped
-  std::size_t min_spare_pages = 0; // pre-created, unmapped allocations kept ready
-  std::size_t max_spare_pages = 0;
-};
-
-struct BlockManagerOptions {
-  bool null_block = false;                  // block 0 reserved (engines point padding at it)
-  std::optional<std::size_t> limit_bytes;   // physical bytes this pool may hold
-  ReserveTargets reserve;
-  bool background_worker = false;           // keep `reserve` with a thread
+struct MirrorStats {
+  MirrorProgress progress;          // acknowledgements (device-less managers; defaults locally)
+  std::size_t page_bytes = 0;       // what one page id costs on this mirror
+  std::size_t charged_pages = 0;    // pages held on its budget
 };
 
 struct BlockManagerStats {
-  std::size_t num_blocks, blocks_per_page, page_bytes, block_bytes;
-  std::size_t used_blocks, free_mapped_blocks;
-  std::size_t mapped_pages, used_pages, free_pages, spare_pages, pending_pages;
+  std::size_t num_blocks, num_pages, blocks_per_page, page_id_bytes, block_id_bytes;
+  std::size_t used_blocks;          // handed out, reserved or the null block
+  std::size_t reserved_blocks;      // held by try_reserve for the next alloc
+  std::size_t free_mapped_blocks;   // free blocks on mapped pages
+  // Where every page id is (they add up to num_pages):
+  std::size_t used_pages;           // mapped, some block in use
+  std::size_t free_pages;           // mapped, every block free (the reserve)
+  std::size_t mapping_pages;        // being mapped
+  std::size_t unmapping_pages;      // being unmapped here (allocatable: alloc waits for it)
+  std::size_t pending_pages;        // unmapped, awaiting the mirrors' acknowledgement
+  std::size_t unmapped_pages;
+  std::size_t mapped_pages;         // used_pages + free_pages
+  std::size_t spare_pages;          // pre-created allocations (the KV space's count)
+  std::size_t held_pages;           // pages charged to the budget (the most of any mirror)
   std::size_t limit_pages;
   std::optional<std::size_t> limit_bytes;
-  std::size_t slow_allocs;  // allocs that had to map pages themselves (reserve missed)
+  std::size_t slow_allocs;          // allocs that had to map pages themselves (reserve missed)
+  std::size_t worker_errors;        // maintenance rounds of the worker that failed
+  std::string last_worker_error;
+  std::uint64_t last_seq;           // last PageOps batch handed out (device-less managers)
+  std::vector<MirrorStats> mirrors;
 };
 
 class KVCACHED_EXPORT BlockManager {
  public:
-  BlockManager(const KVLayout& layout, const BlockManagerOptions& options,
-               std::shared_ptr<PageMapper> mapper, std::shared_ptr<MemoryBudget> budget);
+  // In one process: decisions applied to `space` at once, `budget` (may be
+  // null) charged the layout's page_id_bytes per page.
+  BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::shared_ptr<KVSpace> space,
+               std::shared_ptr<MemoryBudget> budget);
+  // Device-less: decisions recorded as PageOps for one mirror KV space per
+  // entry of `mirrors`, each charged on its own budget.
+  BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::vector<MirrorSpec> mirrors);
   ~BlockManager();
   BlockManager(const BlockManager&) = delete;
   BlockManager& operator=(const BlockManager&) = delete;
 
-  // `n` block ids, best fit (fullest pages first). Maps pages when needed.
-  // Throws BudgetExhausted / DeviceOutOfMemory and rolls back what it mapped.
+  // `n` block ids: reserved blocks (try_reserve) first, then by the placement
+  // policy, mapping pages when needed (waiting for unmaps in flight). Throws
+  // BudgetExhausted / DeviceOutOfMemory and rolls back what it mapped.
   std::vector<std::int64_t> alloc(std::size_t n);
-  // The fast path alone: succeeds only if `n` free blocks sit on mapped pages
-  // and the lock is free right now; never blocks (callers holding the GIL use
-  // it first and fall back to alloc() with the GIL released).
+  // The fast path alone: succeeds only if `n` blocks can be taken without
+  // mapping and the lock is free right now; never blocks (callers holding the
+  // GIL use it first and fall back to alloc() with the GIL released).
   bool try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& out);
   // Take exactly these free block ids (all or nothing).
   void alloc_ids(const std::vector<std::int64_t>& ids);
-  // All ids must be in use and distinct; otherwise nothing is freed.
+  // All ids must be handed out and distinct; otherwise nothing is freed.
   void free(const std::vector<std::int64_t>& ids) { free(ids.data(), ids.size()); }
   void free(const std::int64_t* ids, std::size_t count);
-  // Blocks that alloc could return right now.
+  // Set `n` more blocks aside for the next allocs (false, nothing taken, when
+  // they cannot be had now). They count as available and alloc hands them out first.
+  bool try_reserve(std::size_t n);
+  // Free the reserved blocks; returns how many.
+  std::size_t release_reserved();
+  // Free every block handed out or reserved (not the null block); returns how many.
+  std::size_t clear();
+  // Blocks alloc could return right now.
   std::size_t available() const;
   std::size_t free_mapped_blocks() const;
-  // New limit in bytes (nullopt: none). A limit below current use is not an
-  // error: pages are given back as their blocks are freed.
-  void resize(std::optional<std::size_t> limit_bytes);
-  // Unmap every free page and release every spare now. Returns pages unmapped.
+  // New limit in bytes (nullopt: none). Returns true when the pool is within
+  // it once what is free is given back, false when the shrink is deferred
+  // until blocks in use are freed (reserved blocks are released first).
+  bool resize(std::optional<std::size_t> limit_bytes);
+  // Unmap every free page and release every spare now; the worker keeps them
+  // so until the next alloc. Returns pages unmapped.
   std::size_t trim();
   // One round of reserve keeping (what the worker does); also usable by hand.
   void maintain();
   void set_reserve(const ReserveTargets& targets);
-  // Unmap everything, release the budget, stop the worker. Idempotent.
+  // Unmap everything, release the budgets, stop the worker. Idempotent and
+  // safe to call from several threads at once.
   void close();
+  bool closed() const;
 
-  // Mirrors (only with a PageOpLog mapper).
+  // Device-less managers: the next batch for the mirrors, their acknowledgements.
   PageOps take_page_ops();
   void acknowledge(std::size_t mirror, std::uint64_t seq);
+  // Mirror `mirror` is gone (its process died): give back what it holds on its
+  // budget and stop waiting for its acknowledgements.
+  void mirror_lost(std::size_t mirror);
+  std::size_t num_mirrors() const noexcept { return budgets_.size(); }
 
   BlockManagerStats stats() const;
   const KVLayout& layout() const noexcept { return layout_; }
+  const BlockManagerOptions& options() const noexcept { return options_; }
   std::size_t page_of(std::int64_t block) const;
-  bool null_block() const noexcept { return options_.null_block; }
 
  private:
-  enum class PageState : std::uint8_t { kUnmapped, kMapping, kMapped, kUnmapping };
-  static constexpr std::uint32_t kNoPage = 0xFFFFFFFFu;
+  BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::shared_ptr<PageMapper> mapper,
+               std::vector<MirrorSpec> mirrors);
+  enum class PageState : std::uint8_t { kUnmapped, kMapping, kMapped, kUnmapping, kAwaitingAck };
+  enum BlockState : std::uint8_t { kFree = 0, kUsed = 1, kReserved = 2, kFreeing = 3 };
+  using Lock = std::unique_lock<std::mutex>;
 
-  // Bucket lists of mapped pages by number of free blocks (best-fit choice).
-  void bucket_insert(std::uint32_t page, std::size_t free_count);
-  void bucket_remove(std::uint32_t page, std::size_t free_count);
-  std::size_t lowest_nonempty_bucket() const;
+  // ---- blocks (mutex_ held) ----
+  std::size_t used_pages_locked() const noexcept { return index_.pages() - index_.empty_pages(); }
+  // Entirely free mapped pages that may become used under the limit.
+  std::size_t new_page_quota_locked() const noexcept;
+  // Blocks takeable from mapped pages without mapping, within the limit.
+  std::size_t takeable_locked() const noexcept;
+  // Take `n` blocks (the caller checked takeable_locked() >= n).
   void take_blocks_locked(std::size_t n, std::vector<std::int64_t>& out);
   void give_blocks_locked(const std::int64_t* ids, std::size_t count);
+  // What an alloc of `n` blocks does now: take them, map `pages` first, or refuse.
+  struct AllocPlan {
+    enum Action { kTake, kGrow, kRefuse } action;
+    std::size_t pages;
+  };
+  AllocPlan plan_alloc_locked(std::size_t n, bool into_reserve) const;
+  // Reserved blocks first (unless taking into the reserve), then by placement.
+  void take_locked(std::size_t n, bool into_reserve, std::vector<std::int64_t>& out);
+  std::vector<std::int64_t> alloc_slow(std::size_t n, bool into_reserve);
   void check_ids_in_range(const std::int64_t* ids, std::size_t count) const;
+  std::size_t available_locked() const;
+  // Blocks on the next `pages` page ids to be grown (a partial last page has fewer).
+  std::size_t growth_blocks_locked(std::size_t pages) const noexcept;
+  // Pages obtainable beyond the empty ones: ids, limit, budgets, device;
+  // `bound_by` (optional) names the one that binds, for messages.
+  std::size_t growth_room_locked(std::string* bound_by = nullptr) const;
 
-  std::size_t limit_pages_locked() const;
-  std::size_t held_pages_locked() const { return mapped_pages_ + spare_pages_ + pending_pages_; }
-  std::size_t growable_pages_locked() const;
-  // Map `count` unmapped pages (grow_mutex_ held, mutex_ held on entry and exit).
-  // With `pages_wanted`, exactly those (unmapped) pages.
-  std::vector<std::int64_t> grow_locked(std::unique_lock<std::mutex>& lock, std::size_t count,
-                                        const std::vector<std::int64_t>* pages_wanted = nullptr);
-  // Unmap up to `count` free pages (same locking). Returns pages unmapped.
-  std::size_t shrink_locked(std::unique_lock<std::mutex>& lock, std::size_t count,
-                            const std::vector<std::int64_t>* only = nullptr);
-  void release_pages_budget(std::size_t pages) noexcept;
-  void report_usage_locked() noexcept;
-  std::size_t free_pages_count_locked() const;
-  // True when the worker has something to do (reserve outside its bounds, over the limit).
-  bool reserve_off_target_locked() const;
+  // ---- pages (map_mutex_ held; mutex_ held on entry and exit, released inside) ----
+  std::vector<std::int64_t> grow_locked(Lock& lock, std::size_t count, const std::vector<std::int64_t>* wanted);
+  std::size_t shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages);
+  void undo_grow_locked(const std::vector<std::int64_t>& pages);
+  // Pages whose unmap every live mirror has acknowledged: their ids are reusable.
+  void make_reusable_locked(const std::vector<std::int64_t>& pages);
+  // Runs a mapper call: a local space's (driver calls) with mutex_ released,
+  // the op log's (a leaf lock that never waits) under it. mutex_ is held again
+  // on return, also when the call throws.
+  void with_mapper(Lock& lock, const std::function<void()>& call);
+  // Pages mirror i must hold once the operation in progress is done: `maps`
+  // pages of mapping_pages_ are being mapped, `new_spares` spares being made.
+  std::size_t required_pages_locked(std::size_t i, std::size_t maps, std::size_t new_spares) const;
+  // Charge every mirror what it needs for that (all or nothing; BudgetExhausted).
+  void charge_locked(Lock& lock, std::size_t maps, std::size_t new_spares);
+  // Give back what the mirrors hold beyond what they need now.
+  void settle_locked(Lock& lock);
+  void give_back_locked(Lock& lock, std::vector<std::pair<std::size_t, std::size_t>> releases);
+  void refresh_limit_locked() const;
+  std::optional<std::size_t> device_free_pages() const;  // a driver call: no mutex_ held
+  void report_usage_locked() const noexcept;
+  void trim_spares_locked(Lock& lock, std::size_t keep);
+  void add_spares_locked(Lock& lock, std::size_t count);
+  void probe_budget_for_pressure(Lock& lock, std::size_t pages);
+
+  // ---- worker ----
   void worker_loop();
   void wake_worker() noexcept;
+  void record_worker_error(const char* what) noexcept;
 
   const KVLayout layout_;
   BlockManagerOptions options_;
   std::shared_ptr<PageMapper> mapper_;
-  PageOpLog* op_log_;  // mapper_ when it is a PageOpLog, else null
-  std::shared_ptr<MemoryBudget> budget_;
+  PageOpLog* op_log_;  // mapper_ when the manager is device-less, else null
   const std::size_t blocks_per_page_;
-  const std::size_t page_bytes_;  // physical bytes of one page id
 
-  std::mutex grow_mutex_;
+  std::mutex close_mutex_;
+  std::mutex map_mutex_;
   mutable std::mutex mutex_;
   std::vector<PageState> state_;
-  std::vector<std::uint32_t> free_count_;              // per page, when mapped
-  std::vector<std::vector<std::uint32_t>> free_slots_; // per page: LIFO of free slots
-  std::vector<std::uint8_t> block_used_;
-  std::vector<std::uint32_t> bucket_head_, next_, prev_;
-  std::vector<std::uint64_t> nonempty_bits_;
-  std::set<std::int64_t> unmapped_;                    // lowest id first
-  std::size_t mapped_pages_ = 0, spare_pages_ = 0, pending_pages_ = 0;
-  std::size_t used_blocks_ = 0, free_mapped_blocks_ = 0;
-  std::size_t free_pages_ = 0;  // mapped pages with every block free (bucket blocks_per_page)
-  std::size_t slow_allocs_ = 0;
-  // Bumped by every alloc and free; the worker sees an idle pool when it stops moving.
-  std::uint64_t activity_ = 0;
-  std::uint64_t activity_seen_ = 0;
-  int idle_rounds_ = 0;
-  std::size_t cached_device_free_pages_;
+  std::vector<std::vector<std::uint32_t>> free_slots_;  // per mapped page: LIFO of free slots
+  std::vector<std::uint8_t> block_state_;
+  BestFitIndex index_;                                   // mapped pages by free blocks
+  std::set<std::int64_t> unmapped_;                      // lowest id first
+  std::vector<std::int64_t> reserved_;                   // try_reserve, handed out first
+  std::size_t used_blocks_ = 0;
+  std::size_t mapping_pages_ = 0, mapping_blocks_ = 0, unmapping_pages_ = 0, awaiting_ack_pages_ = 0;
+  // The options' limit and the budgets' external limits (kvctl), in pages:
+  // refreshed by every call that decides on it (available() included).
+  mutable std::size_t limit_pages_;
+  std::optional<std::size_t> device_free_pages_;         // as of the last mapper call (local only)
+  MirrorBudgets budgets_;
+  ReservePolicy reserve_;
+  std::uint64_t allocs_ = 0, frees_ = 0;
+  std::size_t slow_allocs_ = 0, worker_errors_ = 0;
+  std::string last_worker_error_;
   bool closed_ = false;
 
   std::thread worker_;

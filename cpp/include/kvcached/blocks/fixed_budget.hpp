@@ -20,6 +20,7 @@ class KVCACHED_EXPORT FixedBudget final : public MemoryBudget {
     return true;
   }
   void release(std::size_t bytes) noexcept override { used_bytes_ -= bytes; }
+  bool may_block() const noexcept override { return false; }  // one atomic, no lock
   std::size_t available_bytes() const override {
     const std::size_t used = used_bytes_.load();
     return used < total_bytes_ ? total_bytes_ - used : 0;

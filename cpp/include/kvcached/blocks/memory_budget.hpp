@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 
 #include "kvcached/error.hpp"
@@ -21,7 +22,12 @@ class KVCACHED_EXPORT MemoryBudget {
   // Return bytes taken earlier, once they are no longer mapped anywhere.
   virtual void release(std::size_t bytes) noexcept = 0;
   // What try_acquire could grant right now (a hint: others may take it first).
+  // Must not take a lock another process can hold (it is read on fast paths).
   virtual std::size_t available_bytes() const = 0;
+  // Whether try_acquire / release may wait on a lock another process can hold.
+  // A block manager calls a budget that cannot block under its own state lock,
+  // so its figures stay exact; one that can is called outside that lock.
+  virtual bool may_block() const noexcept { return true; }
   // A limit set from outside the pool (e.g. by kvctl) that the pool must
   // respect, shrinking lazily if it is below current use; nullopt when none.
   virtual std::optional<std::size_t> external_limit_bytes() const { return std::nullopt; }
@@ -34,6 +40,9 @@ class KVCACHED_EXPORT MemoryBudget {
     (void)used_bytes;
     (void)mapped_bytes;
   }
+  // Lets the budget publish how many rounds of the pool's background worker
+  // failed so far (kvctl and kvtop show it beside the instance).
+  virtual void report_worker_errors(std::uint64_t worker_errors) noexcept { (void)worker_errors; }
 };
 
 }  // namespace kvcached

@@ -151,7 +151,7 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   std::optional<std::size_t> external_limit_bytes() const override;
   void report_usage(std::size_t used_bytes, std::size_t mapped_bytes) noexcept override;
   // Publishes the pool's count of background worker failures (kvctl, kvtop).
-  void report_worker_errors(std::uint64_t worker_errors) noexcept;
+  void report_worker_errors(std::uint64_t worker_errors) noexcept override;
 
   // Bytes other instances were recently refused: a hint for this pool's
   // background worker to give its free reserve back.

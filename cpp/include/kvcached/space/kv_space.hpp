@@ -1,9 +1,10 @@
 // KVSpace: the mapping side of a KV cache. Owns a reservation laid out by a
 // KVLayout and maps / unmaps page ids on one device when told to. It decides
 // nothing: which pages to map comes from a BlockManager, in this process or
-// (as ordered page-op lists) in another.
+// (as ordered PageOps batches) in another.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,7 @@
 
 #include "kvcached/device/device.hpp"
 #include "kvcached/space/kv_layout.hpp"
+#include "kvcached/space/page_ops.hpp"
 #include "kvcached/space/zero_backing.hpp"
 
 namespace kvcached {
@@ -33,6 +35,14 @@ struct KVSpaceOptions {
   std::size_t zero_frontier_pages = 4;       // page ids whose zero chunks are split at set-up
 };
 
+// What an unmap did: every page listed was unmapped; of their allocations,
+// `kept_spare_pages` page ids' worth were kept as spares, the rest released.
+struct UnmapResult {
+  std::size_t unmapped_pages = 0;
+  std::size_t kept_spare_pages = 0;
+  std::size_t released_pages() const noexcept { return unmapped_pages - kept_spare_pages; }
+};
+
 class KVCACHED_EXPORT KVSpace {
  public:
   KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const KVSpaceOptions& options);
@@ -50,8 +60,16 @@ class KVCACHED_EXPORT KVSpace {
   // unmapped again and the error is rethrown). Already-mapped pages are refused.
   void map_pages(const std::vector<std::int64_t>& pages);
   // Waits for the device (unmap does not wait for kernels), then unmaps.
-  // Unmapped allocations are kept as spares up to max_spare_pages.
-  void unmap_pages(const std::vector<std::int64_t>& pages);
+  // Unmapped allocations are kept as spares up to max_spare_pages. Every page
+  // must be mapped (checked first: nothing changes otherwise).
+  UnmapResult unmap_pages(const std::vector<std::int64_t>& pages);
+  // Applies a batch from a BlockManager: unmaps (device synchronised first),
+  // then maps. Batches must arrive in order (seq = applied_seq() + 1; an empty
+  // batch, seq 0, is a no-op). Everything is checked before anything changes;
+  // the maps are all or nothing. Returns the seq to acknowledge.
+  std::uint64_t apply(const PageOps& ops);
+  // The seq of the last batch applied (0: none yet).
+  std::uint64_t applied_seq() const;
   bool is_mapped(std::int64_t page) const;
   // Split coarse zero chunks around these (unmapped) pages ahead of use, so
   // mapping them later is one zero page swapped for real memory. No-op on host.
@@ -61,9 +79,11 @@ class KVCACHED_EXPORT KVSpace {
   // Pre-create physical allocations for `count` more page ids (stops early,
   // without error, when the device runs out). Returns how many were made.
   std::size_t add_spares(std::size_t count);
-  // Release spares beyond `keep`.
-  void trim_spares(std::size_t keep);
-  std::size_t spare_pages() const;
+  // Release spares beyond `keep`; returns how many page ids' worth were released.
+  std::size_t trim_spares(std::size_t keep);
+  // Read without the lock: the count changes only under it, and a reader
+  // holding other locks (the block manager's) must never wait for a driver call.
+  std::size_t spare_pages() const noexcept { return spare_count_.load(std::memory_order_acquire); }
   void set_max_spare_pages(std::size_t count);
 
   // Unmaps everything and releases spares; the reservation lives on (reading
@@ -80,6 +100,13 @@ class KVCACHED_EXPORT KVSpace {
   // Remove the zero backing of every range of these pages, merged where adjacent.
   void uncover_pages_locked(const std::vector<std::int64_t>& pages);
   void unmap_one_locked(std::size_t page);
+  void check_unmappable_locked(const std::vector<std::int64_t>& pages) const;
+  UnmapResult unmap_checked_locked(const std::vector<std::int64_t>& pages);
+  void map_checked_locked(const std::vector<std::int64_t>& pages);
+  std::uint64_t apply_locked(const PageOps& ops);
+  // Called without the lock after pages were mapped (see Device::fence_new_mappings).
+  void fence_new_mappings(std::size_t mapped_pages);
+  void publish_spare_count_locked() noexcept { spare_count_.store(spares_.size(), std::memory_order_release); }
 
   KVLayout layout_;
   KVSpaceOptions options_;
@@ -89,7 +116,9 @@ class KVCACHED_EXPORT KVSpace {
   std::vector<PageBacking> mapped_;  // by page id; empty when unmapped
   std::vector<std::uint8_t> prepared_;  // by page id: zero chunks already split
   std::vector<PageBacking> spares_;
+  std::atomic<std::size_t> spare_count_{0};  // spares_.size(), for lock-free readers
   std::size_t mapped_count_ = 0;
+  std::uint64_t applied_seq_ = 0;
   bool closed_ = false;
 };
 

@@ -69,7 +69,7 @@ void KVSpace::check_page(std::int64_t page) const {
 KVSpace::PageBacking KVSpace::take_backing_locked() {
   if (!spares_.empty()) {
     PageBacking backing = std::move(spares_.back());
-    spares_.pop_back();
+    spares_.pop_back();  // published by the caller once its batch is done
     return backing;
   }
   PageBacking backing;
@@ -131,17 +131,30 @@ void KVSpace::unmap_one_locked(std::size_t page) {
 }
 
 void KVSpace::map_pages(const std::vector<std::int64_t>& pages) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (closed_) throw InvalidArgument("KV space is closed");
-  for (std::size_t i = 0; i < pages.size(); ++i) {
-    check_page(pages[i]);
-    if (!mapped_[pages[i]].empty()) {
-      throw InvalidArgument("page " + std::to_string(pages[i]) + " is already mapped");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) throw InvalidArgument("KV space is closed");
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      check_page(pages[i]);
+      if (!mapped_[pages[i]].empty()) {
+        throw InvalidArgument("page " + std::to_string(pages[i]) + " is already mapped");
+      }
+      for (std::size_t j = 0; j < i; ++j) {
+        if (pages[j] == pages[i]) throw InvalidArgument("page " + std::to_string(pages[i]) + " listed twice");
+      }
     }
-    for (std::size_t j = 0; j < i; ++j) {
-      if (pages[j] == pages[i]) throw InvalidArgument("page " + std::to_string(pages[i]) + " listed twice");
-    }
+    map_checked_locked(pages);
   }
+  fence_new_mappings(pages.size());
+}
+
+void KVSpace::fence_new_mappings(std::size_t mapped_pages) {
+  // Mapped pages are handed out next: make them visible to device work first
+  // (a no-op on CUDA and host; on HIP it may wait, so never under our lock).
+  if (mapped_pages > 0) memory_->device->fence_new_mappings();
+}
+
+void KVSpace::map_checked_locked(const std::vector<std::int64_t>& pages) {
   // Several pages: uncover their zero chunks together first, so neighbouring
   // pages split a coarse chunk once instead of re-covering the rest page by page.
   const bool batch_uncover = memory_->zeros != nullptr && pages.size() > 1;
@@ -172,10 +185,10 @@ void KVSpace::map_pages(const std::vector<std::int64_t>& pages) {
         }
       }
     }
+    publish_spare_count_locked();
     throw;
   }
-  // Mapped pages are handed out next: make them visible to device work first.
-  if (!pages.empty()) memory_->device->fence_new_mappings();
+  publish_spare_count_locked();
 }
 
 void KVSpace::uncover_pages_locked(const std::vector<std::int64_t>& pages) {
@@ -207,15 +220,76 @@ void KVSpace::uncover_pages_locked(const std::vector<std::int64_t>& pages) {
   }
 }
 
-void KVSpace::unmap_pages(const std::vector<std::int64_t>& pages) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (closed_) return;  // close() already unmapped everything
-  for (std::int64_t page : pages) {
-    check_page(page);
-    if (mapped_[page].empty()) throw InvalidArgument("page " + std::to_string(page) + " is not mapped");
+void KVSpace::check_unmappable_locked(const std::vector<std::int64_t>& pages) const {
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    check_page(pages[i]);
+    if (mapped_[pages[i]].empty()) throw InvalidArgument("page " + std::to_string(pages[i]) + " is not mapped");
+    for (std::size_t j = 0; j < i; ++j) {
+      if (pages[j] == pages[i]) throw InvalidArgument("page " + std::to_string(pages[i]) + " listed twice");
+    }
   }
-  if (!pages.empty()) memory_->device->synchronize();
+}
+
+UnmapResult KVSpace::unmap_checked_locked(const std::vector<std::int64_t>& pages) {
+  UnmapResult result;
+  if (pages.empty()) return result;
+  memory_->device->synchronize();
+  const std::size_t spares_before = spares_.size();
   for (std::int64_t page : pages) unmap_one_locked(page);
+  result.unmapped_pages = pages.size();
+  result.kept_spare_pages = spares_.size() - spares_before;
+  publish_spare_count_locked();
+  return result;
+}
+
+UnmapResult KVSpace::unmap_pages(const std::vector<std::int64_t>& pages) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return {};  // close() already unmapped everything
+  check_unmappable_locked(pages);
+  return unmap_checked_locked(pages);
+}
+
+std::uint64_t KVSpace::apply(const PageOps& ops) {
+  const std::uint64_t seq = apply_locked(ops);
+  fence_new_mappings(ops.map_pages.size());
+  return seq;
+}
+
+std::uint64_t KVSpace::apply_locked(const PageOps& ops) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (ops.seq == 0) {
+    if (!ops.empty()) throw InvalidArgument("a batch with page operations must have a seq (got 0)");
+    return 0;
+  }
+  if (closed_) throw InvalidArgument("KV space is closed");
+  if (ops.seq != applied_seq_ + 1) {
+    throw InvalidArgument("page-op batch " + std::to_string(ops.seq) + " arrived after batch " +
+                          std::to_string(applied_seq_) +
+                          (ops.seq <= applied_seq_ ? " (applied already)" : " (batches in between are missing)"));
+  }
+  check_unmappable_locked(ops.unmap_pages);
+  for (std::size_t i = 0; i < ops.map_pages.size(); ++i) {
+    const std::int64_t page = ops.map_pages[i];
+    check_page(page);
+    const bool unmapped_first =
+        std::find(ops.unmap_pages.begin(), ops.unmap_pages.end(), page) != ops.unmap_pages.end();
+    if (!mapped_[page].empty() && !unmapped_first) {
+      throw InvalidArgument("page-op batch " + std::to_string(ops.seq) + " maps page " + std::to_string(page) +
+                            ", which is mapped already");
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (ops.map_pages[j] == page) throw InvalidArgument("page " + std::to_string(page) + " listed twice");
+    }
+  }
+  unmap_checked_locked(ops.unmap_pages);
+  applied_seq_ = ops.seq;  // the unmaps are done whatever happens to the maps
+  if (!ops.map_pages.empty()) map_checked_locked(ops.map_pages);
+  return ops.seq;
+}
+
+std::uint64_t KVSpace::applied_seq() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return applied_seq_;
 }
 
 bool KVSpace::is_mapped(std::int64_t page) const {
@@ -243,11 +317,12 @@ std::size_t KVSpace::add_spares(std::size_t count) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) break;
     spares_.push_back(std::move(backing));
+    publish_spare_count_locked();
   }
   return made;
 }
 
-void KVSpace::trim_spares(std::size_t keep) {
+std::size_t KVSpace::trim_spares(std::size_t keep) {
   std::vector<PageBacking> dropped;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -255,13 +330,9 @@ void KVSpace::trim_spares(std::size_t keep) {
       dropped.push_back(std::move(spares_.back()));
       spares_.pop_back();
     }
+    publish_spare_count_locked();
   }
-  // released here, outside the lock
-}
-
-std::size_t KVSpace::spare_pages() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return spares_.size();
+  return dropped.size();  // released as `dropped` goes, outside the lock
 }
 
 void KVSpace::set_max_spare_pages(std::size_t count) {
@@ -285,6 +356,7 @@ void KVSpace::close() {
     }
   }
   spares_.clear();
+  publish_spare_count_locked();
   options_.max_spare_pages = keep_spares;
   if (!memory_->zeros) {
     // Tensors may outlive us: make what they see read zeros rather than fault.

@@ -31,7 +31,7 @@ needs their memory. If the budget is exhausted, ``allocate_slots`` returns
 None, which the scheduler turns into waiting or preemption.
 
 Ordering (option A): after every ``Scheduler.schedule`` the BlockManager's
-pending page ops (as a plain ``(seq, map, unmap)`` tuple) are attached to the ``SchedulerOutput``, which vLLM delivers
+pending :class:`kvcached.PageOps` batch is attached (as is: it pickles itself) to the ``SchedulerOutput``, which vLLM delivers
 to every worker in step order. ``Worker.execute_model`` applies them before the
 forward pass (``KVSpace.apply`` synchronises the device before unmapping) and
 acknowledges on the step's ``ModelRunnerOutput``; ``update_from_output`` passes
@@ -58,7 +58,7 @@ import logging
 import math
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from kvcached.errors import KvcachedError
@@ -109,10 +109,14 @@ class KVGeometry:
     num_layers: int
     page_bytes: int
 
-    def kwargs(self) -> dict[str, Any]:
-        """Arguments of BlockManager and KVSpace: one buffer (vLLM keeps K||V
-        in one cell), per-layer layout (vLLM's own strides)."""
-        return dict(asdict(self), num_buffers=1, layout="per_layer")
+    def layout(self) -> Any:
+        """The one :class:`kvcached.KVLayout` of the EngineCore's BlockManager and
+        the workers' KVSpaces: one buffer (vLLM keeps K||V in one cell),
+        per-layer layout (vLLM's own strides)."""
+        from kvcached import KVLayout
+
+        return KVLayout(self.num_layers, self.block_bytes, self.num_blocks, num_buffers=1,
+                        page_bytes=self.page_bytes, kind="per_layer")
 
 
 def _refuse_unsupported(vllm_config: Any) -> None:
@@ -184,26 +188,20 @@ class EngineKV:
         self.manager = manager
         self.geometry = geometry
         self.name = name
-        self.sent_seq = 0  # last page-op sequence number sent to the workers
-        self.acked_seq = 0  # last sequence number the workers acknowledged
         self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
         self.num_preempted = 0  # requests vLLM preempted (for lack of KV memory)
         self.registry_handle: Any = None
         self.block_pool: Any = None
 
-    def take_ops(self) -> tuple[int, list[int], list[int]] | None:
-        """The pending page ops as a plain ``(seq, map_pages, unmap_pages)``
-        tuple (what travels to the workers), or None when there are none."""
+    def take_ops(self) -> Any:
+        """The pending :class:`kvcached.PageOps` batch (what travels to the
+        workers, as is), or None when there is none."""
         ops = self.manager.take_page_ops()
-        if not ops.map_pages and not ops.unmap_pages:
-            return None
-        self.sent_seq = ops.seq
-        return (int(ops.seq), list(ops.map_pages), list(ops.unmap_pages))
+        return ops if ops else None
 
     def acknowledge(self, seq: int | None) -> None:
-        if seq is not None and seq > self.acked_seq:
-            self.manager.acknowledge(0, seq)
-            self.acked_seq = seq
+        if seq is not None:
+            self.manager.acknowledge(0, seq)  # an older seq is a no-op
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.manager.stats())
@@ -211,11 +209,11 @@ class EngineKV:
             name=self.name,
             pid=os.getpid(),
             available_blocks=int(self.manager.available()),
-            sent_seq=self.sent_seq,
-            acked_seq=self.acked_seq,
+            sent_seq=stats["last_seq"],
+            acked_seq=stats["mirrors"][0]["acked_seq"],
             num_exhausted=self.num_exhausted,
             num_preempted=self.num_preempted,
-            **{f"geometry_{k}": v for k, v in self.geometry.kwargs().items()},
+            **{f"geometry_{k}": v for k, v in self.geometry.layout().as_dict().items()},
         )
         return stats
 
@@ -464,6 +462,7 @@ def _wrap_scheduler_init(original: Any) -> Any:
         geometry = getattr(kv_cache_config, _GEOMETRY_ATTR, None)
         if geometry is None:  # not planned by kvcached (e.g. attention-free model)
             return original(self, vllm_config, kv_cache_config, *args, **kwargs)
+        from kvcached.layout import block_manager_options
         from kvcached.pool import BlockManager
 
         _refuse_unsupported(vllm_config)
@@ -476,12 +475,12 @@ def _wrap_scheduler_init(original: Any) -> Any:
             limit_bytes=_physical_limit(vllm_config, _settings),
         )
         manager = BlockManager(
-            **geometry.kwargs(),
-            num_mirrors=1,
-            budget=budget,
+            geometry.layout(),
             # Page ops are taken at each schedule(); a thread producing them
             # in between would only make the order harder to reason about.
-            background_worker=False,
+            block_manager_options(background_worker=False, spares=False),
+            budget=budget,
+            mirrors=1,
             name=name,
         )
         manager.alloc_ids([0])  # vLLM's null block: always mapped, never handed out
@@ -602,29 +601,20 @@ class WorkerKV:
     def __init__(self, space: Any, geometry: KVGeometry) -> None:
         self.space = space
         self.geometry = geometry
-        self.mapped_pages: set[int] = set()
-        self.applied_seq = 0
         self.pending_ack: int | None = None
 
-    def apply(self, wire_ops: tuple[int, list[int], list[int]]) -> int:
-        from kvcached.pool import PageOps
-
-        ops = PageOps()
-        ops.seq, ops.map_pages, ops.unmap_pages = wire_ops
-        seq = self.space.apply(ops)  # synchronises the device before unmapping
-        self.mapped_pages.difference_update(wire_ops[2])
-        self.mapped_pages.update(wire_ops[1])
-        self.applied_seq = seq
-        return seq
+    def apply(self, ops: Any) -> int:
+        """Applies a PageOps batch (in order; the device is synchronised before
+        unmapping) and returns the seq to acknowledge."""
+        return self.space.apply(ops)
 
     def stats(self) -> dict[str, Any]:
-        page_cost = self.geometry.page_bytes * self.geometry.num_layers
-        mapped_pages = int(getattr(self.space, "mapped_pages", len(self.mapped_pages)))
+        mapped_pages = self.space.mapped_pages
         return {
             "pid": os.getpid(),
             "mapped_pages": mapped_pages,
-            "mapped_bytes": mapped_pages * page_cost,
-            "applied_seq": self.applied_seq,
+            "mapped_bytes": mapped_pages * self.space.kv_layout.page_id_bytes,
+            "applied_seq": self.space.applied_seq,
         }
 
 
@@ -639,7 +629,7 @@ def _current_worker() -> WorkerKV:
     return state
 
 
-def _worker_apply_page_ops(self: Any, ops: tuple[int, list[int], list[int]]) -> int:
+def _worker_apply_page_ops(self: Any, ops: Any) -> int:
     """Worker RPC ``kvcached_apply_page_ops`` (idle flush): apply, return the acknowledgement."""
     return _current_worker().apply(ops)
 
@@ -674,9 +664,10 @@ def _wrap_allocate_kv_cache(original: Any) -> Any:
         import torch
         from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
+        from kvcached.layout import space_options
         from kvcached.pool import KVSpace
 
-        space = KVSpace(**geometry.kwargs(), device=_kvcached_device(device), zero_backing=True)
+        space = KVSpace(geometry.layout(), _kvcached_device(device), space_options(zero_backing=True))
         (tensor,) = kv_cache_config.kv_cache_tensors
         (group,) = kv_cache_config.kv_cache_groups
         if geometry.num_layers > 1 and (

@@ -1,0 +1,185 @@
+// BlockManager, page side: mapping and unmapping pages (with rollback), spare
+// allocations, and the mirrors' acknowledgements.
+#include <algorithm>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "kvcached/blocks/block_manager.hpp"
+
+namespace kvcached {
+
+
+// ---- mapping and unmapping (map_mutex_ held) ----------------------------------------
+
+void BlockManager::with_mapper(Lock& lock, const std::function<void()>& call) {
+  if (op_log_ != nullptr) {
+    call();  // recording for mirrors: a leaf lock that never waits, so page states change with it
+    return;
+  }
+  lock.unlock();  // a local space calls the driver
+  struct Relock {
+    Lock& lock;
+    ~Relock() { lock.lock(); }
+  } relock{lock};
+  call();
+}
+
+void BlockManager::undo_grow_locked(const std::vector<std::int64_t>& pages) {
+  for (std::int64_t p : pages) {
+    state_[p] = PageState::kUnmapped;
+    unmapped_.insert(p);
+    mapping_blocks_ -= index_.capacity(static_cast<std::uint32_t>(p));
+  }
+  mapping_pages_ -= pages.size();
+}
+
+std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t count,
+                                                    const std::vector<std::int64_t>* wanted) {
+  std::vector<std::int64_t> pages;
+  if (count == 0) return pages;
+  if (wanted != nullptr) {
+    pages = *wanted;
+    for (std::int64_t p : pages) unmapped_.erase(p);
+  } else {
+    auto it = unmapped_.begin();
+    for (std::size_t i = 0; i < count; ++i) pages.push_back(*it++);
+    unmapped_.erase(unmapped_.begin(), it);
+  }
+  for (std::int64_t p : pages) {
+    state_[p] = PageState::kMapping;
+    mapping_blocks_ += index_.capacity(static_cast<std::uint32_t>(p));
+  }
+  mapping_pages_ += count;
+  try {
+    charge_locked(lock, count, 0);
+  } catch (...) {
+    undo_grow_locked(pages);
+    throw;
+  }
+  std::optional<std::size_t> device;
+  try {
+    with_mapper(lock, [&] {
+      mapper_->map_pages(pages);
+      device = device_free_pages();
+    });
+  } catch (...) {
+    undo_grow_locked(pages);
+    settle_locked(lock);  // what the failed map kept as spares stays charged; the rest goes back
+    throw;
+  }
+  if (device) device_free_pages_ = device;
+  for (std::int64_t p : pages) {
+    const auto page = static_cast<std::uint32_t>(p);
+    const std::size_t capacity = index_.capacity(page);
+    auto& slots = free_slots_[p];
+    slots.resize(capacity);
+    for (std::size_t i = 0; i < capacity; ++i) slots[i] = static_cast<std::uint32_t>(capacity - 1 - i);  // slot 0 on top
+    state_[p] = PageState::kMapped;
+    index_.insert(page, capacity);
+    mapping_blocks_ -= capacity;
+  }
+  mapping_pages_ -= count;
+  report_usage_locked();
+  return pages;
+}
+
+std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages) {
+  if (pages.empty()) return 0;
+  std::vector<std::int64_t> ids;
+  for (std::uint32_t p : pages) {
+    index_.erase(p);
+    state_[p] = PageState::kUnmapping;
+    free_slots_[p].clear();
+    ids.push_back(p);
+  }
+  unmapping_pages_ += pages.size();
+  UnmapOutcome outcome;
+  std::optional<std::size_t> device;
+  try {
+    with_mapper(lock, [&] {
+      outcome = mapper_->unmap_pages(ids);
+      device = device_free_pages();
+    });
+  } catch (...) {
+    for (std::uint32_t p : pages) {  // still mapped: put the pages back
+      const std::size_t capacity = index_.capacity(p);
+      auto& slots = free_slots_[p];
+      slots.resize(capacity);
+      for (std::size_t i = 0; i < capacity; ++i) slots[i] = static_cast<std::uint32_t>(capacity - 1 - i);
+      state_[p] = PageState::kMapped;
+      index_.insert(p, capacity);
+    }
+    unmapping_pages_ -= pages.size();
+    throw;
+  }
+  if (device) device_free_pages_ = device;
+  for (std::int64_t p : outcome.unmapped) {
+    state_[p] = PageState::kUnmapped;
+    unmapped_.insert(p);
+  }
+  for (std::int64_t p : outcome.awaiting_ack) state_[p] = PageState::kAwaitingAck;
+  awaiting_ack_pages_ += outcome.awaiting_ack.size();
+  unmapping_pages_ -= pages.size();
+  settle_locked(lock);
+  report_usage_locked();
+  return pages.size();
+}
+
+void BlockManager::trim_spares_locked(Lock& lock, std::size_t keep) {
+  with_mapper(lock, [&] { mapper_->trim_spares(keep); });
+  settle_locked(lock);
+}
+
+void BlockManager::add_spares_locked(Lock& lock, std::size_t count) {
+  charge_locked(lock, 0, count);  // BudgetExhausted: nothing made, nothing charged
+  try {
+    with_mapper(lock, [&] { mapper_->add_spares(count); });  // best effort: stops early when the device is full
+  } catch (...) {
+  }
+  settle_locked(lock);  // what was not made goes back
+}
+
+// ---- mirrors ------------------------------------------------------------------------
+
+PageOps BlockManager::take_page_ops() {
+  if (op_log_ == nullptr) throw InvalidArgument("this pool maps its own pages; it has no page ops for mirrors");
+  return op_log_->take_ops();
+}
+
+void BlockManager::make_reusable_locked(const std::vector<std::int64_t>& pages) {
+  for (std::int64_t p : pages) {
+    if (state_[p] != PageState::kAwaitingAck) continue;  // defensive: only what the log handed out
+    state_[p] = PageState::kUnmapped;
+    unmapped_.insert(p);
+    --awaiting_ack_pages_;
+  }
+}
+
+void BlockManager::acknowledge(std::size_t mirror, std::uint64_t seq) {
+  if (op_log_ == nullptr) throw InvalidArgument("this pool maps its own pages; it has no mirrors to acknowledge");
+  Lock lock(mutex_);
+  const std::vector<std::int64_t> reusable = op_log_->acknowledge(mirror, seq);
+  if (closed_) return;
+  make_reusable_locked(reusable);
+  settle_locked(lock);  // mirror `mirror` may now hold less: give that back on its budget
+  report_usage_locked();
+}
+
+void BlockManager::mirror_lost(std::size_t mirror) {
+  if (op_log_ == nullptr) throw InvalidArgument("this pool maps its own pages; it has no mirrors to lose");
+  Lock lock(mutex_);
+  const std::vector<std::int64_t> reusable = op_log_->mirror_lost(mirror);
+  if (closed_) return;
+  make_reusable_locked(reusable);
+  if (budgets_.alive(mirror)) {
+    const std::size_t held = budgets_.mark_lost(mirror);
+    budgets_.begin_release(mirror, held);
+    give_back_locked(lock, {{mirror, held}});
+    if (MemoryBudget* budget = budgets_.budget(mirror)) budget->report_usage(0, 0);
+  }
+  settle_locked(lock);
+  report_usage_locked();
+}
+
+}  // namespace kvcached

@@ -1,0 +1,224 @@
+// BlockManager, upkeep: the reserve (maintain, trim, resize), closing, and the background worker.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <utility>
+
+#include "kvcached/blocks/block_manager.hpp"
+
+namespace kvcached {
+
+namespace {
+
+// How often the worker re-checks the reserve when nobody wakes it.
+constexpr auto kWorkerPeriod = std::chrono::milliseconds(50);
+// Unmapped page ids (lowest first: the next to be grown) the worker gets ready
+// ahead of use (on GPUs: zero chunks split around them).
+constexpr std::size_t kFrontierPages = 8;
+
+}  // namespace
+
+// ---- keeping the reserve ------------------------------------------------------------
+
+void BlockManager::maintain() {
+  std::lock_guard<std::mutex> map(map_mutex_);
+  const auto device = device_free_pages();
+  Lock lock(mutex_);
+  if (closed_) return;
+  if (device) device_free_pages_ = device;
+  refresh_limit_locked();
+  const ReserveGoal goal = reserve_.round(allocs_, frees_, budgets_.others_waiting());
+
+  // 1. Holding more than the limit: give back spares, then free pages (whose
+  //    allocations the space may keep as spares, so spares are trimmed again).
+  for (int pass = 0; pass < 2; ++pass) {
+    const std::size_t spares = mapper_->spare_pages();
+    const std::size_t committed = index_.pages() + mapping_pages_;
+    if (committed + spares > limit_pages_ && spares > 0) {
+      const std::size_t excess = committed + spares - limit_pages_;
+      trim_spares_locked(lock, spares > excess ? spares - excess : 0);
+    }
+    if (pass == 0 && index_.pages() > limit_pages_) {
+      shrink_locked(lock, index_.empty_pages_to_release(index_.pages() - limit_pages_));
+    }
+  }
+
+  // 2. Mapped free pages within the goal.
+  const std::size_t empty = index_.empty_pages();
+  if (empty > goal.max_free_pages) {
+    shrink_locked(lock, index_.empty_pages_to_release(empty - goal.max_free_pages));
+  } else if (empty < goal.min_free_pages) {
+    const std::size_t want = std::min(goal.min_free_pages - empty, growth_room_locked());
+    try {
+      grow_locked(lock, want, nullptr);
+    } catch (const BudgetExhausted&) {
+      // Best effort: the next alloc reports a real shortage to its caller.
+    } catch (const DeviceOutOfMemory&) {
+    }
+  }
+
+  // 3. Pre-created spare allocations within the goal.
+  const std::size_t spares = mapper_->spare_pages();
+  if (spares < goal.min_spare_pages) {
+    const std::size_t held = index_.pages() + mapping_pages_ + spares;
+    const std::size_t want = std::min(goal.min_spare_pages - spares, limit_pages_ > held ? limit_pages_ - held : 0);
+    if (want > 0) {
+      try {
+        add_spares_locked(lock, want);
+      } catch (const BudgetExhausted&) {
+      }
+    }
+  } else if (spares > goal.max_spare_pages) {
+    trim_spares_locked(lock, goal.max_spare_pages);
+  }
+  report_usage_locked();
+
+  // 4. Get the next pages to be grown ready (cheap when already done).
+  std::vector<std::int64_t> frontier;
+  for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < kFrontierPages; ++it) {
+    frontier.push_back(*it);
+  }
+  lock.unlock();
+  mapper_->prepare_pages(frontier);
+}
+
+std::size_t BlockManager::trim() {
+  std::lock_guard<std::mutex> map(map_mutex_);
+  Lock lock(mutex_);
+  if (closed_) return 0;
+  reserve_.trimmed(allocs_);  // and the worker keeps it so until the next alloc
+  const std::size_t unmapped = shrink_locked(lock, index_.empty_pages_to_release(index_.empty_pages()));
+  trim_spares_locked(lock, 0);
+  report_usage_locked();
+  return unmapped;
+}
+
+bool BlockManager::resize(std::optional<std::size_t> limit_bytes) {
+  {
+    Lock lock(mutex_);
+    if (closed_) throw InvalidArgument("the block manager is closed");
+    options_.limit_bytes = limit_bytes;
+    refresh_limit_locked();
+    if (used_pages_locked() > limit_pages_ && !reserved_.empty()) {
+      // A shrink that has to wait for frees does not wait for reserved blocks.
+      give_blocks_locked(reserved_.data(), reserved_.size());
+      reserved_.clear();
+      ++frees_;
+    }
+  }
+  maintain();  // give back what can be given back now; the rest follows frees
+  Lock lock(mutex_);
+  return used_pages_locked() <= limit_pages_;
+}
+
+void BlockManager::set_reserve(const ReserveTargets& targets) {
+  targets.validate();
+  {
+    Lock lock(mutex_);
+    reserve_.set_targets(targets);
+    options_.reserve = targets;
+  }
+  mapper_->set_max_spare_pages(targets.max_spare_pages);
+  wake_worker();
+}
+
+// ---- closing ------------------------------------------------------------------------
+
+void BlockManager::close() {
+  std::lock_guard<std::mutex> closing(close_mutex_);  // a second caller waits, then finds it closed
+  if (worker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(worker_mutex_);
+      worker_stop_ = true;
+    }
+    worker_cv_.notify_all();
+    worker_.join();
+  }
+  std::lock_guard<std::mutex> map(map_mutex_);
+  Lock lock(mutex_);
+  if (closed_) return;
+  closed_ = true;
+  std::vector<std::int64_t> mapped;
+  for (std::size_t p = 0; p < state_.size(); ++p) {
+    if (state_[p] == PageState::kMapped) mapped.push_back(static_cast<std::int64_t>(p));
+  }
+  lock.unlock();
+  try {
+    if (!mapped.empty()) mapper_->unmap_pages(mapped);
+    mapper_->trim_spares(0);
+  } catch (...) {
+    // Closing must not fail; the KV space releases what is left when it goes.
+  }
+  lock.lock();
+  std::vector<std::pair<std::size_t, std::size_t>> releases;  // everything, acknowledged or not
+  for (std::size_t i = 0; i < budgets_.size(); ++i) {
+    if (!budgets_.alive(i)) continue;
+    const std::size_t held = budgets_.charged_pages(i) - budgets_.releasing_pages(i);
+    budgets_.begin_release(i, held);
+    releases.emplace_back(i, held);
+  }
+  give_back_locked(lock, std::move(releases));
+  for (std::size_t p = 0; p < state_.size(); ++p) {
+    if (index_.contains(static_cast<std::uint32_t>(p))) index_.erase(static_cast<std::uint32_t>(p));
+    state_[p] = PageState::kUnmapped;
+    free_slots_[p].clear();
+    free_slots_[p].shrink_to_fit();
+    unmapped_.insert(static_cast<std::int64_t>(p));
+  }
+  std::fill(block_state_.begin(), block_state_.end(), kFree);
+  reserved_.clear();
+  used_blocks_ = mapping_pages_ = mapping_blocks_ = unmapping_pages_ = awaiting_ack_pages_ = 0;
+  budgets_.report_usage(0);
+}
+
+// ---- background worker ----------------------------------------------------------------
+
+void BlockManager::wake_worker() noexcept {
+  {
+    std::lock_guard<std::mutex> lock(worker_mutex_);
+    worker_kick_ = true;
+  }
+  worker_cv_.notify_one();
+}
+
+void BlockManager::record_worker_error(const char* what) noexcept {
+  bool first = false;
+  std::size_t count = 0;
+  try {
+    Lock lock(mutex_);
+    first = worker_errors_ == 0;
+    count = ++worker_errors_;
+    last_worker_error_ = what;
+  } catch (...) {
+  }
+  if (count > 0) budgets_.report_worker_errors(count);  // kvctl / kvtop show it
+  // Logged once (C++ cannot reach Python's logging from this thread); every
+  // failure is counted in stats() and the last one's text kept there.
+  if (first) {
+    std::fprintf(stderr,
+                 "kvcached: the block manager's background worker failed: %s "
+                 "(further failures are counted in stats()['worker_errors'])\n",
+                 what);
+  }
+}
+
+void BlockManager::worker_loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(worker_mutex_);
+      worker_cv_.wait_for(lock, kWorkerPeriod, [this] { return worker_stop_ || worker_kick_; });
+      if (worker_stop_) return;
+      worker_kick_ = false;
+    }
+    try {
+      maintain();
+    } catch (const std::exception& e) {
+      record_worker_error(e.what());  // the round is retried next period
+    } catch (...) {
+      record_worker_error("unknown error");
+    }
+  }
+}
+
+}  // namespace kvcached

@@ -1,0 +1,140 @@
+"""Misuse that must fail clearly: racing close(), ids of the wrong type, absurd sizes, a failing worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvcached
+from kvcached import _core
+
+BLOCK_BYTES = 4 << 10
+PAGE_BYTES = 16 << 10
+
+
+def make_pool(**kwargs) -> kvcached.KVPool:
+    options = dict(num_blocks=64, page_bytes=PAGE_BYTES, device=_core.open_host_device(64 << 20))
+    options.update(kwargs)
+    return kvcached.KVPool(2, BLOCK_BYTES, **options)
+
+
+def make_manager(**kwargs) -> kvcached.KVCacheManager:
+    return kvcached.KVCacheManager(32, 16, 256, 2, page_bytes=PAGE_BYTES,
+                                   device=_core.open_host_device(64 << 20), **kwargs)
+
+
+def close_from_two_threads(closable) -> None:
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def close() -> None:
+        try:
+            start.wait()
+            closable.close()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "close() hung"
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("kind", ["block_manager", "pool", "manager"])
+def test_close_from_two_threads_at_once_neither_hangs_nor_raises(kind):
+    for _ in range(20):
+        if kind == "pool":
+            obj = make_pool()
+            obj.free(obj.alloc(5))
+        elif kind == "manager":
+            obj = make_manager()
+            obj.free(obj.alloc(5))
+        else:
+            layout = kvcached.KVLayout(num_layers=2, block_bytes=BLOCK_BYTES, num_blocks=64, page_bytes=PAGE_BYTES)
+            obj = kvcached.BlockManager(layout)
+            obj.free(obj.alloc(5))
+        close_from_two_threads(obj)
+
+
+@pytest.mark.parametrize("bad", [[2.9], [1.0], [True, False], np.array([2.9]), np.array([True, False]),
+                                 np.array([1.0, 2.0], dtype=np.float32), ["3"]])
+def test_free_and_alloc_ids_refuse_non_integer_ids(bad):
+    with make_pool(background_worker=False) as pool:
+        ids = pool.alloc(4)
+        before = pool.stats()
+        with pytest.raises(TypeError, match="integer"):
+            pool.free(bad)
+        assert pool.stats() == before
+        with pytest.raises(TypeError, match="integer"):
+            pool.alloc_ids(bad)
+        assert pool.stats() == before
+        pool.free(ids)
+
+
+def test_free_accepts_every_integer_dtype_and_numpy_scalars():
+    with make_pool(background_worker=False) as pool:
+        for dtype in (np.int64, np.int32, np.uint16, np.int8):
+            ids = pool.alloc(3)
+            pool.free(ids.astype(dtype))
+        ids = pool.alloc(3)
+        pool.free([np.int64(i) for i in ids])
+        ids = pool.alloc(4)
+        pool.free(ids[::2])  # strided
+        pool.free(tuple(int(i) for i in ids[1::2]))
+        assert pool.stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_layers=1 << 40), "too large|overflow|exceeds"),
+        (dict(num_blocks=1 << 62), "too large|overflow|exceeds"),
+        (dict(num_blocks=10**30), "too large|overflow|exceeds"),
+        (dict(block_bytes=1 << 62, page_bytes=1 << 62), "too large|overflow|exceeds|granularity"),
+    ],
+)
+def test_absurd_sizes_get_a_value_error_with_the_reason(kwargs, message):
+    options = dict(num_layers=2, block_bytes=BLOCK_BYTES, num_blocks=64, page_bytes=PAGE_BYTES)
+    options.update(kwargs)
+    device = _core.open_host_device(64 << 20)
+    with pytest.raises(ValueError, match=message):
+        kvcached.KVPool(options.pop("num_layers"), options.pop("block_bytes"), device=device, **options)
+    assert device.counters()["reserved_bytes"] == 0
+
+
+def test_manager_alloc_after_close_raises_instead_of_answering_none():
+    m = make_manager()
+    m.close()
+    with pytest.raises(ValueError, match="closed"):
+        m.alloc(1)
+
+
+def test_worker_failures_are_counted_and_visible_in_stats():
+    # Closing the pool's KV space behind its back makes the worker's next map fail.
+    pool = make_pool(background_worker=True, min_reserve_pages=2, max_reserve_pages=4)
+    try:
+        deadline = time.monotonic() + 5
+        while pool.stats()["free_pages"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.stats()["free_pages"] >= 2, "the worker did not fill its reserve"
+        pool.space.close()
+        ids = pool.alloc(2 * pool.blocks_per_page)  # from the reserve: the worker must refill it
+        while pool.stats()["worker_errors"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = pool.stats()
+        assert stats["worker_errors"] >= 1
+        assert "closed" in stats["last_worker_error"]
+        # kvctl and kvtop see the same count in the device registry.
+        from kvcached.registry import registry_for
+
+        (entry,) = [e for e in registry_for("cpu").entries() if e["name"] == pool.name]
+        assert entry["worker_errors"] >= 1
+        pool.free(ids)
+    finally:
+        pool.close()
