@@ -28,7 +28,7 @@ SHIM_NAME = "libcuda_call_counter.so"
 #: Call kinds in the shim's order (its enum).
 CALLS = (
     "reserve", "free_range", "create", "release", "map", "unmap", "set_access", "memset",
-    "synchronize", "mem_get_info",
+    "synchronize", "mem_get_info", "ctx_get_current", "ctx_set_current",
 )
 #: The calls a VMM floor is made of (bench_vmm measures these).
 FLOOR_CALLS = ("create", "map", "set_access", "unmap", "release")

@@ -65,7 +65,8 @@ step side_by_side 190 "$py" bench/side_by_side.py --out "$out/side_by_side" --ro
   --step-timeout-s 45 --deadline-s 160
 
 step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --pages 64 --iters 5 &&
-  '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 128 --pages 16 --iters 5"
+  '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 128 --pages 16 --iters 5 &&
+  '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 1024 --pages 4 --iters 3"
 
 step handover 75 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
   --handovers 20 --layouts contiguous,per_layer --zero-backing on,off --deadline-s 60 --out "$out/handover"

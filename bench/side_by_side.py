@@ -36,8 +36,8 @@ from side_by_side_report import write_report  # noqa: E402
 
 SYSTEM_LIBSTDCXX = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
 LAYOUTS = ("contiguous", "per_layer")
-OURS_SPACE_CASES = ("ours_pool", "ours_space", "ours_space_nozero")
-ALLOC_CASES = ("ref_alloc", "ours_alloc_manager", "ours_alloc_pool")
+OURS_SPACE_CASES = ("ours_pool", "ours_pool_nocontext", "ours_space", "ours_space_nozero")
+ALLOC_CASES = ("ref_alloc", "ours_alloc_manager", "ours_alloc_pool", "ours_setup_zero_chunks")
 # bench_vmm floors: 2 MiB (per-layer allocations) and 128 MiB (a contiguous compound page).
 BENCH_VMM_RUNS = {"2mib": ["--pages", "64", "--iters", "3"], "128mib": ["--page-mib", "128", "--pages", "16", "--iters", "3"]}
 
@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> None:
                 runner.spawn("ref_space", args.rounds, layout, counted=True)
             if want_ours:
                 runner.spawn("ours_pool", args.rounds, layout, counted=True)
+                runner.spawn("ours_pool_nocontext", args.rounds, layout, counted=True)
                 runner.spawn("ours_space", args.rounds, layout, counted=True)
 
 

@@ -150,13 +150,32 @@ def ref_alloc() -> dict:
 # --------------------------------------------------------------------------- kvcached
 
 
-def _open(device: str):
+def _open(device: str, current_context: bool = True):
+    """Opens the device outside the timing. With ``current_context`` its primary
+    context is also made current on this thread, as ``torch.cuda.set_device`` does
+    for the reference (and as it is on any engine's thread that has used CUDA)."""
     from kvcached.devices import open_device
 
-    return open_device(device)  # context creation outside the timing, like torch.cuda.set_device
+    dev = open_device(device)
+    if current_context and device.startswith("cuda:"):
+        _make_primary_context_current(int(device.split(":")[1]))
+    return dev
 
 
-def ours_pool(layout: str, device: str) -> dict:
+def _make_primary_context_current(ordinal: int) -> None:
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle, context = ctypes.c_int(), ctypes.c_void_p()
+    for call, args in (("cuDeviceGet", (ctypes.byref(handle), ordinal)),
+                       ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), handle)),
+                       ("cuCtxSetCurrent", (context,))):
+        code = getattr(driver, call)(*args)
+        if code != 0:
+            raise RuntimeError(f"{call} failed with CUresult {code}")
+
+
+def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
     """kvcached the way a pool runs: ``KVPool.alloc`` maps the lowest unmapped page id,
     ``free`` + ``maintain`` (one round of the background worker's job) unmaps it.
 
@@ -167,7 +186,7 @@ def ours_pool(layout: str, device: str) -> dict:
     from kvcached.pool import KVPool
     from kvcached.registry import registry_for
 
-    dev = _open(device)
+    dev = _open(device, current_context)
     registry_for(dev.name)  # the device's registry exists before the timing (first user makes it)
     rec = Recorder()
     pool = rec.time(
@@ -229,6 +248,31 @@ def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
     return rec.result()
 
 
+ZERO_CHUNK_SIZES = (256 << 20, 1 << 30, 2 << 30)
+
+
+def ours_setup_zero_chunks(device: str) -> dict:
+    """Zero-backed set-up of both layouts with larger zero chunks (``KVCACHED_ZERO_CHUNK_BYTES``):
+    fewer zero mappings to grant access to, at the price of larger zero allocations."""
+    from kvcached.pool import KVSpace
+
+    dev = _open(device)
+    rec = Recorder()
+    for chunk in ZERO_CHUNK_SIZES:
+        os.environ["KVCACHED_ZERO_CHUNK_BYTES"] = str(chunk)
+        for layout in ("contiguous", "per_layer"):
+            space = rec.time(
+                f"setup_{layout}_{chunk >> 20}mib_ms",
+                lambda: KVSpace(None, BLOCK_BYTES, NUM_LAYERS, NUM_BUFFERS, layout=layout, page_bytes=PAGE_BYTES,
+                                device=dev, zero_backing=True, capacity_bytes=CAPACITY_BYTES, max_spare_pages=0),
+                scale=1e3,
+            )
+            space.close()
+            del space
+    os.environ.pop("KVCACHED_ZERO_CHUNK_BYTES")
+    return rec.result()
+
+
 def ours_alloc(kind: str, device: str) -> dict:
     """``alloc(k)+free`` in the reference's bench_alloc geometry: the KVCacheManager
     facade (reference-compatible names) or the KVPool underneath it."""
@@ -236,6 +280,7 @@ def ours_alloc(kind: str, device: str) -> dict:
     from kvcached.pool import KVPool
 
     g = ALLOC_GEOMETRY
+    _open(device)
     if kind == "manager":
         manager = kvcached.KVCacheManager(device=device, **g)
     else:
@@ -250,8 +295,10 @@ CASES: dict[str, Callable[..., dict]] = {
     "ref_space": lambda a: ref_space(a["layout"]),
     "ref_alloc": lambda a: ref_alloc(),
     "ours_pool": lambda a: ours_pool(a["layout"], a["device"]),
+    "ours_pool_nocontext": lambda a: ours_pool(a["layout"], a["device"], current_context=False),
     "ours_space": lambda a: ours_space(a["layout"], a["device"], zero_backing=True),
     "ours_space_nozero": lambda a: ours_space(a["layout"], a["device"], zero_backing=False),
+    "ours_setup_zero_chunks": lambda a: ours_setup_zero_chunks(a["device"]),
     "ours_alloc_manager": lambda a: ours_alloc("manager", a["device"]),
     "ours_alloc_pool": lambda a: ours_alloc("pool", a["device"]),
 }

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -72,10 +73,19 @@ def floors(entries: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def floor_us(calls: Optional[dict], per_call: Optional[dict]) -> Optional[float]:
-    """Σ calls × bench_vmm p50 (create, map, set_access, unmap, release; zero ones alike)."""
+    """Σ calls × bench_vmm p50 (create, map, set_access, unmap, release; zero ones alike).
+
+    set_access and unmap count once per mapping they span: on CUDA one call over N
+    mappings costs about N single calls (bench/RESULTS.md, "over N adjacent mappings").
+    """
     if not calls or not per_call:
         return None
-    return sum((calls.get(c, 0) + calls.get(c + "_zero", 0)) * per_call.get(c, 0.0) for c in FLOOR_CALLS)
+    total = 0.0
+    for call in FLOOR_CALLS:
+        for key in (call, call + "_zero"):
+            count = calls.get(key + "_mappings", calls.get(key, 0))
+            total += count * per_call.get(call, 0.0)
+    return total
 
 
 def calls_text(calls: Optional[dict]) -> str:
@@ -107,6 +117,12 @@ def ratio(ours: list[float], ref: list[float]) -> Optional[float]:
     return statistics.median(ours) / statistics.median(ref)
 
 
+def with_ratio(values: list[float], ref: list[float]) -> str:
+    if not values:
+        return "—"
+    return f"{fmt(statistics.median(values))} ({fmt(ratio(values, ref))}×)"
+
+
 def verdict(value: Optional[float], target: Optional[float]) -> str:
     if value is None or target is None:
         return ""
@@ -118,45 +134,69 @@ def build(entries: list[dict]) -> tuple[str, dict]:
     summary: dict = {"rows": [], "floors_p50_us": floor}
     lines = [
         "| operation | layout | reference | kvcached (pool path) | kvcached ÷ ref. | target | "
-        "driver floor of kvcached's calls | of the reference's calls | KV space alone (÷ ref.) | no zero backing |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "driver floor of kvcached's calls | of the reference's calls | pool path, no current context (÷ ref.) | "
+        "KV space alone (÷ ref.) | no zero backing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, layout, metric, (case, ours_metric), target, unit in ROWS:
         ref = per_round(entries, "ref_space", layout, metric)
         ours = per_round(entries, case, layout, ours_metric)
         space = per_round(entries, "ours_space", layout, metric)
+        nocontext = per_round(entries, "ours_pool_nocontext", layout, metric)
         nozero = per_round(entries, "ours_space_nozero", layout, metric)
         scale = 1e-3 if unit == "ms" else 1.0
         per_call = floor.get(FLOOR_SIZE[layout])
         ours_floor = floor_us(counted_calls(entries, case, layout, ours_metric), per_call)
         ref_floor = floor_us(counted_calls(entries, "ref_space", layout, metric), per_call)
         r = ratio(ours, ref)
-        space_ratio = ratio(space, ref)
         lines.append(
             f"| {label} ({unit}) | {layout} | {rounds_text(ref)} | {rounds_text(ours)} | {fmt(r)}× | "
             f"{'≤ ' + fmt(target) + '× ' + verdict(r, target) if target else '—'} | "
             f"{fmt(ours_floor * scale) if ours_floor is not None else '—'} | "
             f"{fmt(ref_floor * scale) if ref_floor is not None else '—'} | "
-            f"{fmt(statistics.median(space)) + ' (' + fmt(space_ratio) + '×)' if space and case == 'ours_pool' else '—'} | "
+            f"{with_ratio(nocontext, ref) if case == 'ours_pool' else '—'} | "
+            f"{with_ratio(space, ref) if case == 'ours_pool' else '—'} | "
             f"{fmt(statistics.median(nozero)) if nozero and case == 'ours_pool' else '—'} |"
         )
         summary["rows"].append(dict(operation=label, layout=layout, unit=unit, reference=ref, kvcached=ours,
                                     ratio=r, target=target, floor_kvcached=ours_floor, floor_reference=ref_floor,
-                                    space=space, no_zero=nozero))
+                                    no_current_context=nocontext, space=space, no_zero=nozero))
     for label, case, target in ALLOC_ROWS:
         ref = per_round(entries, "ref_alloc", None, "alloc16_free_us")
         ours = per_round(entries, case, None, "alloc16_free_us")
         r = ratio(ours, ref)
         lines.append(f"| {label} (µs) | bench_alloc | {rounds_text(ref)} | {rounds_text(ours)} | {fmt(r)}× | "
-                     f"≤ {fmt(target)}× {verdict(r, target)} | — | — | — | — |")
+                     f"≤ {fmt(target)}× {verdict(r, target)} | — | — | — | — | — |")
         summary["rows"].append(dict(operation=label, unit="µs", reference=ref, kvcached=ours, ratio=r, target=target))
     text = ["## Side by side: kvcached ÷ reference, one run", "",
             "Medians over rounds in bold, then every round in order. Floors: driver calls the operation "
-            "made (counted round) × bench_vmm p50 of this run (2 MiB figures per-layer, 128 MiB contiguous; "
-            "synchronize and mem_get_info not included).", "", *lines, ""]
+            "made (counted round; set_access and unmap once per mapping spanned) × bench_vmm p50 of this run "
+            "(2 MiB figures per-layer, 128 MiB contiguous; synchronize, mem_get_info and context calls not "
+            "included). The pool path runs with the device's primary context current on the calling thread, "
+            "as torch.cuda.set_device leaves it for the reference.", "", *lines, ""]
+    text += zero_chunk_section(entries)
     text += calls_section(entries, floor)
     text += every_round_section(entries)
     return "\n".join(text), summary
+
+
+def zero_chunk_section(entries: list[dict]) -> list[str]:
+    """Set-up time by largest zero chunk (KVCACHED_ZERO_CHUNK_BYTES), every round."""
+    metrics: dict[str, list[float]] = {}
+    for e in sorted(entries, key=lambda e: e["round"]):
+        if e["case"] == "ours_setup_zero_chunks" and "result" in e:
+            for metric, value in e["result"]["medians"].items():
+                metrics.setdefault(metric, []).append(value)
+    if not metrics:
+        return []
+    ref = {layout: per_round(entries, "ref_space", layout, "setup_ms") for layout in ("contiguous", "per_layer")}
+    lines = ["## Zero-backed set-up by largest zero chunk (KV space alone)", "",
+             "| layout | largest zero chunk | set-up (ms) | ÷ reference set-up |", "|---|---|---|---|"]
+    for metric, values in metrics.items():
+        layout, chunk_mib = re.fullmatch(r"setup_(contiguous|per_layer)_(\d+)mib_ms", metric).groups()
+        chunk = f"{chunk_mib} MiB"
+        lines.append(f"| {layout} | {chunk} | {rounds_text(values)} | {fmt(ratio(values, ref[layout]))}× |")
+    return lines + [""]
 
 
 def calls_section(entries: list[dict], floor: dict) -> list[str]:

@@ -23,12 +23,13 @@
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemHandle;
+typedef struct CUctx_st* CUcontext;
 enum { kSuccess = 0 };
 
 /* Call kinds, in the order bench/driver_calls.py names them. */
 enum {
   kReserve, kFreeRange, kCreate, kRelease, kMap, kUnmap, kSetAccess, kMemset, kSynchronize,
-  kMemGetInfo, kCallKinds
+  kMemGetInfo, kCtxGetCurrent, kCtxSetCurrent, kCallKinds
 };
 
 struct ccount_event {
@@ -376,3 +377,27 @@ size_t ccount_copy_events(size_t first, size_t max, struct ccount_event* out) {
 }
 
 size_t ccount_event_size(void) { return sizeof(struct ccount_event); }
+
+/* Context calls: a backend that switches the calling thread's context around
+ * every call pays for it on each one; counted so that cost shows. */
+CUresult cuCtxGetCurrent(CUcontext* context) {
+  REAL(cuCtxGetCurrent);
+  const uint64_t start = now_ns();
+  const CUresult result = real_cuCtxGetCurrent(context);
+  const uint64_t ns = now_ns() - start;
+  pthread_mutex_lock(&g_mutex);
+  record(kCtxGetCurrent, 0, 0, 0, ns);
+  pthread_mutex_unlock(&g_mutex);
+  return result;
+}
+
+CUresult cuCtxSetCurrent(CUcontext context) {
+  REAL(cuCtxSetCurrent);
+  const uint64_t start = now_ns();
+  const CUresult result = real_cuCtxSetCurrent(context);
+  const uint64_t ns = now_ns() - start;
+  pthread_mutex_lock(&g_mutex);
+  record(kCtxSetCurrent, 0, context == NULL ? 0 : 1, 0, ns); /* mappings field: 1 = a context, 0 = none */
+  pthread_mutex_unlock(&g_mutex);
+  return result;
+}
