@@ -19,6 +19,8 @@ Timestamps (CLOCK_MONOTONIC, comparable across processes) split each hand-over:
     python bench/handover.py --device cpu --size 1GiB --handovers 20 --out DIR
     python bench/handover.py --device cuda:0 --size 8GiB --handovers 20 --out DIR
 
+Every configuration starts with ``--warmup`` hand-overs (default 1: the first
+mapping of fresh memory in each process), reported apart from the percentiles.
 Writes DIR/handover.json (every hand-over) and DIR/handover.md.
 """
 
@@ -132,7 +134,7 @@ def _expect(conn: Any, kind: str, timeout_s: float) -> Any:
 
 
 def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, handovers: int,
-               retry_s: float, timeout_s: float) -> dict:
+               retry_s: float, timeout_s: float, warmup: int = 1) -> dict:
     from kvcached.registry import DeviceRegistry
 
     page_id_bytes = NUM_LAYERS * NUM_BUFFERS * PAGE_BYTES
@@ -156,7 +158,7 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
             _expect(conn, "ready", timeout_s)
         pipes[0].send(("hold", blocks))
         _expect(pipes[0], "held", timeout_s)
-        for i in range(handovers):
+        for i in range(warmup + handovers):
             holder, waiter = pipes[i % 2], pipes[(i + 1) % 2]
             time.sleep(0.1)  # both workers settle (reserve topped up, nothing in flight)
             waiter.send(("wait", blocks, retry_s))
@@ -166,7 +168,7 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
             got = _expect(waiter, "got", timeout_s)
             start = freed["free"]
             record = dict(
-                handover=i, waiting_since_ms=(start - waiting_since) * 1e3,
+                handover=i - warmup, warmup=i < warmup, waiting_since_ms=(start - waiting_since) * 1e3,
                 total_ms=(got["done"] - start) * 1e3, refusals=got["refusals"],
                 free_call_ms=(freed["free_returned"] - start) * 1e3,
             )
@@ -199,8 +201,9 @@ def nearest_rank(values: list[float], fraction: float) -> float:
 
 
 def summarize(config: dict) -> dict:
-    rows = config["handovers"]
-    out: dict = {"n": len(rows)}
+    """Percentiles over the measured hand-overs (warm-up ones are reported apart)."""
+    rows = [r for r in config["handovers"] if not r.get("warmup")]
+    out: dict = {"n": len(rows), "warmup_ms": [r["total_ms"] for r in config["handovers"] if r.get("warmup")]}
     if not rows:
         return out
     totals = [r["total_ms"] for r in rows]
@@ -216,8 +219,8 @@ def summarize(config: dict) -> dict:
 def markdown(configs: list[dict]) -> str:
     lines = [
         "| device | layout | zero backing | size | allocations moved | hand-overs | p50 (ms) | p99 (ms) | max (ms) | "
-        "holder wake-up | holder unmap | waiter retry gap | waiter alloc (maps) | refusals (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "holder wake-up | holder unmap | waiter retry gap | waiter alloc (maps) | refusals (median) | warm-up (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v: "—" if v is None else f"{v:.3g}" if v < 100 else f"{v:.0f}"  # noqa: E731
     for c in configs:
@@ -226,7 +229,8 @@ def markdown(configs: list[dict]) -> str:
             f"| {c['device']} | {c['layout']} | {'on' if c['zero_backing'] else 'off'} | {c['size_bytes'] / 2**30:g} GiB | "
             f"{c['allocations_per_handover']} | {s['n']} | {f(s.get('p50_ms'))} | {f(s.get('p99_ms'))} | {f(s.get('max_ms'))} | "
             f"{f(s.get('holder_wake_ms'))} | {f(s.get('holder_unmap_ms'))} | {f(s.get('waiter_retry_gap_ms'))} | "
-            f"{f(s.get('waiter_alloc_ms'))} | {f(s.get('refusals_median'))} |"
+            f"{f(s.get('waiter_alloc_ms'))} | {f(s.get('refusals_median'))} | "
+            f"{', '.join(f(v) for v in s.get('warmup_ms', [])) or '—'} |"
             + (f" error: {c['error']}" if c.get("error") else "")
         )
     return "\n".join(lines)
@@ -237,6 +241,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", default="1GiB", help="bytes handed over (e.g. 1GiB, 8GiB)")
     parser.add_argument("--handovers", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=1, help="hand-overs first, reported apart")
     parser.add_argument("--layouts", default="contiguous,per_layer")
     parser.add_argument("--zero-backing", default="on,off", help="on, off or on,off")
     parser.add_argument("--retry-ms", type=float, default=DEFAULT_RETRY_S * 1e3, help="waiter's pause between refusals")
@@ -256,7 +261,7 @@ def main() -> None:
                 print(f"skipped {layout}, zero backing {zero}: past the deadline", flush=True)
                 continue
             config = run_config(args.device, layout, zero == "on", parse_bytes(args.size), args.handovers,
-                                args.retry_ms / 1e3, args.timeout_s)
+                                args.retry_ms / 1e3, args.timeout_s, args.warmup)
             config["summary"] = summarize(config)
             configs.append(config)
             print(json.dumps(dict(layout=layout, zero_backing=zero, **config["summary"], error=config["error"])), flush=True)

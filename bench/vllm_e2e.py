@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 import random
+import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -166,16 +168,28 @@ def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: 
     spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
     spec_path.write_text(json.dumps(spec))
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     with open(out / f"{label}.log", "w") as log:
+        # Its own session: on a timeout (or if we are stopped) the EngineCore and
+        # worker it started go with it.
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path), str(result_path)],
+                                env=engine_env(kvcached_on, registry_dir, in_process=profile),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run([sys.executable, __file__, "--child", str(spec_path), str(result_path)],
-                                  env=engine_env(kvcached_on, registry_dir, in_process=profile),
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-            rc = proc.returncode
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    entry = dict(label=label, kvcached=kvcached_on, rc=rc, uptime_before=uptime, seconds=round(time.time() - start, 1))
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of the engine is left
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the engine's processes, once reaped
+    entry = dict(label=label, kvcached=kvcached_on, rc=rc, uptime_before=uptime, seconds=round(time.time() - start, 1),
+                 cpu_s=round(usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime, 1),
+                 minor_faults=usage.ru_minflt - usage_before.ru_minflt)
     if rc == 0 and result_path.exists():
         entry.update(json.loads(result_path.read_text()))
     return entry
@@ -183,14 +197,16 @@ def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: 
 
 def report(runs: list[dict]) -> str:
     lines = ["| run | kvcached | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | "
-             "wall (s) | steps | load before / after | uptime before |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "wall (s) | steps | CPU s (whole run) | minor faults | load before / after | uptime before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | failed (rc {r['rc']}) |||||||||")
+            lines.append(f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | failed (rc {r['rc']}) |||||||||||")
             continue
         lines.append(
             f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | {r['tokens_per_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
             f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['wall_s']:.1f} | {r['steps']} | "
+            f"{r.get('cpu_s', '—')} | {r.get('minor_faults', '—')} | "
             f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | {r['uptime_before']} |")
     ratios = []
     rounds = sorted({r["round"] for r in runs})
@@ -215,6 +231,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3])
         os._exit(0)  # vLLM leaves non-daemon threads behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a running engine is stopped too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=3)
