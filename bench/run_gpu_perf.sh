@@ -53,16 +53,16 @@ build_kvcached() {
 }
 export -f build_reference build_kvcached
 export work tarball py jobs
-step build 170 bash -c "build_reference > '$out/build_reference.log' 2>&1 & ref=\$!
+step build 150 bash -c "build_reference > '$out/build_reference.log' 2>&1 & ref=\$!
   build_kvcached > '$out/build_kvcached.log' 2>&1; ours=\$?
   wait \$ref; echo \"reference build rc=\$? kvcached build rc=\$ours\""
 bench_vmm=$(find build/perf -name bench_vmm -type f -perm -u+x 2>/dev/null | head -n 1)
 counter="$work/counter/libcuda_call_counter.so"
 
-step side_by_side 190 "$py" bench/side_by_side.py --out "$out/side_by_side" --rounds 3 \
+step side_by_side 220 "$py" bench/side_by_side.py --out "$out/side_by_side" --rounds 3 \
   --ref-site "$work/refsite" --ours-site "$work/oursite" --device cuda:0 \
   ${bench_vmm:+--bench-vmm "$bench_vmm"} $( [ -f "$counter" ] && echo --call-counter "$counter" ) \
-  --step-timeout-s 45 --deadline-s 160
+  --step-timeout-s 45 --deadline-s 195
 
 step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --pages 64 --iters 5 &&
   '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 128 --pages 16 --iters 5 &&
