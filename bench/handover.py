@@ -190,7 +190,10 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
+    import kvcached
+
     return dict(device=device, layout=layout, zero_backing=zero_backing, size_bytes=size_bytes,
+                kvcached_from=kvcached.__file__,
                 blocks=blocks, budget_bytes=budget, retry_s=retry_s, handovers=records, error=error,
                 allocations_per_handover=(size_bytes // PAGE_BYTES) if layout == "per_layer" else size_bytes // page_id_bytes)
 
