@@ -247,6 +247,7 @@ def _make_block_pool_class(base: type) -> type:
             engine = _building.get()
             self._kv = engine
             self._resident_free: dict[int, None] = {}  # block id -> None, least recently freed first
+            self._available = engine.manager.available if engine is not None else None
             self._count_queue_only = False
             if engine is not None and engine.geometry.num_blocks != self.num_gpu_blocks:
                 raise RuntimeError(
@@ -389,10 +390,12 @@ def _make_block_pool_class(base: type) -> type:
 
         # -- accounting ---------------------------------------------------- #
         def get_num_free_blocks(self) -> int:
-            queued = super().get_num_free_blocks()
-            if self._kv is None or self._count_queue_only:
+            # Called for every request in every step: read the queue's count
+            # directly (what BlockPool's own version does) and use the bound method.
+            queued = self.free_block_queue.num_free_blocks
+            if self._available is None or self._count_queue_only:
                 return queued
-            return min(queued, int(self._kv.manager.available()) + len(self._resident_free))
+            return min(queued, self._available() + len(self._resident_free))
 
     KvcachedBlockPool.__qualname__ = KvcachedBlockPool.__name__ = "KvcachedBlockPool"
     return KvcachedBlockPool
