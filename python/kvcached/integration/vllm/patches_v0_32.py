@@ -513,10 +513,14 @@ def _wrap_scheduler_init(original: Any) -> Any:
 
 def _wrap_allocate_slots(original: Any) -> Any:
     def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # Runs for every scheduled request in every step: kvcached serves one
+        # KV cache group (others are refused), so look at its manager directly.
         request_id = request.request_id
-        had_blocks = any(
-            request_id in manager.req_to_blocks for manager in self.coordinator.single_type_managers
-        )
+        managers = self.coordinator.single_type_managers
+        if len(managers) == 1:
+            had_blocks = request_id in managers[0].req_to_blocks
+        else:
+            had_blocks = any(request_id in manager.req_to_blocks for manager in managers)
         try:
             return original(self, request, *args, **kwargs)
         except KVCachePoolExhausted as exc:
