@@ -112,6 +112,41 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str)
     )
 
 
+class SchedulerTimer:
+    """CPU time of the scheduler's own work per step (in-process engine only).
+
+    Wraps the Scheduler's ``schedule`` and ``update_from_output`` (outside
+    kvcached's wrappers) with the calling thread's CPU clock, so other processes
+    on a busy machine barely move it: it counts what the EngineCore computes,
+    not what it waits for.
+    """
+
+    def __init__(self, scheduler) -> None:
+        self.cpu_s = {"schedule": 0.0, "update_from_output": 0.0}
+        self.steps = 0
+        for name in self.cpu_s:
+            setattr(scheduler, name, self._timed(name, getattr(scheduler, name)))
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.cpu_s[name] += time.thread_time() - start
+                self.steps += name == "schedule"
+        return timed
+
+    def reset(self) -> None:
+        self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)
+        self.steps = 0
+
+    def result(self) -> dict:
+        per_step = {f"{k}_cpu_us_per_step": v / max(self.steps, 1) * 1e6 for k, v in self.cpu_s.items()}
+        return dict(sched_steps=self.steps, **per_step,
+                    scheduler_cpu_us_per_step=sum(self.cpu_s.values()) / max(self.steps, 1) * 1e6)
+
+
 def child(spec_path: str, out_path: str) -> None:
     """One engine: warm-up, then the timed workload (and, with ``profile``, cProfile of it)."""
     spec = json.loads(Path(spec_path).read_text())
@@ -121,14 +156,18 @@ def child(spec_path: str, out_path: str) -> None:
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=ENGINE["max_model_len"],
         max_num_seqs=ENGINE["max_num_seqs"], max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-        enable_prefix_caching=True, kv_cache_memory_bytes=ENGINE["kv_cache_bytes"], enforce_eager=True, seed=0,
+        enable_prefix_caching=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", ENGINE["kv_cache_bytes"]),
+        enforce_eager=True, seed=0,
     )
     engine = llm.llm_engine
     init_s = time.perf_counter() - t0
+    timer = SchedulerTimer(engine.engine_core.engine_core.scheduler) if spec.get("sched_timing") else None
     warm = make_prompts(WARMUP_REQUESTS, 32, 128, seed=1)
     run_workload(engine, warm, 8, "warm")
     prompts = make_prompts(**WORKLOAD)
     load_before = os.getloadavg()
+    if timer:
+        timer.reset()
     if spec.get("profile"):
         import cProfile
 
@@ -140,6 +179,8 @@ def child(spec_path: str, out_path: str) -> None:
     else:
         result = run_workload(engine, prompts, WORKLOAD["new_tokens"], "r")
     result.update(init_s=init_s, load_before=load_before, load_after=os.getloadavg())
+    if timer:
+        result.update(timer.result())
     if os.environ.get("KVCACHED_ENABLE") == "1":
         client = engine.engine_core
         stats = client.call_utility("kvcached_stats") if hasattr(client, "call_utility") else client.engine_core.kvcached_stats()
@@ -162,9 +203,11 @@ def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False) -
     return env
 
 
-def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, profile: bool = False) -> dict:
+def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, profile: bool = False,
+               kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False) -> dict:
     registry_dir = tempfile.mkdtemp(prefix="kvcached-e2e-")
-    spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None)
+    spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None, kv_cache_bytes=kv_cache_bytes,
+                sched_timing=sched_timing)
     spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
     spec_path.write_text(json.dumps(spec))
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -174,7 +217,7 @@ def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: 
         # Its own session: on a timeout (or if we are stopped) the EngineCore and
         # worker it started go with it.
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path), str(result_path)],
-                                env=engine_env(kvcached_on, registry_dir, in_process=profile),
+                                env=engine_env(kvcached_on, registry_dir, in_process=profile or sched_timing),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -197,15 +240,16 @@ def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: 
 
 def report(runs: list[dict]) -> str:
     lines = ["| run | kvcached | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | "
-             "wall (s) | steps | CPU s (whole run) | minor faults | load before / after | uptime before |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "wall (s) | steps | scheduler CPU µs / step | CPU s (whole run) | minor faults | load before / after | uptime before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | failed (rc {r['rc']}) |||||||||||")
+            lines.append(f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | failed (rc {r['rc']}) ||||||||||||")
             continue
         lines.append(
             f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | {r['tokens_per_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
             f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['wall_s']:.1f} | {r['steps']} | "
+            f"{r['scheduler_cpu_us_per_step']:.0f} | " if 'scheduler_cpu_us_per_step' in r else "— | "
             f"{r.get('cpu_s', '—')} | {r.get('minor_faults', '—')} | "
             f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | {r['uptime_before']} |")
     ratios = []
@@ -215,15 +259,18 @@ def report(runs: list[dict]) -> str:
         if len(pair) == 2:
             on, off = pair[True], pair[False]
             ratios.append(dict(round=i, tokens_per_s=on["tokens_per_s"] / off["tokens_per_s"],
+                               sched_cpu=(on.get("scheduler_cpu_us_per_step") or 0) / (off.get("scheduler_cpu_us_per_step") or 1),
                                tpot_p99=on["tpot_p99_ms"] / off["tpot_p99_ms"],
                                ttft_p50=on["ttft_p50_ms"] / off["ttft_p50_ms"], ttft_p99=on["ttft_p99_ms"] / off["ttft_p99_ms"]))
-    lines += ["", "| round | tokens/s on ÷ off (target ≥ 0.97) | TPOT p99 on ÷ off (target ≤ 1.05) | TTFT p50 on ÷ off | TTFT p99 on ÷ off |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| round | tokens/s on ÷ off (target ≥ 0.97) | TPOT p99 on ÷ off (target ≤ 1.05) | TTFT p50 on ÷ off | "
+              "TTFT p99 on ÷ off | scheduler CPU / step on ÷ off |", "|---|---|---|---|---|---|"]
     for r in ratios:
-        lines.append(f"| {r['round']} | {r['tokens_per_s']:.3f} | {r['tpot_p99']:.3f} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} |")
+        lines.append(f"| {r['round']} | {r['tokens_per_s']:.3f} | {r['tpot_p99']:.3f} | {r['ttft_p50']:.3f} | "
+                     f"{r['ttft_p99']:.3f} | {r['sched_cpu']:.3f} |")
     if ratios:
-        med = {k: statistics.median(r[k] for r in ratios) for k in ("tokens_per_s", "tpot_p99", "ttft_p50", "ttft_p99")}
-        lines.append(f"| median | **{med['tokens_per_s']:.3f}** | **{med['tpot_p99']:.3f}** | {med['ttft_p50']:.3f} | {med['ttft_p99']:.3f} |")
+        med = {k: statistics.median(r[k] for r in ratios) for k in ("tokens_per_s", "tpot_p99", "ttft_p50", "ttft_p99", "sched_cpu")}
+        lines.append(f"| median | **{med['tokens_per_s']:.3f}** | **{med['tpot_p99']:.3f}** | {med['ttft_p50']:.3f} | "
+                     f"{med['ttft_p99']:.3f} | {med['sched_cpu']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +284,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per engine run")
     parser.add_argument("--profile", action="store_true", help="one in-process run per mode under cProfile instead")
+    parser.add_argument("--sched-timing", action="store_true",
+                        help="in-process engines; report the scheduler's CPU time per step (load-robust)")
+    parser.add_argument("--kv-cache-mib", type=int, default=ENGINE["kv_cache_bytes"] >> 20,
+                        help="vLLM's kv_cache_memory_bytes (kvcached: the engine's limit); lower it to make "
+                             "prefix-cache eviction part of the run")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,14 +296,18 @@ def main() -> None:
     runs = []
     if args.profile:
         for on in (False, True):
-            runs.append(dict(run_engine(out, f"profile-{'on' if on else 'off'}", model, on, args.timeout_s, profile=True), round=0))
+            runs.append(dict(run_engine(out, f"profile-{'on' if on else 'off'}", model, on, args.timeout_s, profile=True,
+                                        kv_cache_bytes=args.kv_cache_mib << 20), round=0))
     else:
         for i in range(args.rounds):
             order = (False, True) if i % 2 == 0 else (True, False)  # ABBA: drift cancels
             for on in order:
-                entry = dict(run_engine(out, f"r{i}-{'on' if on else 'off'}", model, on, args.timeout_s), round=i)
+                entry = dict(run_engine(out, f"r{i}-{'on' if on else 'off'}", model, on, args.timeout_s,
+                                        kv_cache_bytes=args.kv_cache_mib << 20, sched_timing=args.sched_timing),
+                             round=i)
                 runs.append(entry)
-                print(json.dumps({k: entry.get(k) for k in ("label", "rc", "tokens_per_s", "tpot_p99_ms", "ttft_p50_ms", "seconds")}), flush=True)
+                print(json.dumps({k: entry.get(k) for k in ("label", "rc", "tokens_per_s", "tpot_p99_ms", "ttft_p50_ms",
+                                                              "seconds", "cpu_s", "scheduler_cpu_us_per_step")}), flush=True)
                 (out / "runs.json").write_text(json.dumps(runs, indent=1))
     text = report(runs)
     (out / "vllm_e2e.md").write_text(text)
