@@ -249,9 +249,9 @@ def report(runs: list[dict]) -> str:
         lines.append(
             f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | {r['tokens_per_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
             f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['wall_s']:.1f} | {r['steps']} | "
-            f"{r['scheduler_cpu_us_per_step']:.0f} | " if 'scheduler_cpu_us_per_step' in r else "— | "
-            f"{r.get('cpu_s', '—')} | {r.get('minor_faults', '—')} | "
-            f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | {r['uptime_before']} |")
+            + (f"{r['scheduler_cpu_us_per_step']:.0f} | " if "scheduler_cpu_us_per_step" in r else "— | ")
+            + f"{r.get('cpu_s', '—')} | {r.get('minor_faults', '—')} | "
+            + f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | {r['uptime_before']} |")
     ratios = []
     rounds = sorted({r["round"] for r in runs})
     for i in rounds:
@@ -259,7 +259,9 @@ def report(runs: list[dict]) -> str:
         if len(pair) == 2:
             on, off = pair[True], pair[False]
             ratios.append(dict(round=i, tokens_per_s=on["tokens_per_s"] / off["tokens_per_s"],
-                               sched_cpu=(on.get("scheduler_cpu_us_per_step") or 0) / (off.get("scheduler_cpu_us_per_step") or 1),
+                               sched_cpu=(on["scheduler_cpu_us_per_step"] / off["scheduler_cpu_us_per_step"]
+                                          if "scheduler_cpu_us_per_step" in on and "scheduler_cpu_us_per_step" in off
+                                          else float("nan")),
                                tpot_p99=on["tpot_p99_ms"] / off["tpot_p99_ms"],
                                ttft_p50=on["ttft_p50_ms"] / off["ttft_p50_ms"], ttft_p99=on["ttft_p99_ms"] / off["ttft_p99_ms"]))
     lines += ["", "| round | tokens/s on ÷ off (target ≥ 0.97) | TPOT p99 on ÷ off (target ≤ 1.05) | TTFT p50 on ÷ off | "
