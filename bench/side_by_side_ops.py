@@ -212,7 +212,9 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
     pool.close()
     if grown != BATCH_PAGES or left != 0:
         raise RuntimeError(f"pool grew {grown} page ids for {BATCH_PAGES}, {left} left mapped")
-    return rec.result(spare_pages_default=int(os.environ.get("KVCACHED_MAX_SPARE_PAGES", "2")))
+    from kvcached import config
+
+    return rec.result(max_spare_pages=config.get("max_spare_pages"), min_spare_pages=config.get("min_spare_pages"))
 
 
 def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
