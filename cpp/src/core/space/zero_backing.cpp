@@ -2,6 +2,7 @@
 // shared zero allocations split on first use on GPUs.
 #include "kvcached/space/zero_backing.hpp"
 
+#include <iterator>
 #include <mutex>
 #include <utility>
 
@@ -110,6 +111,23 @@ class SharedZeroChunks final : public ZeroBacking {
         ++it;
         continue;
       }
+      if (chunk_start >= address && chunk_end <= end) {
+        // Adjacent chunks wholly inside the range go with one unmap call: a
+        // run of page ids grown together (and the worker thread, which pays a
+        // context switch per driver call) makes one call instead of one each.
+        auto last = it;
+        VirtualAddress run_end = chunk_end;
+        for (auto next = std::next(it); next != mappings_.end() && next->first == run_end; ++next) {
+          const VirtualAddress next_end = next->first + (unit_bytes_ << next->second);
+          if (next_end > end) break;
+          last = next;
+          run_end = next_end;
+        }
+        device_->unmap(chunk_start, run_end - chunk_start);
+        it = mappings_.erase(it, std::next(last));
+        continue;
+      }
+      // A chunk across an edge of the range: unmap it, keep zeros outside.
       device_->unmap(chunk_start, chunk_end - chunk_start);
       it = mappings_.erase(it);
       // Keep zeros on the parts of the chunk outside the requested range.

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import itertools
 import logging
 import math
 import os
@@ -234,13 +235,19 @@ def _make_block_pool_class(base: type) -> type:
         holds a prefix-cache entry (``_resident_free``). vLLM's free queue keeps
         its meaning (every block with ``ref_cnt == 0``); kvcached chooses which
         of the uncached ones to hand out.
+
+        ``_resident_free`` is kept in the order the blocks were freed, which is
+        their order in vLLM's free queue (least recently used first), so
+        eviction visits only resident blocks instead of walking the queue past
+        every never-used block.
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             engine = _building.get()
             self._kv = engine
-            self._resident_free: set[int] = set()
+            self._resident_free: dict[int, None] = {}  # block id -> None, least recently freed first
+            self._available = engine.manager.available if engine is not None else None
             self._count_queue_only = False
             if engine is not None and engine.geometry.num_blocks != self.num_gpu_blocks:
                 raise RuntimeError(
@@ -274,12 +281,14 @@ def _make_block_pool_class(base: type) -> type:
             import kvcached
 
             manager = self._kv.manager
+            # Give back prefix-cache blocks nobody uses first when kvcached is
+            # short (cheaper than a refused alloc), then once more if the
+            # budget moved in between.
+            self._evict_resident_until(num_blocks)
             try:
                 return manager.alloc(num_blocks).tolist()
             except kvcached.OutOfMemoryError:
                 pass
-            # Give back prefix-cache blocks nobody uses, least recently used
-            # first, until kvcached can serve the request.
             self._evict_resident_until(num_blocks)
             try:
                 return manager.alloc(num_blocks).tolist()
@@ -290,19 +299,27 @@ def _make_block_pool_class(base: type) -> type:
                 ) from exc
 
         def _evict_resident_until(self, num_blocks: int) -> None:
-            if not self._resident_free:
-                return
+            """Evicts resident prefix-cache blocks, least recently used first,
+            until kvcached has ``num_blocks`` available (each one freed adds one)."""
             manager = self._kv.manager
-            queue = self.free_block_queue
-            block = queue.fake_free_list_head.next_free_block
-            tail = queue.fake_free_list_tail
-            while block is not None and block is not tail and self._resident_free:
-                if manager.available() >= num_blocks:
+            while self._resident_free:
+                shortfall = num_blocks - int(manager.available())
+                if shortfall <= 0:
                     return
-                following = block.next_free_block
-                if block.block_id in self._resident_free:
-                    self._maybe_evict_cached_block(block)  # frees it in kvcached
-                block = following
+                oldest = list(itertools.islice(self._resident_free, shortfall))
+                self._evict_resident([self.blocks[i] for i in oldest])
+
+        def _evict_resident(self, blocks: list) -> None:
+            """Drops these resident blocks' prefix-cache entries (vLLM's eviction:
+            hashes, events) and frees them in kvcached with one call."""
+            released = []
+            for block in blocks:
+                super()._maybe_evict_cached_block(block)
+                self._resident_free.pop(block.block_id, None)
+                if block.block_hash is None and block.ref_cnt == 0:
+                    released.append(block.block_id)
+            if released:
+                self._kv.manager.free(released)
 
         # -- release ------------------------------------------------------- #
         def free_blocks(self, ordered_blocks: Any) -> None:
@@ -319,7 +336,8 @@ def _make_block_pool_class(base: type) -> type:
                 if block.block_hash is None or not self.enable_caching:
                     release[block.block_id] = None
                 else:
-                    self._resident_free.add(block.block_id)
+                    self._resident_free.pop(block.block_id, None)  # now the most recently freed
+                    self._resident_free[block.block_id] = None
             if release:
                 self._kv.manager.free(list(release))
 
@@ -328,7 +346,7 @@ def _make_block_pool_class(base: type) -> type:
             if self._kv is not None and self._resident_free:
                 for block in blocks:
                     if block.ref_cnt > 0:
-                        self._resident_free.discard(block.block_id)
+                        self._resident_free.pop(block.block_id, None)
 
         def _maybe_evict_cached_block(self, block: Any) -> bool:
             evicted = super()._maybe_evict_cached_block(block)
@@ -338,7 +356,7 @@ def _make_block_pool_class(base: type) -> type:
                 and block.block_hash is None
                 and block.ref_cnt == 0
             ):
-                self._resident_free.discard(block.block_id)
+                del self._resident_free[block.block_id]
                 self._kv.manager.free([block.block_id])
             return evicted
 
@@ -352,18 +370,10 @@ def _make_block_pool_class(base: type) -> type:
                 return 0
             geometry = self._kv.geometry
             keep = keep_bytes // (geometry.block_bytes * geometry.num_layers)
-            released = 0
-            queue = self.free_block_queue
-            block = queue.fake_free_list_head.next_free_block
-            while block is not None and block is not queue.fake_free_list_tail:
-                if len(self._resident_free) <= keep:
-                    break
-                following = block.next_free_block
-                if block.block_id in self._resident_free:
-                    self._maybe_evict_cached_block(block)
-                    released += 1
-                block = following
-            return released
+            excess = max(0, len(self._resident_free) - keep)
+            oldest = list(itertools.islice(self._resident_free, excess))
+            self._evict_resident([self.blocks[i] for i in oldest])
+            return len(oldest)
 
         def reset_prefix_cache(self) -> bool:
             if self._kv is None:
@@ -380,10 +390,12 @@ def _make_block_pool_class(base: type) -> type:
 
         # -- accounting ---------------------------------------------------- #
         def get_num_free_blocks(self) -> int:
-            queued = super().get_num_free_blocks()
-            if self._kv is None or self._count_queue_only:
+            # Called for every request in every step: read the queue's count
+            # directly (what BlockPool's own version does) and use the bound method.
+            queued = self.free_block_queue.num_free_blocks
+            if self._available is None or self._count_queue_only:
                 return queued
-            return min(queued, int(self._kv.manager.available()) + len(self._resident_free))
+            return min(queued, self._available() + len(self._resident_free))
 
     KvcachedBlockPool.__qualname__ = KvcachedBlockPool.__name__ = "KvcachedBlockPool"
     return KvcachedBlockPool
@@ -502,10 +514,14 @@ def _wrap_scheduler_init(original: Any) -> Any:
 
 def _wrap_allocate_slots(original: Any) -> Any:
     def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # Runs for every scheduled request in every step: kvcached serves one
+        # KV cache group (others are refused), so look at its manager directly.
         request_id = request.request_id
-        had_blocks = any(
-            request_id in manager.req_to_blocks for manager in self.coordinator.single_type_managers
-        )
+        managers = self.coordinator.single_type_managers
+        if len(managers) == 1:
+            had_blocks = request_id in managers[0].req_to_blocks
+        else:
+            had_blocks = any(request_id in manager.req_to_blocks for manager in managers)
         try:
             return original(self, request, *args, **kwargs)
         except KVCachePoolExhausted as exc:

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# kvcached against the reference implementation on one GPU, in one run: builds both
+# (each into its own --target directory), then the side-by-side benchmark with the
+# driver floor and the driver-call counter, bench_vmm on one thread, and the memory
+# hand-over between two processes (8 GiB, both layouts, zero backing on and off).
+#
+#   bench/run_gpu_perf.sh OUT_DIR REF_TARBALL        (PYTHON=..., WORK=... to choose)
+#
+# REF_TARBALL: the reference's source (a .tar.gz with one top folder). Every step is
+# time-limited (SIGINT, then SIGKILL 10 s later) and the next one runs anyway; the
+# limits add up to under 8 minutes, a normal run takes about 5. OUT_DIR receives
+# SUMMARY.md, exit_codes.txt, commands.txt, <step>.log and each step's own files.
+set -u
+out=${1:?usage: $0 OUT_DIR REF_TARBALL}
+tarball=${2:?usage: $0 OUT_DIR REF_TARBALL}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+tarball=$(cd "$(dirname "$tarball")" && pwd)/$(basename "$tarball")
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+work=${WORK:-/tmp/kvcached-perf}
+jobs=$(nproc 2>/dev/null || echo 8)
+export PYTHONUNBUFFERED=1
+cd "$repo"
+: > "$out/exit_codes.txt"
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local start=$(date +%s)
+  echo "== $name (limit ${limit}s): $*" | tee -a "$out/commands.txt"
+  timeout -s INT -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "$name rc=$? seconds=$(( $(date +%s) - start ))" | tee -a "$out/exit_codes.txt"
+  tail -n 3 "$out/$name.log"
+}
+
+step environment 10 bash -c "date -u; uname -a; nvidia-smi || true; git -C '$repo' rev-parse HEAD || true
+  $py -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())'
+  uptime"
+
+# The two builds run side by side (different --target directories, different build dirs).
+build_reference() {
+  rm -rf "$work/ref" "$work/refsite" && mkdir -p "$work/ref" &&
+    tar xzf "$tarball" -C "$work/ref" &&
+    cd "$work/ref"/* &&
+    MAX_JOBS=$jobs "$py" -m pip install --no-build-isolation --no-deps --target "$work/refsite" .
+}
+build_kvcached() {
+  rm -rf "$work/oursite" &&
+    KVCACHED_GPU_BACKENDS=cuda CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$py" -m pip install --no-build-isolation \
+      --no-deps --target "$work/oursite" -C cmake.define.KVCACHED_BUILD_BENCH=ON -C build-dir=build/perf . &&
+    "$py" bench/driver_calls.py --build "$work/counter"
+}
+export -f build_reference build_kvcached
+export work tarball py jobs
+step build 150 bash -c "build_reference > '$out/build_reference.log' 2>&1 & ref=\$!
+  build_kvcached > '$out/build_kvcached.log' 2>&1; ours=\$?
+  wait \$ref; echo \"reference build rc=\$? kvcached build rc=\$ours\""
+bench_vmm=$(find build/perf -name bench_vmm -type f -perm -u+x 2>/dev/null | head -n 1)
+counter="$work/counter/libcuda_call_counter.so"
+
+step side_by_side 220 "$py" bench/side_by_side.py --out "$out/side_by_side" --rounds 3 \
+  --ref-site "$work/refsite" --ours-site "$work/oursite" --device cuda:0 \
+  ${bench_vmm:+--bench-vmm "$bench_vmm"} $( [ -f "$counter" ] && echo --call-counter "$counter" ) \
+  --step-timeout-s 45 --deadline-s 195
+
+step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --pages 64 --iters 5 &&
+  '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 128 --pages 16 --iters 5 &&
+  '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 1024 --pages 4 --iters 3"
+
+step handover 75 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
+  --handovers 20 --layouts contiguous,per_layer --zero-backing on,off --deadline-s 60 --out "$out/handover"
+
+step summary 5 bash -c "{
+  echo '# kvcached vs reference on one GPU, one run'; echo; echo '\`\`\`'; cat '$out/exit_codes.txt'; echo '\`\`\`'; echo
+  cat '$out/side_by_side/side_by_side.md' 2>/dev/null || echo '(no side-by-side report)'; echo
+  echo '## Memory hand-over, 8 GiB, cuda:0'; echo; cat '$out/handover/handover.md' 2>/dev/null || echo '(none)'; echo
+  echo '## bench_vmm, 1 thread'; echo; echo '\`\`\`'; cat '$out/bench_vmm.log'; echo '\`\`\`'
+} > '$out/SUMMARY.md'; wc -l '$out/SUMMARY.md'"
+echo "total seconds=$SECONDS" | tee -a "$out/exit_codes.txt"
