@@ -217,20 +217,26 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
     return rec.result(max_spare_pages=config.get("max_spare_pages"), min_spare_pages=config.get("min_spare_pages"))
 
 
+def _layout(kind: str, dev) -> "kvcached.KVLayout":
+    """The benchmark geometry as kvcached's one layout value."""
+    from kvcached.layout import KVLayout
+
+    return KVLayout(NUM_LAYERS, BLOCK_BYTES, num_buffers=NUM_BUFFERS, kind=kind, page_bytes=PAGE_BYTES,
+                    capacity_bytes=CAPACITY_BYTES, device=dev)
+
+
 def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
     """kvcached's KV space alone (no block manager, no spares): the same driver work as
     the reference per grow. Zero-backed: each page id's zero chunks are split ahead
     (``prepare_pages``, untimed), and ``cold_grow`` maps page ids whose chunks were not."""
+    from kvcached.layout import KVSpaceOptions
     from kvcached.pool import KVSpace
 
     dev = _open(device)
     rec = Recorder()
     space = rec.time(
         "setup_ms",
-        lambda: KVSpace(
-            None, BLOCK_BYTES, NUM_LAYERS, NUM_BUFFERS, layout=layout, page_bytes=PAGE_BYTES, device=dev,
-            zero_backing=zero_backing, capacity_bytes=CAPACITY_BYTES, max_spare_pages=0,
-        ),
+        lambda: KVSpace(_layout(layout, dev), dev, KVSpaceOptions(zero_backing=zero_backing, max_spare_pages=0)),
         scale=1e3,
     )
     spread = _stride_pages(space.num_pages, NUM_PAGE_PAIRS + BATCH_PAGES + COLD_PAGES)
@@ -256,22 +262,21 @@ ZERO_CHUNK_SIZES = (256 << 20, 1 << 30, 2 << 30)
 def ours_setup_zero_chunks(device: str) -> dict:
     """Zero-backed set-up of both layouts with larger zero chunks (``KVCACHED_ZERO_CHUNK_BYTES``):
     fewer zero mappings to grant access to, at the price of larger zero allocations."""
+    from kvcached.layout import KVSpaceOptions
     from kvcached.pool import KVSpace
 
     dev = _open(device)
     rec = Recorder()
     for chunk in ZERO_CHUNK_SIZES:
-        os.environ["KVCACHED_ZERO_CHUNK_BYTES"] = str(chunk)
         for layout in ("contiguous", "per_layer"):
             space = rec.time(
                 f"setup_{layout}_{chunk >> 20}mib_ms",
-                lambda: KVSpace(None, BLOCK_BYTES, NUM_LAYERS, NUM_BUFFERS, layout=layout, page_bytes=PAGE_BYTES,
-                                device=dev, zero_backing=True, capacity_bytes=CAPACITY_BYTES, max_spare_pages=0),
+                lambda: KVSpace(_layout(layout, dev), dev,
+                                KVSpaceOptions(zero_backing=True, zero_chunk_bytes=chunk, max_spare_pages=0)),
                 scale=1e3,
             )
             space.close()
             del space
-    os.environ.pop("KVCACHED_ZERO_CHUNK_BYTES")
     return rec.result()
 
 
