@@ -65,6 +65,7 @@ class EngineBlocks:
         self._num_in_use = 0
         self._secured = _NO_IDS  # allocated in kvcached, not yet handed out
         self._last_sent_seq = 0
+        self.num_short_secures = 0  # secure() calls memory could not satisfy: the engine waited
 
     # ---- construction: the one place that calls the core constructors ------------
 
@@ -179,7 +180,10 @@ class EngineBlocks:
                 except OutOfMemoryError:
                     pass
         self._secured = np.concatenate([self._secured, got])
-        return self._secured.size >= n
+        if self._secured.size < n:
+            self.num_short_secures += 1
+            return False
+        return True
 
     @property
     def secured(self) -> int:
@@ -243,6 +247,7 @@ class EngineBlocks:
             secured_blocks=int(self._secured.size),
             parked_blocks=len(self._parked),
             available_blocks=self.available(),
+            short_secures=self.num_short_secures,
             sent_seq=self._last_sent_seq,
         )
         return stats
