@@ -32,3 +32,20 @@ def use_sglang_cpu() -> None:
     import _tv_cpu_shim
 
     _tv_cpu_shim.install()
+
+
+def require_sglang():
+    """Skips the calling test module unless SGLang is installed; else prepares and imports it.
+
+    Nothing is changed in a process without SGLang (the vLLM tests collect
+    these modules too).
+    """
+    import importlib
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (see .ci/install_sglang_cpu.sh)", allow_module_level=True)
+    use_sglang_cpu()
+    return importlib.import_module("sglang")

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sglang_env import use_sglang_cpu  # noqa: E402
+from sglang_env import require_sglang  # noqa: E402
 
-use_sglang_cpu()
-sglang = pytest.importorskip("sglang")
-torch = pytest.importorskip("torch")
+sglang = require_sglang()
+import torch  # noqa: E402  (SGLang needs it)
 
 from kvcached.integration import sglang as plugin  # noqa: E402
 from kvcached.integration.common.settings import Settings  # noqa: E402
