@@ -221,6 +221,9 @@ class _Tree:
     def supports_mamba(self) -> bool:
         return False
 
+    def supports_prefix_sharing(self) -> bool:
+        return False
+
 
 def test_prefill_admission_secures_memory_or_says_no(v):
     from kvcached.registry import registry_for
@@ -261,3 +264,45 @@ def test_mla_pool_latent_buffers_are_views_of_a_kvcached_space(v):
     latent = torch.randn(32, 1, 96, dtype=torch.bfloat16)
     pool.kv_buffer[1][loc] = latent
     assert torch.equal(pool.get_key_buffer(1)[loc], latent)
+
+
+def test_last_request_waits_for_memory_instead_of_being_aborted(v, monkeypatch):
+    import threading
+
+    from kvcached.registry import registry_for
+
+    monkeypatch.setattr(v, "LAST_REQUEST_WAIT_S", 0.5)
+    pool = _mha_pool(v, "last-request", size=16384, page_size=1)
+    allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
+    page_id_bytes = pool.kvcached_blocks.geometry.page_bytes * 4
+    registry = registry_for("cpu")
+    registry.set_limit("last-request", page_id_bytes)
+    held = allocator.alloc(allocator.available_size())
+    tree = _Tree()
+    # Several requests: SGLang retracts one and asks again, no waiting.
+    assert not allocator.check_decode_capacity(num_tokens=2, tree_cache=tree, requests=[1, 2])
+    # The last one: memory comes back (here: the limit is raised) while it waits.
+    threading.Timer(0.1, registry.set_limit, args=("last-request", 2 * page_id_bytes)).start()
+    assert allocator.check_decode_capacity(num_tokens=1, tree_cache=tree, requests=[1])
+    allocator.end_step()
+    allocator.free(held)
+
+
+def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
+    from types import SimpleNamespace
+
+    server_args = SimpleNamespace(tp_size=2, speculative_algorithm="EAGLE", enable_hierarchical_cache=False,
+                                  disaggregation_mode="null", kv_cache_dtype="auto", model_path="/m/llama")
+    model = SimpleNamespace(head_dim=64, v_head_dim=64)
+    configurator = SimpleNamespace(
+        server_args=server_args, model_config=model, is_draft_worker=False, is_hybrid_swa=False,
+        mambaish_config=None, use_mla_backend=False, post_capture_kv_active=False, device="cpu", gpu_id=0,
+    )
+    assert v._refusals(configurator) == ["tensor parallelism", "speculative decoding"]
+    with caplog.at_level(logging.ERROR, logger="sglang.srt.kvcached"):
+        assert v._plan_for(configurator) is None
+        assert v._plan_for(configurator) is None  # decided once
+    assert caplog.text.count("kvcached is NOT active for this engine") == 1
+    assert "tensor parallelism, speculative decoding" in caplog.text
+    server_args.tp_size, server_args.speculative_algorithm = 1, None
+    assert v._refusals(configurator) == []

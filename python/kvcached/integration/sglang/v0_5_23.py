@@ -35,7 +35,9 @@ Approach
   and the decode check (``check_decode_capacity``) allocate the blocks they
   approve; the allocation takes those. A check that cannot secure its blocks
   says no, so requests wait in the queue or are retracted. What a step did not
-  use is returned after ``Scheduler.get_next_batch_to_run``.
+  use is returned after ``Scheduler.get_next_batch_to_run``. Where SGLang would
+  abort its last running request (even it cannot grow), the decode check waits
+  up to ``LAST_REQUEST_WAIT_S`` for memory other engines give back.
 * Fencing: the pool has no background worker, so nothing is unmapped behind the
   scheduler's back; pages are unmapped only at the end of a step or when idle,
   and kvcached synchronises the device before any unmap. With the overlap
@@ -71,6 +73,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -92,6 +95,8 @@ logger = logging.getLogger("sglang.srt.kvcached")
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _POOL_STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
+#: How long the last running request waits for memory before SGLang aborts it.
+LAST_REQUEST_WAIT_S = 30.0
 
 # ServerArgs attribute -> (unsupported when, what it is). Checked before sizing,
 # so a refused engine is sized and built by SGLang alone.
@@ -312,7 +317,19 @@ class _KvcachedAllocator:
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
                               spec_algorithm: Any = None) -> bool:
         self.evict_to_free_tokens(tree_cache, num_tokens)  # SGLang's: the radix cache first
-        return self.secure_tokens(num_tokens)
+        if self.secure_tokens(num_tokens):
+            return True
+        if requests is None or len(requests) > 1:
+            return False  # SGLang retracts a request and asks again
+        # SGLang aborts its last request when even it cannot grow. Memory other
+        # engines hold comes back as their requests finish: wait for it a while.
+        deadline = time.monotonic() + LAST_REQUEST_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.evict_to_free_tokens(tree_cache, num_tokens)
+            if self.secure_tokens(num_tokens):
+                return True
+        return False
 
     # -- kvcached --
     def secure_tokens(self, num_tokens: int) -> bool:
