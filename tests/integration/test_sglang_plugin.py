@@ -96,7 +96,7 @@ def v():
 
 def _plan(v, name: str, limit_bytes=None):
     settings = Settings(virtual_bytes=None, limit_bytes=limit_bytes, page_bytes=2 * MiB, name=name)
-    return v._Plan(settings=settings, device="cpu", registry_device="cpu", name=name, virtual_bytes=64 * MiB)
+    return v.Plan(settings=settings, device="cpu", registry_device="cpu", name=name, virtual_bytes=64 * MiB)
 
 
 def _mha_pool(v, name: str, size: int, page_size: int, limit_bytes=None):
@@ -271,7 +271,7 @@ def test_last_request_waits_for_memory_instead_of_being_aborted(v, monkeypatch):
 
     from kvcached.registry import registry_for
 
-    monkeypatch.setattr(v, "LAST_REQUEST_WAIT_S", 0.5)
+    monkeypatch.setattr(v.allocators, "LAST_REQUEST_WAIT_S", 0.5)
     pool = _mha_pool(v, "last-request", size=16384, page_size=1)
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
     page_id_bytes = pool.kvcached_blocks.geometry.page_bytes * 4
@@ -298,11 +298,11 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
         server_args=server_args, model_config=model, is_draft_worker=False, is_hybrid_swa=False,
         mambaish_config=None, use_mla_backend=False, post_capture_kv_active=False, device="cpu", gpu_id=0,
     )
-    assert v._refusals(configurator) == ["tensor parallelism", "speculative decoding"]
+    assert v.refusals(configurator) == ["tensor parallelism", "speculative decoding"]
     with caplog.at_level(logging.ERROR, logger="sglang.srt.kvcached"):
-        assert v._plan_for(configurator) is None
-        assert v._plan_for(configurator) is None  # decided once
+        assert v.plan_for(configurator) is None
+        assert v.plan_for(configurator) is None  # decided once
     assert caplog.text.count("kvcached is NOT active for this engine") == 1
     assert "tensor parallelism, speculative decoding" in caplog.text
     server_args.tp_size, server_args.speculative_algorithm = 1, None
-    assert v._refusals(configurator) == []
+    assert v.refusals(configurator) == []

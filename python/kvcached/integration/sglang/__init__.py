@@ -28,7 +28,7 @@ from kvcached.integration.common.settings import Settings, is_enabled
 
 logger = logging.getLogger("sglang.srt.kvcached")
 
-#: SGLang release -> module holding every private SGLang name kvcached touches.
+#: SGLang release -> the package holding every private SGLang name kvcached touches.
 _HOOK_MODULES: dict[tuple[int, int, int], str] = {
     (0, 5, 23): "v0_5_23",
 }
