@@ -114,7 +114,9 @@ def run(spec: dict) -> dict:
         _wait_for(phase.get("wait_for"))
         if not phase.get("prompts"):  # a pure synchronisation phase
             _touch(phase.get("signal"))
-            outputs.append([]), cached.append([]), peaks.append(None)
+            outputs.append([])
+            cached.append([])
+            peaks.append(None)
             continue
         params = {"temperature": 0.0, "max_new_tokens": phase.get("max_new_tokens", 16), "ignore_eos": True}
         result, samples = _generate_probing(llm, phase["prompts"], params, name)
