@@ -19,59 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-# Small enough to run on two CPU cores, big enough that one 2 MiB kvcached page
-# holds few tokens: 4 KV heads x (64 K + 64 V) x fp32 = 2 KiB per token and
-# layer, so a page holds 1024 tokens = 8 blocks of 128, and memory visibly
-# follows load.
-TINY_LLAMA = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=64,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def make_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
-    """Writes a random-weight Llama checkpoint to ``path`` (once) and returns it."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return str(path)
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_LLAMA, torch_dtype="float32")
-    model = LlamaForCausalLM(config)
-    # Larger weights than the default init make greedy decoding less likely
-    # to sit on near-ties, so that token-level comparisons are meaningful.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
-def prompt_ids(n: int, length: int, seed: int = 1, shared_prefix: int = 0) -> list[list[int]]:
-    """``n`` deterministic prompts of ``length`` token ids; the first
-    ``shared_prefix`` tokens are the same in all of them (prefix-cache hits)."""
-    import random
-
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(shared_prefix)]
-    return [
-        prefix + [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(length - shared_prefix)]
-        for _ in range(n)
-    ]
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_llama import TINY_LLAMA, make_tiny_llama, prompt_ids  # noqa: E402,F401  (the tests use them from here)
 
 
 def _kvcached_enabled() -> bool:

@@ -1,48 +1,20 @@
-"""Hook from the vLLM integration into kvcached's per-device registry (kvctl, kvtop).
-
-The EngineCore registers each engine once, before it creates the
-:class:`kvcached.BlockManager` that decides the engine's blocks: the returned
-budget is the device-wide one that all engines on the device share, so the
-instance shows up in ``kvctl list`` and can be steered with ``kvctl set-limit``.
-This module is the one place that adapts the vLLM integration to the registry.
-"""
+"""The vLLM integration's registry hook: :mod:`kvcached.integration.common.registration`,
+logging into vLLM's log stream."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-logger = logging.getLogger("vllm.kvcached")
+from kvcached.integration.common.registration import ensure_registry
+from kvcached.integration.common.registration import register_engine as _register_engine
 
-
-def ensure_registry(device: str, total_bytes: int | None = None) -> None:
-    """Creates the device's registry if no engine has yet (workers call this:
-    they have the device open, the EngineCore must not open it)."""
-    from kvcached.registry import registry_for
-
-    registry_for(device, total_bytes)
+_logger = logging.getLogger("vllm.kvcached")
 
 
 def register_engine(name: str, *, device: str, limit_bytes: int | None) -> Any:
-    """Registers an engine in ``device``'s registry and returns its shared budget.
+    """Registers a vLLM engine in ``device``'s registry; see the common function."""
+    return _register_engine(name, device=device, limit_bytes=limit_bytes, logger=_logger)
 
-    ``device`` is a registry device name ("cpu", "cuda:N", "rocm:N"). The
-    registry normally exists already (see :func:`ensure_registry`); if not, only
-    ``cpu`` can be created here without opening a device.
-    """
-    from kvcached import registry
 
-    existing = registry.open_existing(device)
-    if existing is None:
-        if device != registry.HOST_DEVICE:
-            raise RuntimeError(f"kvcached: no registry for {device}; the workers should have created it")
-        existing = registry.registry_for(device)
-    budget = existing.register(name, limit_bytes=limit_bytes)
-    logger.info(
-        "kvcached: registered %r on %s (device budget %d B, limit %s)",
-        name,
-        device,
-        existing.budget_bytes,
-        "none" if limit_bytes is None else f"{limit_bytes} B",
-    )
-    return budget
+__all__ = ["ensure_registry", "register_engine"]

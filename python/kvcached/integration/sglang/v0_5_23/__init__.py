@@ -1,0 +1,215 @@
+"""kvcached inside SGLang 0.5.23. Every private SGLang name kvcached uses is in this package.
+
+Rationale
+---------
+SGLang runs one scheduler process per tensor-parallel rank. That process owns
+both sides of the KV cache: the scheduler decides which token slots are in use
+(``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator``, radix cache,
+retraction) and its in-process model runner holds the KV tensors
+(``MHATokenToKVPool``) that the attention backends read and write. So, unlike
+vLLM, block ids are decided where the tensors live: one kvcached ``KVPool`` per
+scheduler process decides and maps locally, with no page-op messages.
+Its device is the rank's own GPU, or the host for SGLang's CPU engine.
+
+Approach
+--------
+* One kvcached block is one SGLang page (``page_size`` token slots, one slot at
+  ``page_size`` 1); block ids are SGLang's page ids. Block 0 is SGLang's
+  padding page (dummy writes of padded tokens): kvcached keeps it mapped and
+  never hands it out.
+* Sizing: ``KVCacheConfigurator._profile_available_bytes`` returns a virtual
+  capacity (``KVCACHED_VIRTUAL_CAPACITY_BYTES``, default the device's total
+  memory) instead of the free memory SGLang measured; a user's
+  ``--max-total-tokens`` still caps the pool.
+* Tensors: ``_resolve_kv_pool_class`` hands SGLang subclasses of
+  ``MHATokenToKVPool`` / ``MLATokenToKVPool`` whose buffers are views of a
+  kvcached KV space in SGLang's own NHD layout (per layer: K rows, then V rows).
+* Blocks: ``_build_token_to_kv_pool_allocator`` builds allocators taking ids
+  from :class:`~kvcached.integration.common.blocks.EngineBlocks`;
+  ``available_size()`` is kvcached's. The paged allocator runs SGLang's own
+  ``alloc_extend`` / ``alloc_decode`` kernels over exactly the pages kvcached
+  gave it.
+* No crash when memory runs out: SGLang checks capacity, then allocates
+  later in the same step, and a failed allocation raises. kvcached therefore
+  *secures* memory at the checks: the prefill budget (``create_prefill_budget``)
+  and the decode check (``check_decode_capacity``) allocate the blocks they
+  approve; the allocation takes those. A check that cannot secure its blocks
+  says no, so requests wait in the queue or are retracted. What a step did not
+  use is returned after ``Scheduler.get_next_batch_to_run``. Where SGLang would
+  abort its last running request (even it cannot grow), the decode check waits
+  up to ``LAST_REQUEST_WAIT_S`` for memory other engines give back.
+* Fencing: the pool has no background worker, so nothing is unmapped behind the
+  scheduler's back; pages are unmapped only at the end of a step or when idle,
+  and kvcached synchronises the device before any unmap. With the overlap
+  scheduler, frees of step N happen while step N+1 runs on the GPU; a freed
+  block is reused only by later kernels of the same stream, and its page is
+  unmapped only after a device synchronisation.
+* Idle: ``Scheduler.on_idle`` evicts the radix cache down to
+  ``KVCACHED_IDLE_CACHE_BYTES`` (default 0) and trims, so an idle engine holds
+  only its padding page; SGLang's own accounting (``PoolStatsObserver``) counts
+  slots, whatever memory allows.
+* Each engine registers in its device's registry (``KVCACHED_NAME``), so
+  ``kvctl`` shows it and ``kvctl set-limit`` steers it while it runs.
+
+Limitations
+-----------
+Refused with a logged error (SGLang then runs without kvcached): tensor, pipeline,
+data or context parallelism (each rank decides for itself, and the ranks'
+decisions must stay identical while kvcached's answers depend on each rank's own
+device budget), speculative decoding, hybrid SWA / Mamba / DSA models, HiCache,
+LMCache, PD disaggregation, HiSparse, the unified memory pool, memory saver, KV
+sharding, page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
+different head dimensions. Allocations outside the scheduler's checks (none in
+the paths above) still go straight to kvcached and may fail under a budget another
+process took meanwhile. Run on SGLang's CPU engine (host backend); the CUDA and
+ROCm paths are written for but have not run.
+
+Files: ``plan`` (refusals, where and as what an engine runs), ``pools`` (KV
+pools over a kvcached space), ``allocators`` (ids from kvcached, admission), and
+here the hooks that put them in SGLang's way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+from kvcached.integration.common.settings import Settings
+
+from . import plan as _plan_module
+from .allocators import (
+    KvcachedPagedTokenToKVPoolAllocator,
+    KvcachedPrefillBudget,
+    KvcachedTokenToKVPoolAllocator,
+    _KvcachedAllocator,
+)
+from .plan import Plan, building, logger, plan_for, refusals
+from .pools import KvcachedMHATokenToKVPool, KvcachedMLATokenToKVPool
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_POOL_STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
+
+
+def _hook_configure(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    with building(plan_for(configurator)):
+        return original(configurator, *args, **kwargs)
+
+
+def _hook_profile_available_bytes(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> int:
+    plan = plan_for(configurator)
+    if plan is None:
+        return original(configurator, *args, **kwargs)
+    logger.info("kvcached: planning SGLang's KV cache for a virtual %d bytes on %s", plan.virtual_bytes, plan.device)
+    return plan.virtual_bytes
+
+
+def _hook_resolve_kv_pool_class(original: Any, configurator: Any, *, kind: str, default: type) -> type:
+    pool_class = original(configurator, kind=kind, default=default)
+    if plan_for(configurator) is None or kind == "dsa":
+        return pool_class
+    ours = {MHATokenToKVPool: KvcachedMHATokenToKVPool, MLATokenToKVPool: KvcachedMLATokenToKVPool}
+    if pool_class not in ours:
+        raise RuntimeError(f"kvcached cannot back SGLang's {pool_class.__name__}; unset KVCACHED_ENABLE")
+    return ours[pool_class]
+
+
+def _hook_build_allocator(original: Any, configurator: Any, *, sizes: Any, token_to_kv_pool: Any,
+                          token_to_kv_pool_allocator: Any, **kwargs: Any) -> Any:
+    if token_to_kv_pool_allocator is not None or not hasattr(token_to_kv_pool, "kvcached_blocks"):
+        return original(configurator, sizes=sizes, token_to_kv_pool=token_to_kv_pool,
+                        token_to_kv_pool_allocator=token_to_kv_pool_allocator, **kwargs)
+    page_size = token_to_kv_pool.page_size
+    common = dict(dtype=configurator.kv_cache_dtype, device=configurator.device, kvcache=token_to_kv_pool,
+                  need_sort=False)
+    if page_size == 1:
+        allocator = KvcachedTokenToKVPoolAllocator(sizes.max_total_num_tokens, **common)
+    else:
+        allocator = KvcachedPagedTokenToKVPoolAllocator(sizes.max_total_num_tokens, page_size=page_size, **common)
+    blocks = token_to_kv_pool.kvcached_blocks
+    logger.info("kvcached: SGLang's KV cache is %d pages of %d tokens over a virtual %d-byte space (%s)",
+                blocks.num_blocks - 1, page_size, blocks.space.size_bytes, type(allocator).__name__)
+    return allocator
+
+
+def _allocator_of(scheduler: Any) -> Optional[_KvcachedAllocator]:
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    return allocator if isinstance(allocator, _KvcachedAllocator) else None
+
+
+def _hook_after_get_next_batch_to_run(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    allocator = _allocator_of(scheduler)
+    if allocator is not None:
+        allocator.end_step()  # this step's allocations are done: unused secured memory goes back
+
+
+def _hook_after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    allocator = _allocator_of(scheduler)
+    if allocator is not None and scheduler.is_fully_idle():
+        allocator.release_when_idle(scheduler.tree_cache, _plan_module.settings().idle_cache_bytes)
+
+
+def _hook_after_get_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    allocator = _allocator_of(scheduler)
+    if allocator is not None:
+        result.internal_state["kvcached"] = allocator.kvcached_stats()
+
+
+def _hook_token_info(original: Any, observer: Any, *args: Any, **kwargs: Any) -> Any:
+    stats = original(observer, *args, **kwargs)
+    allocator = observer.token_to_kv_pool_allocator
+    if not isinstance(allocator, _KvcachedAllocator):
+        return stats
+    total = observer.max_total_num_tokens
+    available = allocator.logical_available_size()
+    used = total - (available + stats.full_evictable_size)
+    return dataclasses.replace(stats, full_available_size=available, full_num_used=used,
+                               full_token_usage=used / total)
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    (f"{_CONFIGURATOR}.configure", _hook_configure, "AROUND"),
+    (f"{_CONFIGURATOR}._profile_available_bytes", _hook_profile_available_bytes, "AROUND"),
+    (f"{_CONFIGURATOR}._resolve_kv_pool_class", _hook_resolve_kv_pool_class, "AROUND"),
+    (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", _hook_build_allocator, "AROUND"),
+    (f"{_SCHEDULER}.get_next_batch_to_run", _hook_after_get_next_batch_to_run, "AFTER"),
+    (f"{_SCHEDULER}.on_idle", _hook_after_on_idle, "AFTER"),
+    (f"{_SCHEDULER}.get_internal_state", _hook_after_get_internal_state, "AFTER"),
+    (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),
+]
+
+_registered_pid: Optional[int] = None
+
+
+def install(settings: Settings) -> None:
+    """Registers kvcached's hooks with SGLang's HookRegistry (once per process).
+
+    ``load_plugins()`` applies them right after the plugins ran.
+    """
+    global _registered_pid
+    _plan_module.use_settings(settings)
+    if _registered_pid == os.getpid():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook, kind in HOOKS:
+        HookRegistry.register(target, hook, HookType[kind])
+    _registered_pid = os.getpid()
+
+
+__all__ = [
+    "HOOKS",
+    "KvcachedMHATokenToKVPool",
+    "KvcachedMLATokenToKVPool",
+    "KvcachedPagedTokenToKVPoolAllocator",
+    "KvcachedPrefillBudget",
+    "KvcachedTokenToKVPoolAllocator",
+    "Plan",
+    "building",
+    "install",
+    "plan_for",
+    "refusals",
+]

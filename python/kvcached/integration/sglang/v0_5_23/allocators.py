@@ -1,0 +1,224 @@
+"""SGLang 0.5.23's allocators and prefill budget with ids from kvcached, memory secured at the checks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+from sglang.srt.utils import get_num_new_pages
+
+from kvcached.errors import OutOfMemoryError
+from kvcached.integration.common.blocks import EngineBlocks
+
+logger = logging.getLogger("sglang.srt.kvcached")
+#: How long the last running request waits for memory before SGLang aborts it.
+LAST_REQUEST_WAIT_S = 30.0
+
+
+class _KvcachedAllocator:
+    """What both allocators add to SGLang's (first base, so its methods win)."""
+
+    page_size: int
+    device: Any
+    free_group: Any
+
+    def _attach(self, kvcache: Any) -> None:
+        self.kvcached_blocks: EngineBlocks = kvcache.kvcached_blocks
+        self._trimmed = False
+
+    # -- what SGLang reads --
+    def available_size(self) -> int:
+        return self.kvcached_blocks.available() * self.page_size
+
+    def logical_available_size(self) -> int:
+        """Slots not handed out, whatever memory allows (SGLang's conservation check)."""
+        return self.kvcached_blocks.logical_free() * self.page_size
+
+    def get_all_free_pages(self) -> None:
+        return None  # ids come from kvcached: there is no free list to list
+
+    def merge_and_sort_free(self) -> None:
+        pass
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
+        return KvcachedPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        self.evict_to_free_tokens(tree_cache, num_tokens)  # SGLang's: the radix cache first
+        if self.secure_tokens(num_tokens):
+            return True
+        if requests is None or len(requests) > 1:
+            return False  # SGLang retracts a request and asks again
+        # SGLang aborts its last request when even it cannot grow. Memory other
+        # engines hold comes back as their requests finish: wait for it a while.
+        deadline = time.monotonic() + LAST_REQUEST_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.evict_to_free_tokens(tree_cache, num_tokens)
+            if self.secure_tokens(num_tokens):
+                return True
+        return False
+
+    # -- kvcached --
+    def secure_tokens(self, num_tokens: int) -> bool:
+        """Holds memory for ``num_tokens`` slots until this step allocates them."""
+        return num_tokens <= 0 or self.kvcached_blocks.secure(-(-num_tokens // self.page_size))
+
+    def secured_tokens(self) -> int:
+        return self.kvcached_blocks.secured * self.page_size
+
+    def end_step(self) -> None:
+        self.kvcached_blocks.end_step()
+
+    def release_when_idle(self, tree_cache: Any, keep_bytes: int) -> None:
+        """Evicts the radix cache down to ``keep_bytes`` and gives free memory back (once per idle spell)."""
+        if self._trimmed:
+            return
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        keep_tokens = keep_bytes // self.kvcached_blocks.geometry.block_id_bytes * self.page_size
+        evictable = tree_cache.evictable_size() if tree_cache is not None else 0
+        if evictable > keep_tokens:
+            tree_cache.evict(EvictParams(num_tokens=evictable - keep_tokens))
+        self.kvcached_blocks.trim()
+        self._trimmed = True
+
+    def kvcached_stats(self) -> dict:
+        return self.kvcached_blocks.stats()
+
+    def clear(self) -> None:
+        self.kvcached_blocks.clear()
+        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.release_pages = self.free_pages
+        self.free_group = None
+        self.free_page_ids_group = []
+        self.staged_pages = []
+        self.num_staged_pages = 0
+
+    def _take_ids(self, count: int) -> Optional[torch.Tensor]:
+        try:
+            ids = self.kvcached_blocks.alloc(count)
+        except OutOfMemoryError as exc:
+            logger.debug("kvcached: %d blocks refused: %s", count, exc)
+            return None
+        self._trimmed = False
+        return torch.from_numpy(ids).to(self.device)
+
+    def _release_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel():
+            self.kvcached_blocks.free(ids.to("cpu", torch.int64).numpy())
+            self._trimmed = False
+
+
+class KvcachedTokenToKVPoolAllocator(_KvcachedAllocator, TokenToKVPoolAllocator):
+    """Token-slot allocator (``page_size`` 1) whose slot ids are kvcached block ids."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
+        self._attach(kvcache)
+        super().__init__(size, dtype, device, kvcache, need_sort)
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        return self._take_ids(need_size)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is None:
+            self._release_ids(free_index)
+        else:
+            self.free_group.append(self._copy_for_free_group(free_index))
+
+
+class KvcachedPagedTokenToKVPoolAllocator(_KvcachedAllocator, PagedTokenToKVPoolAllocator):
+    """Paged allocator whose page ids are kvcached block ids; SGLang's kernels place the tokens."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any,
+                 need_sort: bool) -> None:
+        self._attach(kvcache)
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        pages = self._take_ids(need_size // self.page_size)
+        if pages is None:
+            return None
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
+                     num_new_pages=None, **kwargs):
+        if num_new_pages is None:
+            num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
+                                              prefix_lens=prefix_lens_cpu)
+        return self._with_pages(num_new_pages, super().alloc_extend, prefix_lens, prefix_lens_cpu, seq_lens,
+                                seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages=num_new_pages, **kwargs)
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kwargs):
+        num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        return self._with_pages(num_new_pages, super().alloc_decode, seq_lens, seq_lens_cpu, last_loc, **kwargs)
+
+    def _with_pages(self, page_count: int, place: Any, *args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+        """Runs SGLang's placement kernel over exactly the ``page_count`` pages kvcached gives."""
+        pages = self._take_ids(page_count)
+        if pages is None:
+            return None
+        self.free_pages = pages
+        try:
+            out = place(*args, **kwargs)
+        except BaseException:
+            self._release_ids(pages)
+            raise
+        finally:
+            leftover, self.free_pages = self.free_pages, pages[:0]
+        if out is None:
+            self._release_ids(pages)
+        elif leftover.numel():
+            raise RuntimeError(f"kvcached: SGLang used {page_count - leftover.numel()} of {page_count} pages")
+        return out
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        self._release_ids(torch.cat(page_ids))
+
+    def _debug_check_no_duplicate_pages(self) -> None:
+        pass  # kvcached refuses duplicate and unknown ids itself
+
+
+class KvcachedPrefillBudget(PrefillBudget):
+    """SGLang's prefill budget; admitting a request first secures the memory its prefill needs.
+
+    Radix-cache entries count as available, as in SGLang: they are this
+    engine's memory, evicted right before the allocation.
+    """
+
+    def _secure(self, tokens: int) -> bool:
+        return self.allocator.secure_tokens(tokens - self.tree_cache.evictable_size())
+
+    def check_prefill(self, **kwargs: Any) -> tuple[bool, Optional[int]]:
+        admit, chunk_limit = super().check_prefill(**kwargs)
+        if admit:
+            extend = kwargs["extend_input_len"] if chunk_limit is None else min(kwargs["extend_input_len"], chunk_limit)
+            if not self._secure(self.current_offset + self.ceil_paged_tokens(extend) + self.page_size):
+                return False, None
+        return admit, chunk_limit
+
+    def can_allocate_prefill(self, *, paged_input: int, **kwargs: Any) -> bool:
+        return super().can_allocate_prefill(paged_input=paged_input, **kwargs) and self._secure(
+            self.current_offset + paged_input
+        )
+
+    def available_chunk_tokens(self, chunk_limit: int) -> Optional[int]:
+        tokens = super().available_chunk_tokens(chunk_limit)
+        if tokens is None or self._secure(self.current_offset + self.ceil_paged_tokens(tokens) + self.page_size):
+            return tokens
+        held = self.allocator.secured_tokens() + self.tree_cache.evictable_size() - self.current_offset - self.page_size
+        held = held // self.page_size * self.page_size
+        return held if held > 0 else None  # None: the chunked request waits for memory
+
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
+        super().reserve(*args, **kwargs)
+        self._secure(self.current_offset)
+
+

@@ -1,0 +1,157 @@
+"""Whether and how kvcached runs one SGLang 0.5.23 engine: refusals, the plan, geometry."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import math
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+
+from kvcached.integration.common.blocks import EngineBlocks
+from kvcached.integration.common.devices import kvcached_device_name
+from kvcached.integration.common.geometry import KVGeometry
+from kvcached.integration.common.registration import ensure_registry, register_engine
+from kvcached.integration.common.settings import Settings
+
+logger = logging.getLogger("sglang.srt.kvcached")
+
+
+# ServerArgs attribute -> (unsupported when, what it is). Checked before sizing,
+# so a refused engine is sized and built by SGLang alone.
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "tp_size": (lambda v: (v or 1) > 1, "tensor parallelism"),
+    "pp_size": (lambda v: (v or 1) > 1, "pipeline parallelism"),
+    "dp_size": (lambda v: (v or 1) > 1, "data parallelism"),
+    "attn_cp_size": (lambda v: (v or 1) > 1, "context parallelism"),
+    "dcp_size": (lambda v: (v or 1) > 1, "decode context parallelism"),
+    "enable_dp_attention": (bool, "DP attention"),
+    "speculative_algorithm": (bool, "speculative decoding"),
+    "disaggregation_mode": (lambda v: str(v or "null") != "null", "PD disaggregation"),
+    "enable_hierarchical_cache": (bool, "HiCache"),
+    "enable_lmcache": (bool, "LMCache"),
+    "enable_hisparse": (bool, "HiSparse"),
+    "enable_unified_memory": (bool, "the unified memory pool"),
+    "enable_memory_saver": (bool, "the memory saver"),
+    "enable_kv_cache_sharding": (bool, "KV cache sharding"),
+    "enable_page_major_kv_layout": (bool, "the page-major KV layout"),
+    "prefill_only_disable_kv_cache": (bool, "prefill-only mode without KV cache"),
+    "kv_cache_dtype": (lambda v: "fp4" in str(v) or "mxfp8" in str(v), "FP4 / MXFP8 KV caches"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where and as what one SGLang engine (scheduler process) runs kvcached."""
+
+    settings: Settings
+    device: str  # kvcached device ("cpu", "cuda:N", "hip:N")
+    registry_device: str  # its registry ("cpu", "cuda:N", "rocm:N")
+    name: str
+    virtual_bytes: int
+
+    def open_blocks(self, geometry: KVGeometry) -> EngineBlocks:
+        budget = register_engine(
+            self.name, device=self.registry_device, limit_bytes=self.settings.limit_bytes, logger=logger
+        )
+        return EngineBlocks.local(geometry, device=self.device, budget=budget, name=self.name)
+
+
+_current_plan: contextvars.ContextVar[Optional[Plan]] = contextvars.ContextVar("kvcached_sglang_plan", default=None)
+_settings: Optional[Settings] = None  # set by install(); read lazily otherwise
+# id(KVCacheConfigurator) -> (it, its plan or None when refused); the
+# configurator has __slots__, and lives as long as its model runner.
+_plans: dict[int, tuple[Any, Optional[Plan]]] = {}
+
+
+def settings() -> Settings:
+    """The integration's settings (from the environment when the plugin did not pass them)."""
+    return _settings or Settings.from_env()
+
+
+def use_settings(value: Settings) -> None:
+    global _settings
+    _settings = value
+
+
+def refusals(configurator: Any) -> list[str]:
+    """What of this engine's configuration kvcached cannot run with (empty: nothing)."""
+    server_args = configurator.server_args
+    found = [what for attr, (bad, what) in _UNSUPPORTED.items() if bad(getattr(server_args, attr, None))]
+    model = configurator.model_config
+    if configurator.is_draft_worker:
+        found.append("draft workers")
+    if configurator.is_hybrid_swa or configurator.mambaish_config is not None:
+        found.append("hybrid SWA / Mamba models")
+    if configurator.use_mla_backend and getattr(model, "index_head_dim", None):
+        found.append("DSA (sparse MLA) models")
+    if not configurator.use_mla_backend and model.v_head_dim not in (None, model.head_dim):
+        found.append(f"K and V of different head dimensions ({model.head_dim} and {model.v_head_dim})")
+    if os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in ("1", "true"):
+        found.append("the HND KV layout")
+    if configurator.post_capture_kv_active:
+        found.append("post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING)")
+    if str(configurator.device) not in ("cpu", "cuda"):
+        found.append(f"device {configurator.device!r}")
+    return found
+
+
+def plan_for(configurator: Any) -> Optional[Plan]:
+    """kvcached's plan for the engine this configurator builds (None: refused, logged once)."""
+    known = _plans.get(id(configurator))
+    if known is not None and known[0] is configurator:
+        return known[1]
+    found = refusals(configurator)
+    if found:
+        logger.error("kvcached is NOT active for this engine: it cannot run with %s. "
+                     "Unset KVCACHED_ENABLE to silence this message.", ", ".join(found))
+        _plans[id(configurator)] = (configurator, None)
+        return None
+    from kvcached.devices import open_device
+
+    engine_settings = settings()
+    torch_device = torch.device("cpu") if configurator.device == "cpu" else torch.device("cuda", configurator.gpu_id)
+    device = kvcached_device_name(torch_device)
+    registry_device = kvcached_device_name(torch_device, registry=True)
+    total_bytes = int(open_device(device).memory_info()[1])
+    ensure_registry(registry_device, None if device == "cpu" else total_bytes)
+    model = os.path.basename(str(configurator.server_args.model_path).rstrip("/")) or "model"
+    plan = Plan(
+        settings=engine_settings,
+        device=device,
+        registry_device=registry_device,
+        name=engine_settings.name or f"sglang:{model}:{os.getpid()}",
+        virtual_bytes=engine_settings.virtual_bytes or total_bytes,
+    )
+    _plans[id(configurator)] = (configurator, plan)
+    return plan
+
+
+@contextlib.contextmanager
+def building(plan: Optional[Plan]) -> Iterator[None]:
+    """Pools created inside take their kvcached plan from ``plan`` (SGLang builds them in ``configure``)."""
+    token = _current_plan.set(plan)
+    try:
+        yield
+    finally:
+        _current_plan.reset(token)
+
+
+def kv_geometry(num_blocks: int, block_bytes: int, num_layers: int, num_buffers: int, page_bytes: int) -> KVGeometry:
+    """The geometry of a pool; a page must hold whole blocks, so it grows to a common multiple."""
+    page_bytes = page_bytes * block_bytes // math.gcd(page_bytes, block_bytes)
+    return KVGeometry(num_blocks, block_bytes, num_layers, num_buffers, page_bytes)
+
+
+def require_plan(pool: Any) -> Plan:
+    """The plan of the engine building ``pool`` (see :func:`building`)."""
+    plan = _current_plan.get()
+    if plan is None:
+        raise RuntimeError(f"kvcached: {type(pool).__name__} built outside an engine kvcached plans for")
+    return plan
+
+
