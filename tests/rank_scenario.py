@@ -13,7 +13,9 @@ host views, chosen inside rank_worker), so the assertions cannot drift apart.
 Run as a script, it prints the landing check with its kvctl and kvtop snapshots
 (bench/run_gpu_multi.sh keeps that output)::
 
-    python tests/rank_scenario.py landing [--backend cuda] [--gpus N] [--emulated]
+    python tests/rank_scenario.py landing [--backend cuda] [--gpus N]
+
+(over the driver emulation when started with its environment).
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class Machine:
     _physical: Optional[list[str]] = dataclasses.field(default=None, repr=False)
 
     @classmethod
-    def real(cls, backend: str = "cuda") -> "Machine":
+    def current(cls, backend: str = "cuda") -> "Machine":
+        """The GPUs as this process's environment reaches them: the real drivers, or the
+        emulation when this process was started over it."""
         env = {k: v for k, v in os.environ.items() if k not in ALL_MASKS}
         env["PYTHONPATH"] = str(TESTS) + os.pathsep + env.get("PYTHONPATH", "")
         return cls(backend, env)
@@ -513,9 +517,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("check", choices=["landing"])
     parser.add_argument("--backend", default="cuda", choices=sorted(MASK_VARIABLES))
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at most 2)")
-    parser.add_argument("--emulated", action="store_true", help="over the driver emulation (2 GPUs)")
     args = parser.parse_args(argv)
-    machine = Machine.emulated(args.backend) if args.emulated else Machine.real(args.backend)
+    machine = Machine.current(args.backend)
     gpus = args.gpus or min(2, len(machine.physical_identities()))
     masks = LANDING_MASKS_TWO_GPUS if gpus >= 2 else LANDING_MASKS_ONE_GPU
     print(f"landing check: {gpus} GPU(s), processes with {machine.mask_variable} = "

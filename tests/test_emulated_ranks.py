@@ -66,8 +66,9 @@ def test_a_rank_without_room_fails_the_allocation_for_all_with_nothing_taken(ran
     finish(ranks)
 
 
-def test_processes_unset_and_0_on_one_gpu_land_in_its_one_registry(registry_dir):
-    snapshot = check_landing(emulated("cuda", 1), LANDING_MASKS_ONE_GPU, registry_dir)
+@pytest.mark.parametrize("backend", ["cuda", "hip"])
+def test_processes_unset_and_0_on_one_gpu_land_in_its_one_registry(backend, registry_dir):
+    snapshot = check_landing(emulated(backend, 1), LANDING_MASKS_ONE_GPU, registry_dir)
     assert len(list(registry_dir.iterdir())) == 1
     print(snapshot)
 

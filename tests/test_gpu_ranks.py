@@ -44,7 +44,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def machine() -> Machine:
-    return Machine.real(kvcached.default_device().split(":")[0])
+    return Machine.current(kvcached.default_device().split(":")[0])
 
 
 def require_gpus(machine: Machine, count: int) -> None:
