@@ -113,7 +113,7 @@ fi
 pytest_args=(-v -rA -p no:cacheprovider)
 if [ "$gpus" -ge 1 ]; then
   run tests_one_gpu 180 "$py" -m pytest "$tests" -k "($one_gpu)$only" "${pytest_args[@]}"
-  run landing 90 "$py" tests/rank_scenario.py landing --backend "$backend"
+  run landing 90 "$py" tests/landing_check.py --backend "$backend"
 else
   skip tests_one_gpu "no $backend GPU visible"
   skip landing "no $backend GPU visible"

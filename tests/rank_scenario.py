@@ -7,43 +7,21 @@ entry in the registry of the physical GPU it uses. The test process opens those
 registries by their physical identity and never opens a device itself.
 
 What differs between a real GPU and the driver emulation is only where the
-processes run (:class:`Machine`) and how a rank touches memory (torch kernels or
-host views, chosen inside rank_worker), so the assertions cannot drift apart.
-
-Run as a script, it prints the landing check with its kvctl and kvtop snapshots
-(bench/run_gpu_multi.sh keeps that output)::
-
-    python tests/rank_scenario.py landing [--backend cuda] [--gpus N]
-
-(over the driver emulation when started with its environment).
+processes run (rank_processes.Machine) and how a rank touches memory (torch
+kernels or host views, chosen inside rank_worker), so the assertions cannot
+drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import multiprocessing
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import kvcached
 from kvcached.registry import DeviceRegistry
-
-TESTS = Path(__file__).resolve().parent
-REGISTRY_DIR_ENV = "KVCACHED_REGISTRY_DIR"
-MASK_VARIABLES = {"cuda": "CUDA_VISIBLE_DEVICES", "hip": "HIP_VISIBLE_DEVICES"}
-# Masks that would hide devices from an "unset" process, whatever this one was started with.
-ALL_MASKS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-# A rank process imports torch and initialises its GPU: generous on a busy machine.
-ANSWER_TIMEOUT_S = 180.0
-TOOL_TIMEOUT_S = 60.0
-# Wide enough that kvtop's table never elides a column.
-TERMINAL_COLUMNS = "200"
+from rank_processes import Machine, Worker
 
 # 2 layers x K,V of 256 KiB blocks on 2 MiB pages: 8 blocks a page, a page id is 8 MiB on every rank.
 LAYOUT = kvcached.KVLayout(2, 256 << 10, 256, page_bytes=2 << 20)
@@ -77,114 +55,9 @@ TWO_GPUS_REORDERED = (Placement("1,0", 1), Placement("1,0", 0))
 PLACEMENTS = {"same_gpu": SAME_GPU, "same_gpu_reordered": SAME_GPU_REORDERED,
               "two_gpus": TWO_GPUS, "two_gpus_reordered": TWO_GPUS_REORDERED}
 
-# Processes for the landing check: every one registers on every GPU it sees.
-LANDING_MASKS_ONE_GPU = (None, "0")
-LANDING_MASKS_TWO_GPUS = (None, "0,1", "1,0", "1", "0")
-
-
 def gpus_needed(placements: Sequence[Placement]) -> int:
     """How many GPUs the placements' masks and indices refer to."""
     return 1 + max(p.physical_index if p.mask is None else max(int(i) for i in p.mask.split(",")) for p in placements)
-
-
-# ---- processes ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Machine:
-    """How processes reach the GPUs: the backend, its visible-devices variable, and the
-    environment every process starts from (the real drivers, or the emulation's)."""
-
-    backend: str
-    base_env: dict[str, str]
-    _physical: Optional[list[str]] = dataclasses.field(default=None, repr=False)
-
-    @classmethod
-    def current(cls, backend: str = "cuda") -> "Machine":
-        """The GPUs as this process's environment reaches them: the real drivers, or the
-        emulation when this process was started over it."""
-        env = {k: v for k, v in os.environ.items() if k not in ALL_MASKS}
-        env["PYTHONPATH"] = str(TESTS) + os.pathsep + env.get("PYTHONPATH", "")
-        return cls(backend, env)
-
-    @classmethod
-    def emulated(cls, backend: str = "cuda", gpus: int = 2) -> "Machine":
-        from emulated_process import emulated_env
-
-        return cls(backend, emulated_env(backend, {"KVCACHED_EMULATED_GPUS": str(gpus)}))
-
-    @property
-    def mask_variable(self) -> str:
-        return MASK_VARIABLES[self.backend]
-
-    def env(self, mask: Optional[str], registry_dir: Path) -> dict[str, str]:
-        env = {**self.base_env, REGISTRY_DIR_ENV: str(registry_dir), "COLUMNS": TERMINAL_COLUMNS}
-        if mask is not None:
-            env[self.mask_variable] = mask
-        return env
-
-    def physical_identities(self) -> list[str]:
-        """The identity of every GPU, in physical order (as a process without a mask sees them).
-        Asked once, of a process with a registry directory of its own."""
-        if self._physical is None:
-            with tempfile.TemporaryDirectory(prefix="kvcached-probe-") as directory:
-                probe = Worker(self, None, Path(directory))
-                try:
-                    self._physical = [device["identity"] for device in probe.call("identify", self.backend)["devices"]]
-                finally:
-                    probe.close()
-        return list(self._physical)
-
-    def tool(self, registry_dir: Path, module: str, *args: str, mask: Optional[str] = None) -> str:
-        """Runs kvctl / kvtop as a user would; returns its output (fails the test on an error)."""
-        done = subprocess.run([sys.executable, "-m", f"kvcached.{module}", *args], env=self.env(mask, registry_dir),
-                              capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
-        if done.returncode != 0:
-            raise AssertionError(f"{module} {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-        return done.stdout
-
-
-class Worker:
-    """A rank_worker process under one visible-devices mask, answering over a pipe."""
-
-    def __init__(self, machine: Machine, mask: Optional[str], registry_dir: Path) -> None:
-        self.label = f"{machine.mask_variable}={'(unset)' if mask is None else mask}"
-        self.closed = False
-        ours, theirs = multiprocessing.Pipe()
-        self.connection = ours
-        self.process = subprocess.Popen([sys.executable, "-m", "rank_worker", str(theirs.fileno())],
-                                        env=machine.env(mask, registry_dir), pass_fds=(theirs.fileno(),))
-        theirs.close()
-
-    def call(self, command: str, *args: Any) -> Any:
-        try:
-            self.connection.send((command, *args))
-            if not self.connection.poll(ANSWER_TIMEOUT_S):
-                raise AssertionError(f"the process with {self.label} did not answer {command!r} "
-                                     f"in {ANSWER_TIMEOUT_S:.0f} s")
-            status, value = self.connection.recv()
-        except (EOFError, BrokenPipeError):
-            raise AssertionError(f"the process with {self.label} died during {command!r} "
-                                 f"(exit code {self.process.wait(30)})") from None
-        if status != "ok":
-            raise AssertionError(f"the process with {self.label} failed {command!r}: {value}")
-        return value
-
-    def close(self) -> dict[str, Any]:
-        """Closes its space and entries; returns what the device still counts. Always reaps it
-        (once: closing again returns {})."""
-        if self.closed:
-            return {}
-        self.closed = True
-        try:
-            return self.call("close") if self.process.poll() is None else {}
-        finally:
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-            self.connection.close()
 
 
 # ---- ranks ---------------------------------------------------------------------------------------
@@ -439,96 +312,3 @@ def finish(ranks: Sequence[Rank]) -> None:
     """Stops the ranks: every device gives back every byte it created and mapped."""
     for i, left in enumerate(stop_ranks(ranks)):
         assert left == {"mapped_pages": 0, "device_mapped_bytes": 0, "device_created_bytes": 0}, (i, left)
-
-
-# ---- landing: which registry a process lands in, and what kvctl / kvtop show -----------------------
-
-
-def probe_name(mask: Optional[str]) -> str:
-    return f"probe-{'unset' if mask is None else mask}"
-
-
-def check_landing(machine: Machine, masks: Sequence[Optional[str]], registry_dir: Path) -> str:
-    """Processes under ``masks`` register on every GPU they see. Each lands in the registry of
-    the physical GPU behind each index; there is one registry per physical GPU; ``kvctl list
-    --all`` and ``kvtop --once`` show each GPU once with every instance on it and the index its
-    process sees. Returns the kvctl / kvtop snapshot."""
-    assert None in masks, "an unmasked process tells the physical order"
-    probes = [Worker(machine, mask, registry_dir) for mask in masks]
-    try:
-        seen = {mask: probe.call("register", probe_name(mask), machine.backend) for mask, probe in zip(masks, probes)}
-        physical = [device["identity"] for device in seen[None]["devices"]]
-        expected: dict[str, set[tuple[str, int, str]]] = {identity: set() for identity in physical}
-        for mask, report in seen.items():
-            order = list(range(len(physical))) if mask is None else [int(i) for i in mask.split(",")]
-            assert len(report["devices"]) == len(order), f"{mask}: sees {report['devices']}"
-            for ordinal, device in enumerate(report["devices"]):
-                identity = physical[order[ordinal]]
-                assert device["identity"] == identity, f"mask {mask}: {device['local']} is not {identity}"
-                assert device["path"] == str(registry_dir / _file_name(identity)), f"mask {mask}: {device['path']}"
-                expected[identity].add((probe_name(mask), report["pid"], device["local"]))
-        files = sorted(p.name for p in registry_dir.iterdir())
-        assert files == sorted(_file_name(identity) for identity in physical), f"registries: {files}"
-
-        listing = json.loads(machine.tool(registry_dir, "kvctl", "list", "--all", "--json"))
-        shown = [device["device"] for device in listing["devices"]]
-        assert sorted(shown) == sorted(physical) and not listing["unusable"], listing
-        for device in listing["devices"]:
-            instances = {(e["name"], e["pid"], e["local_device"]) for e in device["instances"]}
-            assert instances == expected[device["device"]], (device["device"], instances)
-            assert all(e["alive"] for e in device["instances"])
-
-        snapshot = ["$ kvctl list --all", machine.tool(registry_dir, "kvctl", "list", "--all")]
-        if len(physical) > 1:  # a tool under a mask names the GPU behind its own index
-            one = json.loads(machine.tool(registry_dir, "kvctl", "list", "--json", "--device",
-                                          f"{machine.backend}:0", mask="1,0"))
-            assert (one["device"], one["local_device"]) == (physical[1], f"{machine.backend}:0"), one
-            snapshot += [f"$ {machine.mask_variable}=1,0 kvctl list --device {machine.backend}:0",
-                         machine.tool(registry_dir, "kvctl", "list", "--device", f"{machine.backend}:0", mask="1,0")]
-        frame = machine.tool(registry_dir, "kvtop", "--once")
-        check_kvtop_frame(frame, expected)
-        snapshot += ["$ kvtop --once", frame]
-        return "\n".join(snapshot)
-    finally:
-        for probe in probes:
-            probe.close()
-
-
-def _file_name(identity: str) -> str:
-    """The registry file of a device, in whichever directory."""
-    return Path(DeviceRegistry.segment_path(identity)).name
-
-
-def check_kvtop_frame(frame: str, expected: dict[str, set[tuple[str, int, str]]]) -> None:
-    """Each GPU's header once, and under it a row per instance: name, pid, the index its process sees."""
-    starts = sorted((frame.find(identity), identity) for identity in expected)
-    for position, identity in starts:
-        assert position >= 0 and frame.count(identity) == 1, f"kvtop shows {identity} {frame.count(identity)} times"
-    for k, (position, identity) in enumerate(starts):
-        section = frame[position : starts[k + 1][0] if k + 1 < len(starts) else len(frame)]
-        rows = {(m[0], int(m[1]), m[2]) for m in re.findall(r"(probe-\S+)\s+(\d+)\s+(\S+:\d+)", section)}
-        assert rows == expected[identity], f"kvtop under {identity}: {rows}"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="the landing check, with kvctl and kvtop snapshots")
-    parser.add_argument("check", choices=["landing"])
-    parser.add_argument("--backend", default="cuda", choices=sorted(MASK_VARIABLES))
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at most 2)")
-    args = parser.parse_args(argv)
-    machine = Machine.current(args.backend)
-    gpus = args.gpus or min(2, len(machine.physical_identities()))
-    masks = LANDING_MASKS_TWO_GPUS if gpus >= 2 else LANDING_MASKS_ONE_GPU
-    print(f"landing check: {gpus} GPU(s), processes with {machine.mask_variable} = "
-          + ", ".join("(unset)" if m is None else repr(m) for m in masks), flush=True)
-    with tempfile.TemporaryDirectory(prefix="kvcached-landing-") as directory:
-        print(check_landing(machine, masks, Path(directory)))
-    print("landing check passed: every process landed in the registry of the physical GPU it uses")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(TESTS))
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """A rank-like process: one KV space on a GPU it sees under its own visible-devices mask.
 
-Started by :mod:`rank_scenario` (``python -m rank_worker FD``), it answers
+Started by :class:`rank_processes.Worker` (``python -m rank_worker FD``), it answers
 commands over the connection on file descriptor FD: it names the devices it
 sees (local index and physical identity) and creates their registries, applies
 the page ops a block manager in another process decides, writes and reads

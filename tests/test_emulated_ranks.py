@@ -3,7 +3,7 @@
 The emulated machine has two GPUs with UUIDs. The deciding process (this one)
 drives rank processes started under different visible-devices masks; each rank
 is charged on the registry of the physical GPU it uses. The scenario is the
-GPU tests' own (tests/rank_scenario.py); only memory access differs: ranks
+GPU tests' own (tests/rank_scenario.py, tests/landing_check.py); only memory access differs: ranks
 write and read blocks through the emulated runtime or host views instead of
 torch kernels, and with no kernels in flight the unmap fence is not exercised.
 """
@@ -14,14 +14,11 @@ import functools
 
 import pytest
 
+from landing_check import LANDING_MASKS_ONE_GPU, LANDING_MASKS_TWO_GPUS, check_landing
+from rank_processes import REGISTRY_DIR_ENV, Machine
 from rank_scenario import (
-    LANDING_MASKS_ONE_GPU,
-    LANDING_MASKS_TWO_GPUS,
     PLACEMENTS,
-    REGISTRY_DIR_ENV,
-    Machine,
     check_budgets_follow_every_step,
-    check_landing,
     check_refusal_leaves_nothing_taken,
     finish,
     start_ranks,

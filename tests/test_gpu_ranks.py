@@ -8,8 +8,8 @@ so no kernel faults (the rank synchronises after every batch). Every entry and
 every registry reads exactly what the ranks hold after every step, and zero at
 the end. With one GPU both ranks share it; with two, the same scenario runs on
 cuda:0 and cuda:1 (and on the GPUs seen in the other order), and two demos run
-at once, one per GPU. The scenario is tests/rank_scenario.py, shared with the
-CPU twins in test_emulated_ranks.py.
+at once, one per GPU. The scenario is tests/rank_scenario.py and tests/landing_check.py,
+shared with the CPU twins in test_emulated_ranks.py.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ import sys
 import pytest
 
 import kvcached
+from landing_check import LANDING_MASKS_ONE_GPU, LANDING_MASKS_TWO_GPUS, check_landing
+from rank_processes import REGISTRY_DIR_ENV, Machine
 from rank_scenario import (
-    LANDING_MASKS_ONE_GPU,
-    LANDING_MASKS_TWO_GPUS,
     PLACEMENTS,
-    REGISTRY_DIR_ENV,
-    Machine,
     check_budgets_follow_every_step,
-    check_landing,
     check_refusal_leaves_nothing_taken,
     finish,
     gpus_needed,
