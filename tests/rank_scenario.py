@@ -119,8 +119,10 @@ def register_ranks(ranks: Sequence[Rank], tag: str) -> None:
     entry in its GPU's registry, in the rank's name, pid and device index."""
     for rank in ranks:
         opened = rank.worker.call("open_space", LAYOUT, rank.local_device)
-        assert (opened["identity"], opened["registry_path"]) == (rank.identity, rank.registry.path)
-        assert opened["mapped_pages"] == 0 and opened["page_bytes_created"] == 0
+        assert (opened["identity"], opened["registry_path"]) == (rank.identity, rank.registry.path), (
+            f"rank {rank.index}'s space is on {opened['identity']} ({opened['registry_path']}), "
+            f"expected {rank.identity} ({rank.registry.path})")
+        assert (opened["mapped_pages"], opened["page_bytes_created"]) == (0, 0), f"rank {rank.index}: {opened}"
         rank.name = f"{tag}-rank{rank.index}"
         rank.budget = rank.registry.register(rank.name, pid=rank.pid, local_device=rank.local_device)
 
