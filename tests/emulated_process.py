@@ -48,11 +48,9 @@ def require_emulation(backend: str) -> pathlib.Path:
     return folder
 
 
-def run_emulated(backend: str, code: str, env: Optional[dict[str, str]] = None, timeout: float = 120) -> Any:
-    """Runs ``code`` over the ``backend`` emulation; returns the JSON of its last output line.
-
-    Raises AssertionError with the process's output when it fails.
-    """
+def emulated_env(backend: str, env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment of a process over the ``backend`` emulation: this one's, without any
+    emulation or mask setting, plus ``env``; tests/ is on its path. Skips when not built."""
     folder = require_emulation(backend)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(_CONFIGURATION)}
     child_env.update(
@@ -61,6 +59,15 @@ def run_emulated(backend: str, code: str, env: Optional[dict[str, str]] = None, 
         PYTHONPATH=str(REPO / "tests") + os.pathsep + child_env.get("PYTHONPATH", ""),
     )
     child_env.update(env or {})
+    return child_env
+
+
+def run_emulated(backend: str, code: str, env: Optional[dict[str, str]] = None, timeout: float = 120) -> Any:
+    """Runs ``code`` over the ``backend`` emulation; returns the JSON of its last output line.
+
+    Raises AssertionError with the process's output when it fails.
+    """
+    child_env = emulated_env(backend, env)
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=child_env,

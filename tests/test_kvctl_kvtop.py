@@ -18,8 +18,9 @@ from registry_files import entry_offset, poke
 
 PAGE_BYTES = 2 * 1024 * 1024
 DEVICE = "cpu"
-# A made-up physical identity, shaped like nvidia-smi's.
+# Made-up physical identities, shaped like nvidia-smi's.
 GPU = "cuda-GPU-0a1b2c3d-0000-4000-8000-00000000000a"
+OTHER_GPU = "cuda-GPU-0a1b2c3d-0000-4000-8000-00000000000b"
 BUDGET_BYTES = 64 * PAGE_BYTES
 COMMAND_TIMEOUT_S = 60
 # Wide enough that kvtop's table never elides a column.
@@ -250,3 +251,74 @@ def test_kvctl_files_and_list_report_a_damaged_registry_in_one_line(env, registr
     assert (damaged["status"], damaged["removable"]) == ("damaged", True)
     assert "is empty (truncated)" in run(env, "kvtop", "--once").stdout
     assert kvctl_json(env, "clean")["removed_files"] == [registry.path]
+
+
+# ---- every device at once, each physical device once -------------------------------------------
+
+
+def test_kvctl_list_all_shows_each_device_once_with_the_index_each_instance_sees(env, registry, tmp_path):
+    registry.register("host-engine")  # kept: dropping unregisters
+    gpu = DeviceRegistry(GPU, BUDGET_BYTES)
+    other = DeviceRegistry(OTHER_GPU, BUDGET_BYTES)
+    # One GPU seen as cuda:1 by one process and cuda:0 by another; a second GPU.
+    kept = [gpu.register("rank-0", local_device="cuda:1"), gpu.register("rank-1", local_device="cuda:0"),
+            other.register("solo", local_device="cuda:0")]
+    assert kept[0].try_acquire(PAGE_BYTES)
+    listing = kvctl_json(env, "list", "--all")
+    assert listing["directory"] == str(tmp_path) and listing["unusable"] == []
+    by_device = {device["device"]: device for device in listing["devices"]}
+    assert sorted(by_device) == sorted([DEVICE, GPU, OTHER_GPU]) and len(listing["devices"]) == 3
+    assert {(e["name"], e["local_device"]) for e in by_device[GPU]["instances"]} == {
+        ("rank-0", "cuda:1"), ("rank-1", "cuda:0")}
+    assert by_device[GPU]["mapped_bytes"] == PAGE_BYTES and by_device[OTHER_GPU]["mapped_bytes"] == 0
+    human = run(env, "kvctl", "list", "--all").stdout
+    headers = [line for line in human.splitlines() if line.startswith(("cpu", "cuda-GPU-"))]
+    assert [header.split(":")[0] for header in headers] == [d["device"] for d in listing["devices"]]
+    rows = {tuple(line.split()[:4:3]) for line in human.splitlines() if line.startswith(("rank-", "solo"))}
+    assert rows == {("rank-0", "cuda:1"), ("rank-1", "cuda:0"), ("solo", "cuda:0")}
+
+
+def test_kvctl_list_all_reports_files_it_cannot_use_beside_the_devices(env, registry):
+    engine = registry.register("engine")
+    broken = DeviceRegistry(GPU, BUDGET_BYTES)
+    os.truncate(broken.path, 0)
+    listing = kvctl_json(env, "list", "--all")
+    assert [device["device"] for device in listing["devices"]] == [DEVICE]
+    (unusable,) = listing["unusable"]
+    assert (unusable["path"], unusable["status"]) == (broken.path, "damaged")
+    assert f"{broken.path}: damaged" in run(env, "kvctl", "list", "--all").stdout
+    assert engine.registered
+
+
+def test_kvctl_list_all_without_any_registry_says_so(env, tmp_path):
+    assert kvctl_json(env, "list", "--all") == {"directory": str(tmp_path), "devices": [], "unusable": []}
+    assert "no registry yet" in run(env, "kvctl", "list", "--all").stdout
+
+
+def test_kvctl_list_all_with_a_device_is_a_usage_error(env, capsys):
+    assert_one_line_failure(run_in_process(capsys, "kvctl", "list", "--all", "--device", GPU), 2, "not both")
+
+
+def test_kvtop_shows_a_device_named_twice_once(env, registry):
+    engine = registry.register("twice")
+    frame = run(env, "kvtop", "--once", "--device", "cpu", "--device", "host").stdout
+    assert frame.count("twice") == 1 and engine.registered
+
+
+@pytest.mark.emulation
+def test_kvtop_names_a_gpu_by_identity_and_by_the_index_this_process_sees(env, tmp_path):
+    """Under CUDA_VISIBLE_DEVICES=1,0, cuda:1 is physical GPU 0: kvtop shows its identity,
+    "(cuda:1 here)", and shows it once when it is also named by identity."""
+    from emulated_process import emulated_env, run_emulated
+
+    gpus = {"KVCACHED_EMULATED_GPUS": "2", "KVCACHED_REGISTRY_DIR": str(tmp_path)}
+    physical = run_emulated("cuda", """
+        import json
+        from kvcached.devices import canonical_device_name
+        from kvcached.registry import registry_for
+        registry_for("cuda:0").register("kept-by-the-file")  # creates the registry; the entry dies with us
+        print(json.dumps([canonical_device_name("cuda:0"), canonical_device_name("cuda:1")]))
+    """, gpus)
+    masked = {**emulated_env("cuda", gpus), "CUDA_VISIBLE_DEVICES": "1,0", "COLUMNS": TERMINAL_COLUMNS}
+    frame = run(masked, "kvtop", "--once", "--device", "cuda:1", "--device", physical[0]).stdout
+    assert f"{physical[0]} (cuda:1 here)" in frame and frame.count(physical[0]) == 1, frame

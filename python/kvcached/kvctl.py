@@ -1,6 +1,7 @@
 """kvctl: inspect and steer the kvcached instances sharing a device.
 
     kvctl list                          instances, their usage and limits
+    kvctl list --all                    the same for every device with a registry, each once
     kvctl set-limit NAME|PID SIZE       cap one instance (it shrinks lazily)
     kvctl clear-limit NAME|PID          remove that cap
     kvctl set-budget SIZE               change the device-wide budget
@@ -116,14 +117,8 @@ def _registry_label(registry: DeviceRegistry) -> str:
     return registry.device if not local or local == registry.device else f"{registry.device} ({local} here)"
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    registry = open_existing(args.device)
-    if registry is None:
-        name = resolve_device(args.device)
-        payload = {"device": name.registry, "local_device": name.local,
-                   "path": DeviceRegistry.segment_path(name.registry), "exists": False, "instances": []}
-        _emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
-        return EXIT_OK
+def _device_listing(registry: DeviceRegistry) -> tuple[dict[str, Any], str]:
+    """One device's summary and instances: the JSON payload and the human text."""
     payload = {**_device_summary(registry), "instances": registry.entries()}
     human = (
         f"{_registry_label(registry)}: budget {format_bytes(payload['budget_bytes'])}, "
@@ -131,6 +126,50 @@ def cmd_list(args: argparse.Namespace) -> int:
         f"available {format_bytes(payload['available_bytes'])} ({registry.path})\n"
         + _instances_table(payload["instances"])
     )
+    return payload, human
+
+
+def _list_all(args: argparse.Namespace) -> int:
+    """Every registry in the directory: one per physical device, each shown once."""
+    devices: list[dict[str, Any]] = []
+    unusable: list[dict[str, Any]] = []
+    blocks: list[str] = []
+    for file in registry_files():
+        if file["status"] == "unfinished":
+            continue  # a creation in progress: not a device yet
+        problem = None
+        if file["status"] == "current":
+            try:  # the file may change between the scan and here
+                registry = open_existing(file["device"])
+                problem = None if registry is not None else "removed while kvctl read the directory"
+            except (KvcachedError, ValueError, OSError) as error:
+                registry, problem = None, str(error)
+            if registry is not None:
+                payload, human = _device_listing(registry)
+                devices.append(payload)
+                blocks.append(human)
+                continue
+        detail = problem or file["detail"]
+        unusable.append({"path": file["path"], "status": file["status"], "detail": detail})
+        blocks.append(printable(f"{file['path']}: {file['status']}: {detail}"))
+    if not blocks:
+        blocks.append(f"{registry_dir()}: no registry yet (no engine has registered)")
+    payload = {"directory": str(registry_dir()), "devices": devices, "unusable": unusable}
+    _emit(args.json, payload, "\n\n".join(blocks))
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    if args.all:
+        return _list_all(args)
+    registry = open_existing(args.device)
+    if registry is None:
+        name = resolve_device(args.device)
+        payload = {"device": name.registry, "local_device": name.local,
+                   "path": DeviceRegistry.segment_path(name.registry), "exists": False, "instances": []}
+        _emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
+        return EXIT_OK
+    payload, human = _device_listing(registry)
     _emit(args.json, payload, human)
     return EXIT_OK
 
@@ -226,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineArgumentParser(prog="kvctl", description=__doc__.split("\n\n")[0], parents=[common])
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser)
-    commands.add_parser("list", parents=[common], help="list instances").set_defaults(handler=cmd_list)
+    list_ = commands.add_parser("list", parents=[common], help="list instances")
+    list_.add_argument("--all", action="store_true", help="every device with a registry (not with --device)")
+    list_.set_defaults(handler=cmd_list)
     set_limit = commands.add_parser("set-limit", parents=[common], help="set an instance's limit")
     set_limit.add_argument("target", metavar="NAME|PID")
     set_limit.add_argument("size", metavar="SIZE", help="e.g. 8G, 512MiB, 4096, 2GB")
@@ -249,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "all", False) and hasattr(args, "device"):
+        parser.error("list --all shows every device: give --device or --all, not both")
+    args.all = getattr(args, "all", False)
     args.device = getattr(args, "device", HOST_DEVICE)
     args.json = getattr(args, "json", False)
     handler = getattr(args, "handler", cmd_list)

@@ -182,6 +182,17 @@ def _interval(text: str) -> float:
     return value
 
 
+def shown_devices(names: Sequence[str]) -> list[str]:
+    """The devices asked for, each physical device once, by the name that keeps what this
+    process calls it ("cuda:1" shows "cuda-GPU-… (cuda:1 here)"). Resolved once, so a bad
+    name is an error now, not a line in every frame."""
+    shown: dict[str, str] = {}
+    for name in names:
+        resolved = resolve_device(name)
+        shown.setdefault(resolved.registry, resolved.local or resolved.registry)
+    return list(shown.values())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="kvtop", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", action="append",
@@ -199,8 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("kvtop needs rich: pip install 'kvcached[ui]'", file=sys.stderr)
         return 1
     try:
-        # Resolved once, so a bad name is an error now, not a line in every frame.
-        devices = [resolve_device(name).registry for name in args.device or []]
+        devices = shown_devices(args.device or [])
     except (KvcachedError, ValueError, OSError) as error:
         parser.error(printable(str(error)))
     try:
