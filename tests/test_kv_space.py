@@ -68,9 +68,12 @@ def test_apply_takes_batches_in_order_unmapping_before_mapping(device):
     assert space.apply(first) == 1 and space.applied_seq == 1
     address = space.base_address + space.offset_of(0, 0, 0)
     access.write(address, b"\x05")
-    # One batch may unmap a page and map it again: the unmap comes first, so it is fresh memory.
+    # One batch may unmap a page and map it again: it succeeds only because the
+    # unmap comes first (mapping a mapped page is refused), and the page is usable.
     assert space.apply(kvcached.PageOps(2, [0], [0, 1])) == 2
-    assert access.read(address, 1) == b"\x00" and space.mapped_pages == 1
+    assert space.is_mapped(0) and not space.is_mapped(1) and space.mapped_pages == 1
+    access.write(address, b"\x07")
+    assert access.read(address, 1) == b"\x07"
     for bad, message in [(kvcached.PageOps(2, [3], []), "applied already"),
                          (kvcached.PageOps(4, [3], []), "missing"),
                          (kvcached.PageOps(3, [0], []), "mapped already"),
