@@ -4,11 +4,21 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace kvcached {
 
 namespace {
+
+// A waiting alloc polls the budgets: yielding for this long after each look,
+// then sleeping kPollSleep between looks (a hand-over moves memory in slices
+// of a fraction of a millisecond).
+constexpr auto kPollYield = std::chrono::microseconds(200);
+constexpr auto kPollSleep = std::chrono::microseconds(50);
+// How often a waiting alloc records again that it waits (the registry forgets
+// pressure after a second).
+constexpr auto kPressureReprobe = std::chrono::milliseconds(200);
 
 std::shared_ptr<PageMapper> local_mapper(const std::shared_ptr<KVSpace>& space, const KVLayout& layout) {
   if (!space) throw InvalidArgument("BlockManager needs a KV space (or mirrors)");
@@ -62,7 +72,9 @@ BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& op
   free_slots_.resize(num_pages);
   block_state_.assign(layout_.num_blocks(), kFree);
   for (std::size_t p = 0; p < num_pages; ++p) unmapped_.insert(unmapped_.end(), static_cast<std::int64_t>(p));
-  mapper_->set_max_spare_pages(options_.reserve.max_spare_pages);
+  // The space keeps every allocation it unmaps; the reserve (maintain) decides
+  // which go back and when, off the path of frees and allocs.
+  mapper_->set_max_spare_pages(layout_.num_pages());
   {
     std::lock_guard<std::mutex> map(map_mutex_);
     Lock lock(mutex_);
@@ -189,9 +201,13 @@ bool BlockManager::try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& ou
   return true;
 }
 
-std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
+std::vector<std::int64_t> BlockManager::alloc(std::size_t n) { return alloc(n, std::chrono::nanoseconds::zero()); }
+
+std::vector<std::int64_t> BlockManager::alloc(std::size_t n, std::chrono::nanoseconds wait) {
   std::vector<std::int64_t> blocks;
   if (n == 0) return blocks;
+  const Clock::time_point deadline =
+      wait > std::chrono::nanoseconds::zero() ? Clock::now() + wait : Clock::time_point::min();
   {
     Lock lock(mutex_);
     if (closed_) throw InvalidArgument("the block manager is closed");
@@ -203,15 +219,38 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
       return blocks;
     }
   }
-  return alloc_slow(n, false);
+  return alloc_slow(n, false, deadline);
 }
 
-std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_reserve) {
+std::size_t BlockManager::budget_room_pages_unlocked_poll(const std::vector<std::pair<MemoryBudget*, std::size_t>>& budgets) {
+  std::size_t room = 0;
+  for (const auto& [budget, page_bytes] : budgets) room += budget->available_bytes() / page_bytes;
+  return room;
+}
+
+void BlockManager::wait_for_budget_locked(Lock& lock, std::size_t room_before, Clock::time_point deadline) {
+  std::vector<std::pair<MemoryBudget*, std::size_t>> budgets;  // stable while map_mutex_ is held
+  for (std::size_t i = 0; i < budgets_.size(); ++i) {
+    if (budgets_.alive(i) && budgets_.budget(i) != nullptr) budgets.emplace_back(budgets_.budget(i), budgets_.page_bytes(i));
+  }
+  lock.unlock();  // frees and fast-path allocs go on meanwhile
+  const Clock::time_point yield_until = Clock::now() + kPollYield;
+  for (Clock::time_point now = Clock::now(); now < deadline; now = Clock::now()) {
+    if (budget_room_pages_unlocked_poll(budgets) != room_before) break;
+    if (now < yield_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kPollSleep);
+    }
+  }
+  lock.lock();
+}
+
+std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_reserve, Clock::time_point deadline) {
   std::lock_guard<std::mutex> map(map_mutex_);  // waits for any map or unmap in flight
-  const auto device = device_free_pages();
   Lock lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  if (device) device_free_pages_ = device;
+  if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
   refresh_limit_locked();
   std::vector<std::int64_t> blocks, grown;
   const auto roll_back = [&] {
@@ -221,15 +260,46 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
       if (state_[p] == PageState::kMapped && index_.entirely_free(page)) empty.push_back(page);
     }
     try {
-      shrink_locked(lock, empty);
+      shrink_locked(lock, empty, reserve_.targets().max_spare_pages);  // nothing held beyond the reserve
     } catch (...) {
     }
   };
-  bool rolled_back = false;
+  bool rolled_back = false, requeried = false;
+  Clock::time_point next_probe = Clock::time_point::min();
   try {
     for (;;) {
       const AllocPlan plan = plan_alloc_locked(n, into_reserve);
       if (plan.action == AllocPlan::kTake) break;
+      if (plan.action == AllocPlan::kRefuse && !requeried) {
+        requeried = true;  // the device figure is an estimate: ask the driver before refusing
+        if (requery_device_locked(lock)) continue;
+      }
+      const std::size_t rest = n - (into_reserve ? 0 : std::min(n, reserved_.size()));
+      if (plan.action == AllocPlan::kRefuse && Clock::now() < deadline && budget_room_pages_locked() < plan.pages &&
+          takeable_locked() + growth_blocks_locked(fixed_room_locked()) >= rest) {
+        // Only memory others hold stands in the way: map what there is now (so
+        // these maps overlap their unmaps), then wait for more to come back.
+        const std::size_t room = growth_room_locked();
+        if (room > 0) {
+          try {
+            std::vector<std::int64_t> pages_grown = grow_locked(lock, std::min(room, plan.pages), nullptr);
+            grown.insert(grown.end(), pages_grown.begin(), pages_grown.end());
+            continue;
+          } catch (const BudgetExhausted&) {  // taken by someone else first: wait again
+          } catch (const DeviceOutOfMemory&) {
+          }
+        }
+        const std::size_t room_before = budget_room_pages_locked();
+        if (Clock::now() >= next_probe) {
+          probe_budget_for_pressure(lock, plan.pages);  // tells the holders to give back
+          next_probe = Clock::now() + kPressureReprobe;
+        }
+        wait_for_budget_locked(lock, room_before, deadline);
+        if (closed_) throw InvalidArgument("the block manager is closed");
+        refresh_limit_locked();
+        requeried = false;
+        continue;
+      }
       if (plan.action == AllocPlan::kRefuse) {
         const std::size_t can = available_locked();
         std::string bound_by;
@@ -267,10 +337,9 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
     return static_cast<std::uint32_t>(id / static_cast<std::int64_t>(blocks_per_page_));
   };
   std::lock_guard<std::mutex> map(map_mutex_);
-  const auto device = device_free_pages();
   Lock lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  if (device) device_free_pages_ = device;
+  if (auto device = device_free_pages()) device_free_pages_ = device;
   refresh_limit_locked();
   // Which pages must be mapped, and how many pages become used (within the limit).
   const auto check = [&](std::vector<std::int64_t>& to_map) {
@@ -312,7 +381,7 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
       for (std::int64_t p : to_map) {
         if (index_.entirely_free(static_cast<std::uint32_t>(p))) empty.push_back(static_cast<std::uint32_t>(p));
       }
-      shrink_locked(lock, empty);
+      shrink_locked(lock, empty, reserve_.targets().max_spare_pages);
       throw;
     }
   }
@@ -377,7 +446,7 @@ bool BlockManager::try_reserve(std::size_t n) {
     }
   }
   try {
-    alloc_slow(n, true);
+    alloc_slow(n, true, Clock::time_point::min());
     return true;
   } catch (const BudgetExhausted&) {
     return false;
