@@ -135,15 +135,14 @@ def _expect(conn: Any, kind: str, timeout_s: float) -> Any:
 
 def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, handovers: int,
                retry_s: float, timeout_s: float, warmup: int = 1) -> dict:
-    from kvcached.registry import DeviceRegistry
+    from kvcached.registry import registry_for
 
     page_id_bytes = NUM_LAYERS * NUM_BUFFERS * PAGE_BYTES
     blocks = size_bytes // (NUM_LAYERS * NUM_BUFFERS * BLOCK_BYTES)
     registry_dir = tempfile.mkdtemp(prefix="kvcached-handover-")
     os.environ["KVCACHED_REGISTRY_DIR"] = registry_dir  # inherited by the spawned children
     budget = size_bytes + SLACK_PAGE_IDS * page_id_bytes
-    registry_name = "cpu" if device == "cpu" else device.replace("hip:", "rocm:")
-    DeviceRegistry(registry_name, budget)
+    registry_for(device, budget_bytes=budget)  # the first user sets the device's budget
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for i in range(2):

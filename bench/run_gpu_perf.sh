@@ -43,6 +43,7 @@ build_reference() {
   rm -rf "$work/ref" "$work/refsite" && mkdir -p "$work/ref" &&
     tar xzf "$tarball" -C "$work/ref" &&
     cd "$work/ref"/* &&
+    { [ -e kvcached_autopatch.pth ] || : > kvcached_autopatch.pth; } &&  # its setup.py copies this file
     MAX_JOBS=$jobs "$py" -m pip install --no-build-isolation --no-deps --target "$work/refsite" .
 }
 build_kvcached() {
