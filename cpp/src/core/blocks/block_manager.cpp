@@ -16,9 +16,9 @@ namespace {
 // of a fraction of a millisecond).
 constexpr auto kPollYield = std::chrono::microseconds(200);
 constexpr auto kPollSleep = std::chrono::microseconds(50);
-// How often a waiting alloc records again that it waits (the registry forgets
-// pressure after a second).
-constexpr auto kPressureReprobe = std::chrono::milliseconds(200);
+// A waiting alloc records its wait again at least this often (the registry
+// forgets pressure after a second).
+constexpr auto kPressureRenewal = std::chrono::milliseconds(200);
 
 std::shared_ptr<PageMapper> local_mapper(const std::shared_ptr<KVSpace>& space, const KVLayout& layout) {
   if (!space) throw InvalidArgument("BlockManager needs a KV space (or mirrors)");
@@ -235,8 +235,10 @@ void BlockManager::wait_for_budget_locked(Lock& lock, std::size_t room_before, C
   }
   lock.unlock();  // frees and fast-path allocs go on meanwhile
   const Clock::time_point yield_until = Clock::now() + kPollYield;
+  // Records the wait again now and then: the registry forgets pressure after a second.
+  Clock::time_point reprobe = Clock::now() + kPressureRenewal;
   for (Clock::time_point now = Clock::now(); now < deadline; now = Clock::now()) {
-    if (budget_room_pages_unlocked_poll(budgets) != room_before) break;
+    if (budget_room_pages_unlocked_poll(budgets) != room_before || now >= reprobe) break;
     if (now < yield_until) {
       std::this_thread::yield();
     } else {
@@ -265,7 +267,6 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
     }
   };
   bool rolled_back = false, requeried = false;
-  Clock::time_point next_probe = Clock::time_point::min();
   try {
     for (;;) {
       const AllocPlan plan = plan_alloc_locked(n, into_reserve);
@@ -289,11 +290,10 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
           } catch (const DeviceOutOfMemory&) {
           }
         }
+        // Recorded before every wait: a budget that granted a page clears the
+        // record, and the holders decide each round whether anyone waits.
+        probe_budget_for_pressure(lock, plan.pages);
         const std::size_t room_before = budget_room_pages_locked();
-        if (Clock::now() >= next_probe) {
-          probe_budget_for_pressure(lock, plan.pages);  // tells the holders to give back
-          next_probe = Clock::now() + kPressureReprobe;
-        }
         wait_for_budget_locked(lock, room_before, deadline);
         if (closed_) throw InvalidArgument("the block manager is closed");
         refresh_limit_locked();

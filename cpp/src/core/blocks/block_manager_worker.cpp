@@ -39,9 +39,19 @@ void BlockManager::prepare_ahead() {
     if (closed_) return;
     for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < want; ++it) frontier.push_back(*it);
   }
-  // No lock of ours is held: the space takes its own one range at a time, so a
+  // No lock of ours is held: the space takes its own one run at a time, so a
   // grow meanwhile waits for one split at most, never for the whole frontier.
-  mapper_->prepare_pages(frontier);
+  // Handed over a few runs at a time: when a free or an alloc wakes the worker
+  // meanwhile (memory to give back, a reserve to refill), the rest waits for
+  // the next round.
+  constexpr std::size_t kPagesBetweenLooks = 32;
+  for (std::size_t first = 0; first < frontier.size(); first += kPagesBetweenLooks) {
+    const std::size_t end = std::min(frontier.size(), first + kPagesBetweenLooks);
+    mapper_->prepare_pages(std::vector<std::int64_t>(frontier.begin() + static_cast<std::ptrdiff_t>(first),
+                                                     frontier.begin() + static_cast<std::ptrdiff_t>(end)));
+    std::lock_guard<std::mutex> lock(worker_mutex_);
+    if (worker_kick_ || worker_stop_) return;
+  }
 }
 
 // ---- background worker ----------------------------------------------------------------
