@@ -276,11 +276,13 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         if (requery_device_locked(lock)) continue;
       }
       const std::size_t rest = n - (into_reserve ? 0 : std::min(n, reserved_.size()));
-      if (plan.action == AllocPlan::kRefuse && Clock::now() < deadline && budget_room_pages_locked() < plan.pages &&
+      if (plan.action == AllocPlan::kRefuse && Clock::now() < deadline &&
           takeable_locked() + growth_blocks_locked(fixed_room_locked()) >= rest) {
-        // Only memory others hold stands in the way: map what there is now (so
-        // these maps overlap their unmaps), then wait for more to come back.
+        // Neither the page ids nor a limit stand in the way: map what memory
+        // there is now (so these maps overlap the holders' unmaps), then wait
+        // for more to come back.
         const std::size_t room = growth_room_locked();
+        const std::size_t budget_room = budget_room_pages_locked();  // read with `room`: the poll's baseline
         if (room > 0) {
           try {
             std::vector<std::int64_t> pages_grown = grow_locked(lock, std::min(room, plan.pages), nullptr);
@@ -290,15 +292,15 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
           } catch (const DeviceOutOfMemory&) {
           }
         }
-        // Recorded before every wait: a budget that granted a page clears the
-        // record, and the holders decide each round whether anyone waits.
-        probe_budget_for_pressure(lock, plan.pages);
-        const std::size_t room_before = budget_room_pages_locked();
-        wait_for_budget_locked(lock, room_before, deadline);
-        if (closed_) throw InvalidArgument("the block manager is closed");
-        refresh_limit_locked();
-        requeried = false;
-        continue;
+        if (budget_room < plan.pages) {  // others' memory it is (not the device's): worth waiting for
+          // Recorded before every wait: the holders decide each round whether anyone waits.
+          probe_budget_for_pressure(lock, plan.pages);
+          wait_for_budget_locked(lock, budget_room, deadline);  // at once if memory came back meanwhile
+          if (closed_) throw InvalidArgument("the block manager is closed");
+          refresh_limit_locked();
+          requeried = false;
+          continue;
+        }
       }
       if (plan.action == AllocPlan::kRefuse) {
         const std::size_t can = available_locked();
