@@ -208,20 +208,20 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
         pool.maintain()
         pool.prepare_ahead()
 
-    def grow(blocks: int) -> object:
+    def timed_grow(name: str, blocks: int, scale: float = 1e6) -> object:
         nonlocal splits
-        before = pool.space.zero_splits_on_map
-        ids = pool.alloc(blocks)
+        before = pool.space.zero_splits_on_map  # read outside the timed call
+        ids = rec.time(name, lambda: pool.alloc(blocks), scale=scale)
         splits += pool.space.zero_splits_on_map - before
         return ids
 
     for _ in range(NUM_PAGE_PAIRS):
         worker_round()
-        ids = rec.time("grow_us", lambda: grow(per_page))
+        ids = timed_grow("grow_us", per_page)
         rec.time("shrink_us", lambda: (pool.free(ids), pool.maintain()))
     worker_round()
     mapped_before = pool.stats()["mapped_pages"]
-    ids = rec.time("grow64_ms", lambda: grow(BATCH_PAGES * per_page), scale=1e3)
+    ids = timed_grow("grow64_ms", BATCH_PAGES * per_page, scale=1e3)
     grown = pool.stats()["mapped_pages"] - mapped_before
     rec.time("shrink64_ms", lambda: (pool.free(ids), pool.maintain()), scale=1e3)
     left = pool.stats()["mapped_pages"]
