@@ -39,6 +39,7 @@ void BlockManager::release_spares_beyond(std::size_t keep) {
     const std::size_t spares = mapper_->spare_pages();
     if (closed_ || spares <= keep) return;
     trim_spares_locked(lock, std::max(keep, spares - std::min(spares, shrink_slice_pages())));
+    if (mapper_->spare_pages() >= spares) return;  // nothing went: never spin
   }
 }
 
