@@ -3,18 +3,22 @@
 Two processes, each with a KVPool registered in the same device registry, whose
 budget holds N bytes plus what the default reserves keep (a free page id and
 the spare allocations of each pool). One holds N bytes of blocks; the other
-waits, retrying ``alloc`` (each refusal is recorded as pressure, which tells the
-holder's worker to give its reserve back). The holder frees; the hand-over time
-is from the holder's ``free`` to the waiter's ``alloc`` returning. Then the roles
-swap, so every hand-over starts from the same state.
+waits for them: by default with one ``alloc(n, timeout_s=...)``, which maps what
+memory there is and polls the budget for more (``--retry-ms`` instead retries a
+plain ``alloc`` with a pause in between, as before). Its refusals are recorded as
+pressure, which tells the holder's worker to give memory back at once, in slices.
+The holder frees; the hand-over time is from the holder's ``free`` to the waiter's
+``alloc`` returning. Then the roles swap, so every hand-over starts from the same state.
 
-Timestamps (CLOCK_MONOTONIC, comparable across processes) split each hand-over:
+Timestamps (CLOCK_MONOTONIC, comparable across processes) split each hand-over; the
+holder polls its ``stats()`` every ~0.1 ms:
 
-* ``unmap_start``: the holder's worker has taken the pages (its free-page count
-  dropped; the holder polls ``stats()`` every ~0.1 ms),
-* ``unmap_end``: they are unmapped and back in the budget (mapped pages dropped),
-* ``alloc_start``: the waiter's successful attempt began (retry gap after ``unmap_end``),
-* ``done``: that ``alloc`` returned (the waiter's own mapping time).
+* ``first_release``: the holder's budget charge dropped (its worker woke and gave
+  back a first slice),
+* ``released``: all N bytes are back in the budget,
+* ``done``: the waiter's ``alloc`` returned; ``waiter_tail`` = done - released is
+  what the waiter still had to do once the last slice came back (with slices it
+  maps while the holder unmaps, so this is short).
 
     python bench/handover.py --device cpu --size 1GiB --handovers 20 --out DIR
     python bench/handover.py --device cuda:0 --size 8GiB --handovers 20 --out DIR
@@ -42,7 +46,7 @@ NUM_BUFFERS = 2
 BLOCK_BYTES = 32 << 10
 PAGE_BYTES = 2 << 20
 POLL_S = 1e-4  # the holder's stats() polling while its worker unmaps
-DEFAULT_RETRY_S = 1e-3  # the waiter's pause between refused allocs
+WAIT_TIMEOUT_S = 30.0  # the waiter's alloc(n, timeout_s) in the default mode
 SLACK_PAGE_IDS = 6  # budget beyond N: each pool's free reserve page and spare allocations
 
 
@@ -58,40 +62,44 @@ def _hold(pool: Any, blocks: int) -> Any:
 
 
 def _wait_and_alloc(pool: Any, blocks: int, retry_s: float, conn: Any) -> dict:
-    """Retries alloc until it succeeds; reports "waiting" after the first refusal."""
+    """Gets ``blocks``: one refused attempt (reported as "waiting"), then a waiting
+    alloc (``retry_s`` 0) or plain allocs retried every ``retry_s``."""
     import kvcached
 
     attempts = 0
     while True:
         start = time.perf_counter()
         try:
-            ids = pool.alloc(blocks)
+            wait = attempts > 0 and retry_s == 0
+            ids = pool.alloc(blocks, timeout_s=WAIT_TIMEOUT_S) if wait else pool.alloc(blocks)
         except kvcached.OutOfMemoryError:
             attempts += 1
             if attempts == 1:
                 conn.send(("waiting", time.perf_counter()))
-            time.sleep(retry_s)
+            if retry_s > 0:
+                time.sleep(retry_s)
             continue
         done = time.perf_counter()
         return dict(ids=ids, alloc_start=start, done=done, refusals=attempts)
 
 
 def _free_and_watch(pool: Any, ids: Any, timeout_s: float = 30.0) -> dict:
-    """Frees, then polls the pool until its worker has unmapped the pages."""
+    """Frees, then polls the pool until all the freed memory is back in the budget."""
     before = pool.stats()
+    freed_bytes = len(ids) // pool.blocks_per_page * pool.page_id_bytes
     stamps: dict = {"free": time.perf_counter()}
     pool.free(ids)
     stamps["free_returned"] = time.perf_counter()
     deadline = stamps["free"] + timeout_s
     while time.perf_counter() < deadline:
-        s = pool.stats()
+        held = pool.stats()["held_bytes"]
         now = time.perf_counter()
-        if "unmap_start" not in stamps and s["free_pages"] < before["free_pages"] + before["used_pages"]:
-            stamps["unmap_start"] = now
-        if s["mapped_pages"] < before["mapped_pages"] - 1:
-            stamps.setdefault("unmap_start", now)
-            stamps["unmap_end"] = now
-            stamps["mapped_pages_after"] = s["mapped_pages"]
+        if "first_release" not in stamps and held < before["held_bytes"]:
+            stamps["first_release"] = now
+        if held <= before["held_bytes"] - freed_bytes:
+            stamps.setdefault("first_release", now)
+            stamps["released"] = now
+            stamps["held_bytes_after"] = held
             break
         time.sleep(POLL_S)
     return stamps
@@ -171,13 +179,12 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
                 total_ms=(got["done"] - start) * 1e3, refusals=got["refusals"],
                 free_call_ms=(freed["free_returned"] - start) * 1e3,
             )
-            if "unmap_end" in freed:
+            if "released" in freed:
                 record.update(
-                    holder_wake_ms=(freed["unmap_start"] - start) * 1e3,
-                    holder_unmap_ms=(freed["unmap_end"] - freed["unmap_start"]) * 1e3,
-                    waiter_retry_gap_ms=(got["alloc_start"] - freed["unmap_end"]) * 1e3,
+                    holder_wake_ms=(freed["first_release"] - start) * 1e3,
+                    holder_release_ms=(freed["released"] - freed["first_release"]) * 1e3,
+                    waiter_tail_ms=(got["done"] - freed["released"]) * 1e3,
                 )
-            record["waiter_alloc_ms"] = (got["done"] - got["alloc_start"]) * 1e3
             records.append(record)
         for conn in pipes:
             conn.send(("stop",))
@@ -192,7 +199,7 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
     import kvcached
 
     return dict(device=device, layout=layout, zero_backing=zero_backing, size_bytes=size_bytes,
-                kvcached_from=kvcached.__file__,
+                kvcached_from=kvcached.__file__, waiter="retry" if retry_s > 0 else "waiting alloc",
                 blocks=blocks, budget_bytes=budget, retry_s=retry_s, handovers=records, error=error,
                 allocations_per_handover=(size_bytes // PAGE_BYTES) if layout == "per_layer" else size_bytes // page_id_bytes)
 
@@ -210,7 +217,7 @@ def summarize(config: dict) -> dict:
         return out
     totals = [r["total_ms"] for r in rows]
     out.update(p50_ms=statistics.median(totals), p99_ms=nearest_rank(totals, 0.99), max_ms=max(totals))
-    for phase in ("holder_wake_ms", "holder_unmap_ms", "waiter_retry_gap_ms", "waiter_alloc_ms", "free_call_ms"):
+    for phase in ("holder_wake_ms", "holder_release_ms", "waiter_tail_ms", "free_call_ms"):
         values = [r[phase] for r in rows if phase in r]
         if values:
             out[phase] = statistics.median(values)
@@ -220,8 +227,9 @@ def summarize(config: dict) -> dict:
 
 def markdown(configs: list[dict]) -> str:
     lines = [
-        "| device | layout | zero backing | size | allocations moved | hand-overs | p50 (ms) | p99 (ms) | max (ms) | "
-        "holder wake-up | holder unmap | waiter retry gap | waiter alloc (maps) | refusals (median) | warm-up (ms) |",
+        "| device | layout | zero backing | size | allocations moved | waiter | hand-overs | p50 (ms) | p99 (ms) | "
+        "max (ms) | holder wake-up | holder release (first to last slice) | waiter after the last slice | "
+        "refusals (median) | warm-up (ms) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v: "—" if v is None else f"{v:.3g}" if v < 100 else f"{v:.0f}"  # noqa: E731
@@ -229,9 +237,9 @@ def markdown(configs: list[dict]) -> str:
         s = summarize(c)
         lines.append(
             f"| {c['device']} | {c['layout']} | {'on' if c['zero_backing'] else 'off'} | {c['size_bytes'] / 2**30:g} GiB | "
-            f"{c['allocations_per_handover']} | {s['n']} | {f(s.get('p50_ms'))} | {f(s.get('p99_ms'))} | {f(s.get('max_ms'))} | "
-            f"{f(s.get('holder_wake_ms'))} | {f(s.get('holder_unmap_ms'))} | {f(s.get('waiter_retry_gap_ms'))} | "
-            f"{f(s.get('waiter_alloc_ms'))} | {f(s.get('refusals_median'))} | "
+            f"{c['allocations_per_handover']} | {c.get('waiter', 'retry')} | {s['n']} | {f(s.get('p50_ms'))} | "
+            f"{f(s.get('p99_ms'))} | {f(s.get('max_ms'))} | {f(s.get('holder_wake_ms'))} | "
+            f"{f(s.get('holder_release_ms'))} | {f(s.get('waiter_tail_ms'))} | {f(s.get('refusals_median'))} | "
             f"{', '.join(f(v) for v in s.get('warmup_ms', [])) or '—'} |"
             + (f" error: {c['error']}" if c.get("error") else "")
         )
@@ -246,7 +254,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="hand-overs first, reported apart")
     parser.add_argument("--layouts", default="contiguous,per_layer")
     parser.add_argument("--zero-backing", default="on,off", help="on, off or on,off")
-    parser.add_argument("--retry-ms", type=float, default=DEFAULT_RETRY_S * 1e3, help="waiter's pause between refusals")
+    parser.add_argument("--retry-ms", type=float, default=0.0,
+                        help="0: the waiter makes one waiting alloc(n, timeout_s); > 0: it retries a plain alloc "
+                             "with this pause in between")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="limit on any one step")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="no new configuration after this long")
     parser.add_argument("--out", required=True)

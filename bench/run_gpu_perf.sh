@@ -8,7 +8,7 @@
 #
 # REF_TARBALL: the reference's source (a .tar.gz with one top folder). Every step is
 # time-limited (SIGINT, then SIGKILL 10 s later) and the next one runs anyway; the
-# limits add up to under 8 minutes, a normal run takes about 5. OUT_DIR receives
+# limits add up to about 8 minutes, a normal run takes about 5. OUT_DIR receives
 # SUMMARY.md, exit_codes.txt, commands.txt, <step>.log and each step's own files.
 set -u
 out=${1:?usage: $0 OUT_DIR REF_TARBALL}
@@ -72,10 +72,15 @@ step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 
 step handover 75 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
   --handovers 20 --layouts contiguous,per_layer --zero-backing on,off --deadline-s 60 --out "$out/handover"
 
+# The earlier waiter (plain alloc retried every 1 ms), for comparison in the same run.
+step handover_retry 25 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
+  --handovers 20 --layouts contiguous --zero-backing on --retry-ms 1 --deadline-s 15 --out "$out/handover_retry"
+
 step summary 5 bash -c "{
   echo '# kvcached vs reference on one GPU, one run'; echo; echo '\`\`\`'; cat '$out/exit_codes.txt'; echo '\`\`\`'; echo
   cat '$out/side_by_side/side_by_side.md' 2>/dev/null || echo '(no side-by-side report)'; echo
   echo '## Memory hand-over, 8 GiB, cuda:0'; echo; cat '$out/handover/handover.md' 2>/dev/null || echo '(none)'; echo
+  cat '$out/handover_retry/handover.md' 2>/dev/null | tail -n 1; echo
   echo '## bench_vmm, 1 thread'; echo; echo '\`\`\`'; cat '$out/bench_vmm.log'; echo '\`\`\`'
 } > '$out/SUMMARY.md'; wc -l '$out/SUMMARY.md'"
 echo "total seconds=$SECONDS" | tee -a "$out/exit_codes.txt"

@@ -177,11 +177,14 @@ def _make_primary_context_current(ordinal: int) -> None:
 
 def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
     """kvcached the way a pool runs: ``KVPool.alloc`` maps the lowest unmapped page id,
-    ``free`` + ``maintain`` (one round of the background worker's job) unmaps it.
+    ``free`` + ``maintain`` (one round of the background worker's reserve keeping) unmaps it.
 
     Reserve targets are 0 so that each timed call does the mapping itself; between
-    timed calls ``maintain()`` runs untimed, as the worker would (it splits the zero
-    chunks of the next page ids ahead of use). Spare allocations follow the defaults.
+    timed calls the worker's round runs untimed: ``maintain()`` (spares kept by the last
+    round beyond the maximum are released, the minimum is pre-created) and
+    ``prepare_ahead()`` (zero chunks of the next page ids split ahead of use). Spare
+    allocations follow the defaults. ``grow_zero_splits``: zero chunks split on the
+    timed grows (0 when the look-ahead kept up).
     """
     from kvcached.pool import KVPool
     from kvcached.registry import registry_for
@@ -199,13 +202,26 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
         scale=1e3,
     )
     per_page = pool.space.blocks_per_page
-    for _ in range(NUM_PAGE_PAIRS):
+    splits = 0
+
+    def worker_round() -> None:  # untimed, as the background worker does between operations
         pool.maintain()
-        ids = rec.time("grow_us", lambda: pool.alloc(per_page))
+        pool.prepare_ahead()
+
+    def timed_grow(name: str, blocks: int, scale: float = 1e6) -> object:
+        nonlocal splits
+        before = pool.space.zero_splits_on_map  # read outside the timed call
+        ids = rec.time(name, lambda: pool.alloc(blocks), scale=scale)
+        splits += pool.space.zero_splits_on_map - before
+        return ids
+
+    for _ in range(NUM_PAGE_PAIRS):
+        worker_round()
+        ids = timed_grow("grow_us", per_page)
         rec.time("shrink_us", lambda: (pool.free(ids), pool.maintain()))
-    pool.maintain()
+    worker_round()
     mapped_before = pool.stats()["mapped_pages"]
-    ids = rec.time("grow64_ms", lambda: pool.alloc(BATCH_PAGES * per_page), scale=1e3)
+    ids = timed_grow("grow64_ms", BATCH_PAGES * per_page, scale=1e3)
     grown = pool.stats()["mapped_pages"] - mapped_before
     rec.time("shrink64_ms", lambda: (pool.free(ids), pool.maintain()), scale=1e3)
     left = pool.stats()["mapped_pages"]
@@ -214,7 +230,8 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
         raise RuntimeError(f"pool grew {grown} page ids for {BATCH_PAGES}, {left} left mapped")
     from kvcached import config
 
-    return rec.result(max_spare_pages=config.get("max_spare_pages"), min_spare_pages=config.get("min_spare_pages"))
+    return rec.result(max_spare_pages=config.get("max_spare_pages"), min_spare_pages=config.get("min_spare_pages"),
+                      zero_frontier_pages=config.get("zero_frontier_pages"), grow_zero_splits=splits)
 
 
 def _layout(kind: str, dev) -> "kvcached.KVLayout":

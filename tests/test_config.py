@@ -87,6 +87,7 @@ def test_valid_values_parse(monkeypatch, name, text, value):
         ("zero_chunk_bytes", "1X"),
         ("min_reserve_pages", "-2"),
         ("max_spare_pages", "two"),
+        ("zero_frontier_pages", "-1"),
         ("gpu_utilization", "0"),
         ("gpu_utilization", "1.5"),
         ("virtual_capacity_bytes", "-1G"),
@@ -153,3 +154,52 @@ def test_an_older_name_is_honoured_when_the_option_is_unset(monkeypatch):
     monkeypatch.setenv("ENABLE_KVCACHED", "perhaps")
     with pytest.raises(ValueError, match="ENABLE_KVCACHED='perhaps'"):
         config.get("enable")
+
+
+# ---- the default layout, per device kind -----------------------------------------------------
+
+
+def test_every_device_kind_defaults_to_the_contiguous_layout(monkeypatch):
+    from kvcached.layout import DEFAULT_LAYOUTS, default_layout
+
+    monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
+    assert DEFAULT_LAYOUTS == {"cuda": "contiguous", "hip": "contiguous", "host": "contiguous"}
+    assert [default_layout(kind) for kind in ("cuda", "hip", "host", None)] == ["contiguous"] * 4
+    monkeypatch.setenv("KVCACHED_LAYOUT", "per_layer")
+    assert [default_layout(kind) for kind in ("cuda", "hip", "host", None)] == ["per_layer"] * 4
+
+
+def test_a_pool_gets_its_device_kinds_layout_unless_told(monkeypatch, host_device):
+    import kvcached
+
+    monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
+    with kvcached.KVPool(2, 4096, num_blocks=16, page_bytes=16384, device=host_device, register=False) as pool:
+        assert pool.layout == "contiguous"
+    monkeypatch.setenv("KVCACHED_LAYOUT", "per_layer")
+    with kvcached.KVPool(2, 4096, num_blocks=16, page_bytes=16384, device=host_device, register=False) as pool:
+        assert pool.layout == "per_layer"
+    with kvcached.KVPool(2, 4096, num_blocks=16, page_bytes=16384, device=host_device, register=False,
+                         layout="contiguous") as pool:
+        assert pool.layout == "contiguous"  # an argument wins over the variable
+
+
+def test_info_shows_the_layout_pools_get_and_why(monkeypatch, capsys):
+    from kvcached.cli import collect_info, main
+
+    monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
+    host = next(b for b in collect_info()["backends"] if b["name"] == "host")
+    assert (host["default_layout"], host["layout_source"]) == ("contiguous", "default for the device kind")
+    monkeypatch.setenv("KVCACHED_LAYOUT", "per_layer")
+    assert main(["info"]) == 0
+    assert "pools default to the per_layer layout (KVCACHED_LAYOUT)" in capsys.readouterr().out
+    host = next(b for b in collect_info()["backends"] if b["name"] == "host")
+    assert (host["default_layout"], host["layout_source"]) == ("per_layer", "KVCACHED_LAYOUT")
+
+
+def test_the_space_options_follow_the_configuration(monkeypatch):
+    from kvcached.layout import space_options
+
+    monkeypatch.setenv("KVCACHED_ZERO_FRONTIER_PAGES", "16")
+    assert space_options().zero_frontier_pages == 16
+    monkeypatch.delenv("KVCACHED_ZERO_FRONTIER_PAGES")
+    assert space_options().zero_frontier_pages == 64

@@ -17,7 +17,7 @@ def test_a_layout_knows_its_geometry_and_a_partial_last_page():
     assert (layout.num_pages, layout.blocks_per_page, layout.num_blocks) == (8, 4, 30)
     assert [layout.blocks_on_page(p) for p in (0, 6, 7, 8)] == [4, 4, 2, 0]
     assert layout.page_id_bytes == 2 * 2 * PAGE_BYTES and layout.block_id_bytes == 2 * 2 * (4 << 10)
-    assert layout.kind == "per_layer" and layout.as_dict()["num_blocks"] == 30
+    assert layout.kind == "contiguous" and layout.as_dict()["num_blocks"] == 30  # the default (no device: host's)
     with pytest.raises(ValueError, match="outside the layout"):
         layout.offset_of(0, 0, 30)
 

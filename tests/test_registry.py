@@ -96,6 +96,20 @@ def test_refused_request_is_pressure_on_the_others_but_own_limit_is_not():
     assert [entry["wanted_bytes"] for entry in registry.entries()] == [0, PAGE_BYTES]
 
 
+def test_a_partial_grant_leaves_the_rest_wanted():
+    """A pool that waits takes memory as it comes back: what it still lacks stays pressure."""
+    registry = make_registry(4)
+    holder, needy = registry.register("holder"), registry.register("needy")
+    assert holder.try_acquire(3 * PAGE_BYTES)
+    assert not needy.try_acquire(3 * PAGE_BYTES)  # wants 3 pages, 1 is free
+    assert holder.pressure_bytes == 3 * PAGE_BYTES
+    assert needy.try_acquire(PAGE_BYTES)  # takes the one there is
+    assert holder.pressure_bytes == 2 * PAGE_BYTES
+    holder.release(2 * PAGE_BYTES)
+    assert needy.try_acquire(2 * PAGE_BYTES)  # all it wanted: nobody waits any more
+    assert holder.pressure_bytes == 0
+
+
 def test_entries_report_identity_and_usage():
     registry = make_registry(8)
     budget = registry.register("llama", limit_bytes=6 * PAGE_BYTES)

@@ -10,8 +10,10 @@ from typing import Optional, Sequence
 
 from kvcached.demo.command import add_arguments as add_demo_arguments
 from kvcached.demo.command import run_command as run_demo_command
+from kvcached import config
 from kvcached.devices import backends, canonical_device_name, open_device
 from kvcached.errors import KvcachedError
+from kvcached.layout import default_layout
 
 
 def _format_bytes(count: int) -> str:
@@ -30,11 +32,17 @@ def _identity(spec: str) -> Optional[str]:
         return None
 
 
+def _layout_source() -> str:
+    return "KVCACHED_LAYOUT" if config.get("layout") else "default for the device kind"
+
+
 def collect_info() -> dict:
     """Backends, their devices (ordinal and physical identity), granularity and memory, as plain data.
 
-    A device that cannot be opened (no VMM support, say) is listed with its
-    identity and the error saying why.
+    Each backend also says which KV layout its pools get (``default_layout``: the
+    device kind's default from :data:`kvcached.layout.DEFAULT_LAYOUTS`, or
+    ``KVCACHED_LAYOUT``) and why (``layout_source``). A device that cannot be opened
+    (no VMM support, say) is listed with its identity and the error saying why.
     """
     report: dict = {"backends": []}
     for status in backends():
@@ -43,6 +51,8 @@ def collect_info() -> dict:
             "available": status.available,
             "reason": status.reason,
             "driver_version": status.driver_version,
+            "default_layout": default_layout(status.name),
+            "layout_source": _layout_source(),
             "devices": [],
         }
         for ordinal in range(status.device_count if status.available else 0):
@@ -72,6 +82,8 @@ def _print_info(report: dict) -> None:
     for backend in report["backends"]:
         state = "available" if backend["available"] else f"unavailable: {backend['reason']}"
         print(f"{backend['name']:5s} {state}")
+        if backend["available"]:
+            print(f"  pools default to the {backend['default_layout']} layout ({backend['layout_source']})")
         for dev in backend["devices"]:
             label = f"{dev['device']} = {dev['identity'] or 'unknown device'}"
             if "error" in dev:

@@ -112,8 +112,9 @@ OPTIONS: dict[str, Option] = {
         "Page size per layer and buffer (0: the device's recommended granularity, 2 MiB on CUDA and host).",
     ),
     "layout": Option(
-        "KVCACHED_LAYOUT", "per_layer", _parse_layout,
-        "KV layout: per_layer (each layer's blocks packed) or contiguous (one compound page per page id).",
+        "KVCACHED_LAYOUT", None, _parse_layout,
+        "KV layout: per_layer (each layer's blocks packed) or contiguous (one compound page per page id); "
+        "unset: the device kind's default (kvcached.layout.DEFAULT_LAYOUTS: contiguous everywhere).",
     ),
     "zero_backing": Option(
         "KVCACHED_ZERO_BACKING", True, _parse_bool,
@@ -132,12 +133,17 @@ OPTIONS: dict[str, Option] = {
         "Mapped free pages beyond which the worker gives memory back.",
     ),
     "min_spare_pages": Option(
-        "KVCACHED_MIN_SPARE_PAGES", 0, _parse_count,
-        "Pre-created (unmapped) physical allocations the worker keeps ready.",
+        "KVCACHED_MIN_SPARE_PAGES", 1, _parse_count,
+        "Pre-created (unmapped) physical allocations the worker keeps ready, so a grow rarely creates.",
     ),
     "max_spare_pages": Option(
         "KVCACHED_MAX_SPARE_PAGES", 2, _parse_count,
-        "Unmapped allocations kept for reuse instead of being released.",
+        "Unmapped allocations kept for reuse; more are released by the worker's next round.",
+    ),
+    "zero_frontier_pages": Option(
+        "KVCACHED_ZERO_FRONTIER_PAGES", 64, _parse_count,
+        "Unmapped page ids kept split ahead of use on GPUs (zero backing), at least; the worker keeps "
+        "twice the largest recent grow.",
     ),
     "gpu_utilization": Option(
         "KVCACHED_GPU_UTILIZATION", 0.9, _parse_fraction,

@@ -24,6 +24,25 @@ Mirror = _core.Mirror
 DEFAULT_PAGE_BYTES = 2 << 20  # the recommended granularity of CUDA and the host backend
 DeviceLike = Union[str, "_core.Device", None]
 
+#: The layout a pool gets, by device kind (backend), when neither the caller nor
+#: ``KVCACHED_LAYOUT`` chooses. Measured on both sides of the trade (bench/RESULTS.md):
+#: a gather of random blocks of one layer reads as fast in either layout (H200: 0.96x /
+#: 1.15x / 1.01x for 512 / 2048 / 16384 blocks, contiguous / per-layer; host 1.03x / 0.99x),
+#: while moving memory costs per physical allocation, 2*L per page id per-layer against
+#: one contiguous (H200, 8 GiB hand-over: 14 ms contiguous, 578 ms per-layer). HIP: no
+#: measurement says otherwise (docs/amd.md). A device whose attention kernels read the
+#: contiguous layout slower (the reference's authors saw 56 % slower reads on a GB10)
+#: should default to per_layer here, from the same benchmark.
+DEFAULT_LAYOUTS = {"cuda": "contiguous", "hip": "contiguous", "host": "contiguous"}
+#: For a backend missing from the table.
+FALLBACK_LAYOUT = "contiguous"
+
+
+def default_layout(backend: Optional[str] = None) -> str:
+    """The layout a pool on ``backend`` ("cuda", "hip", "host") gets: ``KVCACHED_LAYOUT``, else
+    :data:`DEFAULT_LAYOUTS`."""
+    return config.get("layout") or DEFAULT_LAYOUTS.get(backend or "host", FALLBACK_LAYOUT)
+
 
 def _device_of(device: DeviceLike) -> Optional["_core.Device"]:
     if device is None or isinstance(device, _core.Device):
@@ -46,7 +65,8 @@ class KVLayout(_core.KVLayout):
         num_buffers: 2 (K and V) or 1 (MLA, K||V cells).
         page_bytes: page size per layer and buffer (``KVCACHED_PAGE_BYTES``,
             else the device's recommended granularity, else 2 MiB).
-        kind: ``"per_layer"`` or ``"contiguous"`` (``KVCACHED_LAYOUT``).
+        kind: ``"per_layer"`` or ``"contiguous"`` (``KVCACHED_LAYOUT``, else the device
+            kind's default: :func:`default_layout`).
         capacity_bytes: virtual capacity when ``num_blocks`` is not given
             (``KVCACHED_VIRTUAL_CAPACITY_BYTES``, else the device's total memory).
         device: used only for the defaults above.
@@ -64,8 +84,12 @@ class KVLayout(_core.KVLayout):
         capacity_bytes: Optional[int] = None,
         device: DeviceLike = None,
     ) -> None:
-        kind = kind or config.get("layout")
         dev = None
+        if not kind:
+            kind = config.get("layout")
+        if not kind:
+            dev = _device_of(device)
+            kind = default_layout(dev.backend if dev is not None else None)
         if page_bytes is None:
             page_bytes = config.get("page_bytes")
             if not page_bytes:
@@ -91,6 +115,7 @@ def space_options(*, zero_backing: Optional[bool] = None, max_spare_pages: Optio
         zero_backing=config.get("zero_backing") if zero_backing is None else zero_backing,
         zero_chunk_bytes=config.get("zero_chunk_bytes"),
         max_spare_pages=config.get("max_spare_pages") if max_spare_pages is None else max_spare_pages,
+        zero_frontier_pages=config.get("zero_frontier_pages"),
     )
 
 
@@ -127,4 +152,7 @@ def block_manager_options(
     )
 
 
-__all__ = ["BlockManagerOptions", "KVLayout", "KVSpaceOptions", "Mirror", "block_manager_options", "space_options"]
+__all__ = [
+    "DEFAULT_LAYOUTS", "BlockManagerOptions", "KVLayout", "KVSpaceOptions", "Mirror", "block_manager_options",
+    "default_layout", "space_options",
+]

@@ -32,7 +32,17 @@ void test_idle_pools_shrink_to_the_minimum() {
 
 void test_pressure_from_other_pools_shrinks_at_once() {
   ReservePolicy policy(targets());
-  CHECK(policy.round(1, 0, true).max_free_pages == 1);
+  const ReserveGoal goal = policy.round(1, 0, true);
+  CHECK(goal.max_free_pages == 1);
+  // Spares are memory others wait for: none kept, and what is unmapped goes back in the same round.
+  CHECK(goal.min_spare_pages == 0 && goal.max_spare_pages == 0 && goal.release_now);
+}
+
+void test_busy_pools_keep_what_they_unmap_until_the_next_round() {
+  ReservePolicy policy(targets());
+  CHECK(!policy.round(1, 0, false).release_now);
+  policy.trimmed(1);
+  CHECK(policy.round(1, 1, false).release_now);  // a trimmed pool gives everything back at once
 }
 
 void test_trim_holds_nothing_until_allocation_resumes() {
@@ -42,7 +52,7 @@ void test_trim_holds_nothing_until_allocation_resumes() {
   for (int round = 0; round < 3 * ReservePolicy::kIdleRounds; ++round) {
     const ReserveGoal goal = policy.round(3, round < 2 ? 3 : 4, false);  // frees do not end it
     CHECK(goal.min_free_pages == 0 && goal.max_free_pages == 0 && goal.min_spare_pages == 0 &&
-          goal.max_spare_pages == 0);
+          goal.max_spare_pages == 0 && goal.release_now);
   }
   CHECK(policy.holding_nothing());
   const ReserveGoal goal = policy.round(4, 4, false);  // an alloc: the reserve refills
@@ -63,6 +73,7 @@ int main() {
   test_busy_pools_keep_the_configured_targets();
   test_idle_pools_shrink_to_the_minimum();
   test_pressure_from_other_pools_shrinks_at_once();
+  test_busy_pools_keep_what_they_unmap_until_the_next_round();
   test_trim_holds_nothing_until_allocation_resumes();
   test_refill_wake_up_and_validation();
   return kvcached_test::summary();

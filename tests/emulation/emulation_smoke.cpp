@@ -234,13 +234,28 @@ void run_cuda() {
   auto backend = kvcached::make_cuda_backend(0);
   expect(backend->name() == "cuda" && backend->dlpack_device_type() == kvcached::DLDeviceType::kCUDA,
          tag, "name and DLPack device type");
+  // A thread with no current context gets the primary context once and keeps
+  // it (as torch.cuda.set_device would), so later calls need no context call.
   CUcontext before = nullptr;
   CUcontext after = nullptr;
+  cuCtxSetCurrent(nullptr);  // opening the backend bound it already
   cuCtxGetCurrent(&before);
   backend->memory_info();
   cuCtxGetCurrent(&after);
-  expect(before == nullptr && after == nullptr, tag,
-         "a call leaves the caller's current context as it was");
+  expect(before == nullptr && after != nullptr, tag,
+         "a thread with no current context keeps the primary context after a call");
+  // Its owner takes the context away again: the next VMM call notices (the
+  // driver says there is no context), binds it again and succeeds.
+  cuCtxSetCurrent(nullptr);
+  bool rebound = false;
+  try {
+    const kvcached::VirtualAddress range = backend->reserve(kPageBytes, kPageBytes);
+    backend->free_range(range, kPageBytes);
+    cuCtxGetCurrent(&after);
+    rebound = after != nullptr;
+  } catch (const std::exception&) {
+  }
+  expect(rebound, tag, "a VMM call on a thread whose context was taken away binds it again");
   expect(backend->physical_device_name().rfind("cuda-GPU-", 0) == 0 &&
              backend->physical_device_name() == kvcached::cuda_physical_device_name(0),
          tag, "physical_device_name is the device's UUID");

@@ -80,7 +80,10 @@ void bind_device(nb::module_& m) {
              const MemoryInfo info = d.memory_info();
              return std::make_pair(info.free_bytes, info.total_bytes);
            },
-           Released(), "(free_bytes, total_bytes) of the device.")
+           Released(), "(free_bytes, total_bytes) of the device, asked of the driver.")
+      .def_prop_ro("estimated_free_bytes", &Device::estimated_free_bytes,
+                   "Free bytes without a driver call: the last memory_info(), less what was created "
+                   "through this Device since, plus what was released.")
       .def("counters", [](const Device& d) { return counters_dict(d.counters()); },
            "Reserved / created / mapped bytes and object counts held through this Device.")
       .def("reserve", &Device::reserve, "size"_a, "alignment"_a = 0, Released(),

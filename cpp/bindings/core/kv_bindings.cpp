@@ -7,6 +7,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
 #include <limits>
 #include <memory>
 
@@ -192,6 +194,10 @@ void bind_space(nb::module_& m) {
       .def("is_mapped", &KVSpace::is_mapped, "page"_a)
       .def("prepare_pages", &KVSpace::prepare_pages, "pages"_a, Released(),
            "Split zero chunks around these unmapped pages ahead of use (GPU; no-op on host).")
+      .def_prop_ro("zero_frontier_pages", &KVSpace::zero_frontier_pages,
+                   "Page ids a pool keeps split ahead of use, at least (0 where nothing is split: host, no zeros).")
+      .def_prop_ro("zero_splits_on_map", &KVSpace::zero_splits_on_map,
+                   "Zero chunks split while mapping (the grow path); 0 when the look-ahead kept up.")
       .def_prop_ro("mapped_pages", &KVSpace::mapped_pages)
       .def_prop_ro("spare_pages", &KVSpace::spare_pages)
       .def("add_spares", &KVSpace::add_spares, "count"_a, Released(),
@@ -225,15 +231,20 @@ void bind_block_manager(nb::module_& m) {
            "layout"_a, "options"_a, "space"_a.none() = nb::none(), "mirrors"_a.none() = nb::none(),
            "budget"_a.none() = nb::none())
       .def("alloc",
-           [](BlockManager& b, std::size_t n) {
+           [](BlockManager& b, std::size_t n, double timeout_s) {
+             if (!(timeout_s >= 0.0)) throw InvalidArgument("timeout_s must be a number of seconds >= 0");
              std::vector<std::int64_t> ids;
              if (!b.try_alloc_mapped(n, ids)) {  // may have to wait: let other threads run
+               const auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::duration<double>(std::min(timeout_s, 1e9)));
                nb::gil_scoped_release release;
-               ids = b.alloc(n);
+               ids = b.alloc(n, wait);
              }
              return ids_to_array(std::move(ids));
            },
-           "n"_a, "Allocate n block ids (numpy int64). Raises OutOfMemoryError, rolling back.")
+           "n"_a, "timeout_s"_a = 0.0,
+           "Allocate n block ids (numpy int64). Raises OutOfMemoryError, rolling back. With timeout_s, waits "
+           "up to that long for memory other pools give back (only when a budget stands in the way).")
       .def("alloc_list",
            [](BlockManager& b, std::size_t n) {
              std::vector<std::int64_t> ids;
@@ -285,6 +296,8 @@ void bind_block_manager(nb::module_& m) {
       .def("trim", &BlockManager::trim, Released(),
            "Unmap every free page and release spares now; kept so until the next alloc. Returns pages unmapped.")
       .def("maintain", &BlockManager::maintain, Released(), "One round of reserve keeping.")
+      .def("prepare_ahead", &BlockManager::prepare_ahead, Released(),
+           "Get the next lookahead_pages unmapped page ids ready (the worker does this after each round).")
       .def("set_reserve",
            [](BlockManager& b, nb::handle min_free, nb::handle max_free, nb::handle min_spare, nb::handle max_spare) {
              b.set_reserve({size_arg("min_free_pages", min_free, true), size_arg("max_free_pages", max_free, true),
@@ -301,6 +314,9 @@ void bind_block_manager(nb::module_& m) {
       .def_prop_ro("num_mirrors", &BlockManager::num_mirrors)
       .def("stats", [](const BlockManager& b) { return stats_dict(b.stats()); })
       .def("page_of", &BlockManager::page_of, "block"_a)
+      .def_prop_ro("lookahead_pages", &BlockManager::lookahead_pages,
+                   "Unmapped page ids kept ready ahead of use (zero chunks split): the space's floor, "
+                   "or twice the largest recent grow.")
       .def_prop_ro("kv_layout", &BlockManager::layout, "The KVLayout this manager decides for.")
       .def_prop_ro("options", [](const BlockManager& b) { return b.options(); },
                    "Its BlockManagerOptions (the limit as last set by resize).")

@@ -146,42 +146,48 @@ nb::tuple options_state(const BlockManagerOptions& o) {
 }
 
 nb::tuple space_options_state(const KVSpaceOptions& o) {
-  return nb::make_tuple(o.zero_backing, o.zero_chunk_bytes, o.max_spare_pages);
+  return nb::make_tuple(o.zero_backing, o.zero_chunk_bytes, o.max_spare_pages, o.zero_frontier_pages);
 }
 
 void bind_options(nb::module_& m) {
   nb::class_<KVSpaceOptions>(m, "KVSpaceOptions", "How a KV space maps: zero backing, spare allocations.")
       .def("__init__",
-           [](KVSpaceOptions* self, bool zero_backing, nb::handle zero_chunk_bytes, nb::handle max_spare_pages) {
+           [](KVSpaceOptions* self, bool zero_backing, nb::handle zero_chunk_bytes, nb::handle max_spare_pages,
+              nb::handle zero_frontier_pages) {
              KVSpaceOptions o;
              o.zero_backing = zero_backing;
              o.zero_chunk_bytes = size_arg("zero_chunk_bytes", zero_chunk_bytes, false);
              o.max_spare_pages = size_arg("max_spare_pages", max_spare_pages, true);
+             o.zero_frontier_pages = size_arg("zero_frontier_pages", zero_frontier_pages, true);
              new (self) KVSpaceOptions(o);
            },
            "zero_backing"_a = true, "zero_chunk_bytes"_a = KVSpaceOptions{}.zero_chunk_bytes,
-           "max_spare_pages"_a = 0,
+           "max_spare_pages"_a = 0, "zero_frontier_pages"_a = KVSpaceOptions{}.zero_frontier_pages,
            nb::sig("def __init__(self, zero_backing: bool = True, zero_chunk_bytes: int = 268435456, "
-                   "max_spare_pages: int = 0) -> None"))
+                   "max_spare_pages: int = 0, zero_frontier_pages: int = 64) -> None"))
       .def_prop_ro("zero_backing", [](const KVSpaceOptions& o) { return o.zero_backing; })
       .def_prop_ro("zero_chunk_bytes", [](const KVSpaceOptions& o) { return o.zero_chunk_bytes; })
       .def_prop_ro("max_spare_pages", [](const KVSpaceOptions& o) { return o.max_spare_pages; })
+      .def_prop_ro("zero_frontier_pages", [](const KVSpaceOptions& o) { return o.zero_frontier_pages; })
       .def("__getstate__", &space_options_state)
       .def("__eq__", [](const KVSpaceOptions& a, nb::handle b) {
              return nb::isinstance<KVSpaceOptions>(b) &&
                     space_options_state(a).equal(space_options_state(nb::cast<const KVSpaceOptions&>(b)));
            })
-      .def("__setstate__", [](KVSpaceOptions& self, const std::tuple<bool, std::size_t, std::size_t>& t) {
-        KVSpaceOptions o;
-        o.zero_backing = std::get<0>(t);
-        o.zero_chunk_bytes = std::get<1>(t);
-        o.max_spare_pages = std::get<2>(t);
-        new (&self) KVSpaceOptions(o);
-      })
+      .def("__setstate__",
+           [](KVSpaceOptions& self, const std::tuple<bool, std::size_t, std::size_t, std::size_t>& t) {
+             KVSpaceOptions o;
+             o.zero_backing = std::get<0>(t);
+             o.zero_chunk_bytes = std::get<1>(t);
+             o.max_spare_pages = std::get<2>(t);
+             o.zero_frontier_pages = std::get<3>(t);
+             new (&self) KVSpaceOptions(o);
+           })
       .def("__repr__", [](const KVSpaceOptions& o) {
         return "KVSpaceOptions(zero_backing=" + std::string(o.zero_backing ? "True" : "False") +
                ", zero_chunk_bytes=" + std::to_string(o.zero_chunk_bytes) +
-               ", max_spare_pages=" + std::to_string(o.max_spare_pages) + ")";
+               ", max_spare_pages=" + std::to_string(o.max_spare_pages) +
+               ", zero_frontier_pages=" + std::to_string(o.zero_frontier_pages) + ")";
       });
 
   nb::class_<BlockManagerOptions>(m, "BlockManagerOptions",

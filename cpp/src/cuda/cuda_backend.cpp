@@ -1,5 +1,6 @@
 // The CUDA backend: each VmmBackend call is one cuMem* driver call, made with
-// the device's primary context current on the calling thread.
+// the device's primary context current on the calling thread (made current
+// once per thread and kept, so a VMM call normally makes no context call).
 //
 // The primary context is the one the CUDA runtime (and so PyTorch) uses, so
 // memory mapped here is usable by their kernels without any peer set-up.
@@ -40,30 +41,63 @@ void check(const char* call, CUresult code) {
   if (code != CUDA_SUCCESS) throw_driver_error(call, code);
 }
 
-// Makes `context` current for the lifetime of the guard and restores the
-// caller's context afterwards, so callers (PyTorch threads, the pool's
-// worker thread) never see their current context changed behind their back.
-// Costs two thread-local reads/writes in the driver when already current.
-class ScopedContext {
+// Which context is current on each thread, as far as kvcached knows, so that
+// a VMM call needs no context call at all once the device's primary context
+// is current (the common case: an engine thread after torch.cuda.set_device,
+// or a thread kvcached bound itself).
+//  * t_known_current: the context last seen or made current on this thread;
+//  * t_kept_context: the context kvcached made current and left current here
+//    (on a thread that had none, or one of kvcached's own threads).
+// The cuMem* VMM calls name their device explicitly (allocation properties,
+// access descriptors, addresses in the process-wide unified address space);
+// the driver asks only for an initialised context on the thread. So a stale
+// t_known_current (the caller switched contexts since) is harmless for them,
+// and a thread left without any context is noticed by the driver's answer
+// (CUDA_ERROR_INVALID_CONTEXT), which makes the call bind and retry once.
+// Calls whose meaning depends on the current context (synchronize, memset,
+// memory info) always look first.
+thread_local CUcontext t_known_current = nullptr;
+thread_local CUcontext t_kept_context = nullptr;
+
+// Makes `context` current for one driver call. `verify`: ask the driver what
+// is current instead of trusting t_known_current. A caller's own, different
+// context is restored when the guard goes; a thread with no context (or only
+// one kvcached left there) keeps `context`.
+class ContextForCall {
  public:
-  explicit ScopedContext(CUcontext context) {
-    check("cuCtxGetCurrent", cuCtxGetCurrent(&previous_));
-    if (previous_ != context) {
-      check("cuCtxSetCurrent", cuCtxSetCurrent(context));
-      switched_ = true;
+  ContextForCall(CUcontext context, bool verify) {
+    if (!verify && t_known_current == context) return;
+    CUcontext current = nullptr;
+    check("cuCtxGetCurrent", cuCtxGetCurrent(&current));
+    t_known_current = current;
+    if (current == context) return;
+    check("cuCtxSetCurrent", cuCtxSetCurrent(context));
+    if (current == nullptr || current == t_kept_context) {
+      t_kept_context = t_known_current = context;  // nothing of the caller's was current: keep it
+    } else {
+      restore_ = current;  // the caller's own context: back after this call
     }
   }
-  ~ScopedContext() {
+  ~ContextForCall() {
     // Best effort: a failure here cannot be reported from a destructor.
-    if (switched_) (void)cuCtxSetCurrent(previous_);
+    if (restore_ != nullptr) (void)cuCtxSetCurrent(restore_);
   }
-  ScopedContext(const ScopedContext&) = delete;
-  ScopedContext& operator=(const ScopedContext&) = delete;
+  ContextForCall(const ContextForCall&) = delete;
+  ContextForCall& operator=(const ContextForCall&) = delete;
 
  private:
-  CUcontext previous_ = nullptr;
-  bool switched_ = false;
+  CUcontext restore_ = nullptr;
 };
+
+// Binds `context` to the calling thread for good (kvcached's own threads).
+void keep_current(CUcontext context) {
+  check("cuCtxSetCurrent", cuCtxSetCurrent(context));
+  t_kept_context = t_known_current = context;
+}
+
+bool lost_context(CUresult code) {
+  return code == CUDA_ERROR_INVALID_CONTEXT || code == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+}
 
 // cuInit for the free functions below; the driver makes repeated calls cheap.
 CUresult initialise_driver() { return cuInit(0); }
@@ -126,8 +160,10 @@ class CudaBackend final : public VmmBackend {
   DLDeviceType dlpack_device_type() const override { return DLDeviceType::kCUDA; }
   Granularity granularity() const override { return granularity_; }
 
+  void bind_calling_thread() override { keep_current(context_); }
+
   MemoryInfo memory_info() const override {
-    ScopedContext scope(context_);
+    ContextForCall scope(context_, /*verify=*/true);
     std::size_t free_bytes = 0;
     std::size_t total_bytes = 0;
     check("cuMemGetInfo", cuMemGetInfo(&free_bytes, &total_bytes));
@@ -135,72 +171,84 @@ class CudaBackend final : public VmmBackend {
   }
 
   VirtualAddress reserve(std::size_t size_bytes, std::size_t alignment_bytes) override {
-    ScopedContext scope(context_);
     CUdeviceptr base = 0;
     const CUdeviceptr no_fixed_address = 0;
     const unsigned long long no_flags = 0;
-    check("cuMemAddressReserve",
-          cuMemAddressReserve(&base, size_bytes, alignment_bytes, no_fixed_address, no_flags));
+    vmm_call("cuMemAddressReserve",
+             [&] { return cuMemAddressReserve(&base, size_bytes, alignment_bytes, no_fixed_address, no_flags); });
     return static_cast<VirtualAddress>(base);
   }
 
   void free_range(VirtualAddress base, std::size_t size_bytes) override {
-    ScopedContext scope(context_);
-    check("cuMemAddressFree", cuMemAddressFree(static_cast<CUdeviceptr>(base), size_bytes));
+    vmm_call("cuMemAddressFree", [&] { return cuMemAddressFree(static_cast<CUdeviceptr>(base), size_bytes); });
   }
 
   PhysicalHandle create(std::size_t size_bytes) override {
-    ScopedContext scope(context_);
     const CUmemAllocationProp prop = device_allocation_prop();
     CUmemGenericAllocationHandle handle = 0;
     const unsigned long long no_flags = 0;
-    check("cuMemCreate", cuMemCreate(&handle, size_bytes, &prop, no_flags));
+    vmm_call("cuMemCreate", [&] { return cuMemCreate(&handle, size_bytes, &prop, no_flags); });
     return static_cast<PhysicalHandle>(handle);
   }
 
   void release(PhysicalHandle handle) override {
-    ScopedContext scope(context_);
-    check("cuMemRelease", cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)));
+    vmm_call("cuMemRelease", [&] { return cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)); });
   }
 
   void map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) override {
-    ScopedContext scope(context_);
     // CUDA refuses non-zero offsets ("operation not supported"): always whole allocations.
     const std::size_t whole_allocation_offset = 0;
     const unsigned long long no_flags = 0;
-    check("cuMemMap", cuMemMap(static_cast<CUdeviceptr>(address), size_bytes,
-                               whole_allocation_offset,
-                               static_cast<CUmemGenericAllocationHandle>(handle), no_flags));
+    vmm_call("cuMemMap", [&] {
+      return cuMemMap(static_cast<CUdeviceptr>(address), size_bytes, whole_allocation_offset,
+                      static_cast<CUmemGenericAllocationHandle>(handle), no_flags);
+    });
   }
 
   void unmap(VirtualAddress address, std::size_t size_bytes) override {
-    ScopedContext scope(context_);
-    check("cuMemUnmap", cuMemUnmap(static_cast<CUdeviceptr>(address), size_bytes));
+    vmm_call("cuMemUnmap", [&] { return cuMemUnmap(static_cast<CUdeviceptr>(address), size_bytes); });
   }
 
   void set_access(VirtualAddress address, std::size_t size_bytes) override {
-    ScopedContext scope(context_);
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = device_;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     const std::size_t one_descriptor = 1;
-    check("cuMemSetAccess",
-          cuMemSetAccess(static_cast<CUdeviceptr>(address), size_bytes, &access, one_descriptor));
+    vmm_call("cuMemSetAccess", [&] {
+      return cuMemSetAccess(static_cast<CUdeviceptr>(address), size_bytes, &access, one_descriptor);
+    });
   }
 
   void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
-    ScopedContext scope(context_);
+    ContextForCall scope(context_, /*verify=*/true);
     check("cuMemsetD8", cuMemsetD8(static_cast<CUdeviceptr>(address), 0, size_bytes));
     check("cuCtxSynchronize", cuCtxSynchronize());
   }
 
   void synchronize() override {
-    ScopedContext scope(context_);
+    ContextForCall scope(context_, /*verify=*/true);
     check("cuCtxSynchronize", cuCtxSynchronize());
   }
 
  private:
+  // One VMM call: no context call when this thread is known to have ours
+  // current; bound and retried once if the driver says it has no context.
+  template <typename Call>
+  void vmm_call(const char* name, const Call& call) const {
+    CUresult result;
+    {
+      ContextForCall scope(context_, /*verify=*/false);
+      result = call();
+    }
+    if (lost_context(result)) {
+      t_known_current = nullptr;
+      keep_current(context_);  // the thread had no usable context: bind ours for good
+      result = call();
+    }
+    check(name, result);
+  }
+
   // Pinned device memory with no export handle types: the cheapest kind, and
   // what cuMemGetAllocationGranularity must be asked about too.
   CUmemAllocationProp device_allocation_prop() const {
@@ -212,7 +260,7 @@ class CudaBackend final : public VmmBackend {
   }
 
   Granularity query_granularity() const {
-    ScopedContext scope(context_);
+    ContextForCall scope(context_, /*verify=*/true);
     const CUmemAllocationProp prop = device_allocation_prop();
     Granularity result{0, 0};
     check("cuMemGetAllocationGranularity",

@@ -69,6 +69,8 @@ class HipBackend final : public VmmBackend {
   DLDeviceType dlpack_device_type() const override { return DLDeviceType::kROCM; }
   Granularity granularity() const override { return granularity_; }
 
+  void bind_calling_thread() override { hip::bind_calling_thread(ordinal_); }
+
   MemoryInfo memory_info() const override {
     ScopedHipCall call(ordinal_);
     std::size_t free_bytes = 0;

@@ -26,7 +26,19 @@ void throw_driver_error(const char* call, hipError_t code) {
   throw DriverError(kBackendName, call, code, driver_message(code));
 }
 
+namespace {
+// The device kvcached made current on this thread for good (-1: none).
+thread_local int t_bound_device = -1;
+}  // namespace
+
+void bind_calling_thread(int ordinal) {
+  std::lock_guard<std::mutex> lock(runtime_mutex());
+  check("hipSetDevice", hipSetDevice(ordinal));
+  t_bound_device = ordinal;
+}
+
 ScopedHipCall::ScopedHipCall(int ordinal) : lock_(runtime_mutex()) {
+  if (t_bound_device == ordinal) return;  // kvcached's own thread: nobody else switches it
   check("hipGetDevice", hipGetDevice(&previous_));
   if (previous_ != ordinal) {
     check("hipSetDevice", hipSetDevice(ordinal));

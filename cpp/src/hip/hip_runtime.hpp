@@ -48,8 +48,13 @@ inline void check(const char* call, hipError_t code) {
   if (code != hipSuccess) throw_driver_error(call, code);
 }
 
-// Holds the runtime lock and makes `ordinal` the calling thread's device,
-// restoring the caller's device afterwards (PyTorch threads keep theirs).
+// Holds the runtime lock and makes `ordinal` the calling thread's device for
+// one call. On kvcached's own threads (bind_calling_thread) the device stays
+// current and no device call is made; on others the current device is read
+// (hipGetDevice, a thread-local read in the runtime) and, when it differs,
+// switched and restored afterwards, so a PyTorch thread keeps its device.
+// HIP has no "no device" state to tell a thread kvcached may keep apart, and
+// its VMM calls are not documented as independent of the current device.
 class ScopedHipCall {
  public:
   explicit ScopedHipCall(int ordinal);
@@ -62,6 +67,10 @@ class ScopedHipCall {
   int previous_ = 0;
   bool switched_ = false;
 };
+
+// Makes `ordinal` the calling thread's device for good and skips the device
+// check of later calls on it (kvcached's own worker threads).
+void bind_calling_thread(int ordinal);
 
 // Pinned device memory with no export handle types, the only kind used here.
 hipMemAllocationProp device_allocation_prop(int ordinal);

@@ -20,7 +20,9 @@
 // takes mutex_ only.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <cstddef>
 #include <cstdint>
@@ -90,6 +92,13 @@ class KVCACHED_EXPORT BlockManager {
   // policy, mapping pages when needed (waiting for unmaps in flight). Throws
   // BudgetExhausted / DeviceOutOfMemory and rolls back what it mapped.
   std::vector<std::int64_t> alloc(std::size_t n);
+  // The same, but when only a memory budget (other pools' use) stands in the
+  // way, waits up to `wait` for them to give memory back: it polls the budget
+  // (no sleep of a fixed retry period) and maps pages as memory returns, so
+  // its maps overlap their unmaps. All or nothing: at the deadline what it
+  // mapped is rolled back and BudgetExhausted raised. A limit or the page ids
+  // standing in the way raise at once.
+  std::vector<std::int64_t> alloc(std::size_t n, std::chrono::nanoseconds wait);
   // The fast path alone: succeeds only if `n` blocks can be taken without
   // mapping and the lock is free right now; never blocks (callers holding the
   // GIL use it first and fall back to alloc() with the GIL released).
@@ -117,7 +126,14 @@ class KVCACHED_EXPORT BlockManager {
   // so until the next alloc. Returns pages unmapped.
   std::size_t trim();
   // One round of reserve keeping (what the worker does); also usable by hand.
+  // Allocations it unmaps stay as spares until the next round unless others
+  // wait for memory (ReserveGoal::release_now); spares beyond the reserve
+  // kept by earlier rounds are released first.
   void maintain();
+  // The worker's other job each round: get the next lookahead_pages()
+  // unmapped page ids ready (zero chunks split), holding no lock of the
+  // manager's, so grows meanwhile wait for one short split at most.
+  void prepare_ahead();
   void set_reserve(const ReserveTargets& targets);
   // Unmap everything, release the budgets, stop the worker. Idempotent and
   // safe to call from several threads at once.
@@ -136,8 +152,12 @@ class KVCACHED_EXPORT BlockManager {
   const KVLayout& layout() const noexcept { return layout_; }
   const BlockManagerOptions& options() const noexcept { return options_; }
   std::size_t page_of(std::int64_t block) const;
+  // Unmapped page ids the worker keeps ready ahead of use (zero chunks split):
+  // at least the space's look-ahead, and twice the largest of the recent grows.
+  std::size_t lookahead_pages() const;
 
  private:
+  using Clock = std::chrono::steady_clock;
   BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::shared_ptr<PageMapper> mapper,
                std::vector<MirrorSpec> mirrors);
   enum class PageState : std::uint8_t { kUnmapped, kMapping, kMapped, kUnmapping, kAwaitingAck };
@@ -161,7 +181,13 @@ class KVCACHED_EXPORT BlockManager {
   AllocPlan plan_alloc_locked(std::size_t n, bool into_reserve) const;
   // Reserved blocks first (unless taking into the reserve), then by placement.
   void take_locked(std::size_t n, bool into_reserve, std::vector<std::int64_t>& out);
-  std::vector<std::int64_t> alloc_slow(std::size_t n, bool into_reserve);
+  std::vector<std::int64_t> alloc_slow(std::size_t n, bool into_reserve, Clock::time_point deadline);
+  // Waits (mutex_ released, map_mutex_ held) until some budget has more room
+  // than `room_before` pages, or the deadline; polls tightly, never sleeps a period.
+  void wait_for_budget_locked(Lock& lock, std::size_t room_before, Clock::time_point deadline);
+  // Pages the budgets would grant now, summed over live mirrors (a change detector).
+  std::size_t budget_room_pages_locked() const;
+  static std::size_t budget_room_pages_unlocked_poll(const std::vector<std::pair<MemoryBudget*, std::size_t>>& budgets);
   void check_ids_in_range(const std::int64_t* ids, std::size_t count) const;
   std::size_t available_locked() const;
   // Blocks on the next `pages` page ids to be grown (a partial last page has fewer).
@@ -169,10 +195,18 @@ class KVCACHED_EXPORT BlockManager {
   // Pages obtainable beyond the empty ones: ids, limit, budgets, device;
   // `bound_by` (optional) names the one that binds, for messages.
   std::size_t growth_room_locked(std::string* bound_by = nullptr) const;
+  // The same with only the page ids and the limit: what waiting cannot change.
+  std::size_t fixed_room_locked() const;
 
   // ---- pages (map_mutex_ held; mutex_ held on entry and exit, released inside) ----
   std::vector<std::int64_t> grow_locked(Lock& lock, std::size_t count, const std::vector<std::int64_t>* wanted);
-  std::size_t shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages);
+  // Unmaps in slices of a few allocations; after each slice the budgets are
+  // settled, so others can use the memory while the rest is unmapped. With
+  // `release_beyond`, spares beyond that many are released after each slice
+  // (memory back to the device at once); without, the space keeps them.
+  std::size_t shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages,
+                            std::optional<std::size_t> release_beyond = std::nullopt);
+  std::size_t shrink_slice_pages() const noexcept;
   void undo_grow_locked(const std::vector<std::int64_t>& pages);
   // Pages whose unmap every live mirror has acknowledged: their ids are reusable.
   void make_reusable_locked(const std::vector<std::int64_t>& pages);
@@ -189,11 +223,21 @@ class KVCACHED_EXPORT BlockManager {
   void settle_locked(Lock& lock);
   void give_back_locked(Lock& lock, std::vector<std::pair<std::size_t, std::size_t>> releases);
   void refresh_limit_locked() const;
-  std::optional<std::size_t> device_free_pages() const;  // a driver call: no mutex_ held
+  // The device's free memory in pages: an estimate without a driver call
+  // (Device::estimated_free_bytes); `query` asks the driver (no mutex_ held).
+  std::optional<std::size_t> device_free_pages(bool query = false) const;
+  // The device bound refused a grow: learn what is really free, then re-plan.
+  bool requery_device_locked(Lock& lock);
   void report_usage_locked() const noexcept;
   void trim_spares_locked(Lock& lock, std::size_t keep);
+  // maintain()'s steps: spares beyond `keep` released a slice at a time (each
+  // under the map lock), the limit, then the goal's free pages and spares.
+  void release_spares_beyond(std::size_t keep);
+  void keep_within_limit_locked(Lock& lock);
+  void keep_reserve_locked(Lock& lock, const ReserveGoal& goal);
   void add_spares_locked(Lock& lock, std::size_t count);
   void probe_budget_for_pressure(Lock& lock, std::size_t pages);
+  void note_grow_locked(std::size_t pages);
 
   // ---- worker ----
   void worker_loop();
@@ -224,6 +268,7 @@ class KVCACHED_EXPORT BlockManager {
   MirrorBudgets budgets_;
   ReservePolicy reserve_;
   std::uint64_t allocs_ = 0, frees_ = 0;
+  std::deque<std::size_t> recent_grows_;                 // pages of the last grows (look-ahead)
   std::size_t slow_allocs_ = 0, worker_errors_ = 0;
   std::string last_worker_error_;
   bool closed_ = false;

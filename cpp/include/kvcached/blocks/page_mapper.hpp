@@ -37,8 +37,16 @@ class KVCACHED_EXPORT PageMapper {
   virtual void set_max_spare_pages(std::size_t count) { (void)count; }
   // Get these unmapped pages ready to be mapped quickly (best effort).
   virtual void prepare_pages(const std::vector<std::int64_t>& pages) { (void)pages; }
-  // Device memory still free, when the mapper has a device (a driver call).
-  virtual std::optional<std::size_t> device_free_bytes() const { return std::nullopt; }
+  // How many unmapped page ids the mapper wants ready ahead of use at least.
+  virtual std::size_t lookahead_pages() const noexcept { return 0; }
+  // Device memory still free, when the mapper has a device: `query` asks the
+  // driver (microseconds), otherwise an estimate with no driver call.
+  virtual std::optional<std::size_t> device_free_bytes(bool query) const {
+    (void)query;
+    return std::nullopt;
+  }
+  // The calling thread is the block manager's worker: bind the device to it.
+  virtual void bind_calling_thread() {}
 };
 
 class KVCACHED_EXPORT LocalPageMapper final : public PageMapper {
@@ -51,9 +59,12 @@ class KVCACHED_EXPORT LocalPageMapper final : public PageMapper {
   std::size_t trim_spares(std::size_t keep) override { return space_->trim_spares(keep); }
   void set_max_spare_pages(std::size_t count) override { space_->set_max_spare_pages(count); }
   void prepare_pages(const std::vector<std::int64_t>& pages) override { space_->prepare_pages(pages); }
-  std::optional<std::size_t> device_free_bytes() const override {
-    return space_->device()->memory_info().free_bytes;
+  std::size_t lookahead_pages() const noexcept override { return space_->zero_frontier_pages(); }
+  std::optional<std::size_t> device_free_bytes(bool query) const override {
+    const auto& device = space_->device();
+    return query ? device->memory_info().free_bytes : device->estimated_free_bytes();
   }
+  void bind_calling_thread() override { space_->device()->bind_calling_thread(); }
   const std::shared_ptr<KVSpace>& space() const noexcept { return space_; }
 
  private:

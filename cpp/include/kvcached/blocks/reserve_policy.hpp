@@ -3,8 +3,9 @@
 // the block manager asks it once per maintenance round and carries out the goal.
 //
 //  * busy (allocs or frees since the last rounds): the configured targets;
-//  * idle for kIdleRounds rounds, or other pools short of memory: free pages
-//    down to the minimum;
+//  * idle for kIdleRounds rounds: free pages down to the minimum;
+//  * other pools short of memory: free pages down to the minimum, no spare
+//    allocation at all, and what is unmapped is released at once;
 //  * after trim(): nothing at all — no free page, no spare — until the next
 //    alloc, so an idle pool that was told to give everything back stays empty;
 //    the reserve refills once allocation resumes.
@@ -20,6 +21,10 @@ namespace kvcached {
 struct ReserveGoal {
   std::size_t min_free_pages = 0, max_free_pages = 0;
   std::size_t min_spare_pages = 0, max_spare_pages = 0;
+  // Allocations unmapped in this round go back to the device in this round
+  // (others wait for the memory, or the pool was trimmed); otherwise they
+  // stay as spares until the next round, off the path of frees and allocs.
+  bool release_now = false;
 };
 
 class KVCACHED_EXPORT ReservePolicy {

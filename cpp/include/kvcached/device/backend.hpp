@@ -82,6 +82,12 @@ class KVCACHED_EXPORT VmmBackend {
   // because unmap does not wait for kernels in flight).
   virtual void synchronize() = 0;
 
+  // The calling thread belongs to kvcached (a pool's background worker): make
+  // this device current on it once and keep it so, so that its later calls
+  // need no switch. Other threads are never changed behind their owner's back
+  // beyond what each backend documents.
+  virtual void bind_calling_thread() {}
+
   // Optional: turn [address, address+size) into read-only zero pages at no
   // physical cost. Only the host backend can (anonymous private mapping);
   // GPU backends return false and callers map a shared zero allocation.

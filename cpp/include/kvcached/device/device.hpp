@@ -5,9 +5,11 @@
 // every request against its own records *before* calling the backend, so a bad
 // request raises InvalidArgument and changes nothing, on every backend alike.
 // It also counts reserved, created and mapped bytes, which tests use to prove
-// that nothing leaks.
+// that nothing leaks, and keeps an estimate of the device's free memory that
+// costs no driver call (the last query, less what this Device created since).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <map>
 #include <memory>
@@ -95,8 +97,19 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   int ordinal() const { return backend_->device_ordinal(); }
   DLDeviceType dlpack_device_type() const { return backend_->dlpack_device_type(); }
   Granularity granularity() const { return granularity_; }
-  MemoryInfo memory_info() const { return backend_->memory_info(); }
+  // Asks the driver (cuMemGetInfo: microseconds, so never per page) and
+  // resets the estimate below to its answer.
+  MemoryInfo memory_info() const;
+  // Free device memory without a driver call: the last memory_info() answer,
+  // less what this Device created since, plus what it released. Exact for
+  // this process's own pools; memory taken by other users of the device shows
+  // at the next query (made when a create runs out of memory, and
+  // periodically by a pool's background worker).
+  std::size_t estimated_free_bytes() const noexcept;
   DeviceCounters counters() const;
+  // The calling thread is kvcached's own (a pool's worker): bind the device
+  // to it once (VmmBackend::bind_calling_thread).
+  void bind_calling_thread() { backend_->bind_calling_thread(); }
 
   // alignment_bytes 0 means the recommended granularity.
   Reservation reserve(std::size_t size_bytes, std::size_t alignment_bytes = 0);
@@ -137,7 +150,9 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   };
 
   void free_range(VirtualAddress base, std::size_t size_bytes, bool tolerate_errors);
-  void release_allocation(PhysicalHandle handle, bool force) ;
+  void release_allocation(PhysicalHandle handle, bool force);
+  void map_locked(VirtualAddress address, const PhysicalAllocation& allocation);
+  void set_access_locked(VirtualAddress address, std::size_t size_bytes);
   void check_aligned(const char* what, std::size_t value) const;
   // Returns the reservation containing [address, address+size) or end().
   std::map<VirtualAddress, std::size_t>::const_iterator find_reservation(
@@ -147,6 +162,9 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   std::shared_ptr<VmmBackend> backend_;
   Granularity granularity_;
   std::string canonical_name_;
+  // Free bytes as of the last query, adjusted by every create and release
+  // since; may go negative when others freed memory we then created.
+  mutable std::atomic<std::int64_t> free_estimate_bytes_{0};
   mutable std::mutex mutex_;  // guards the records below and serialises driver calls
   std::map<VirtualAddress, std::size_t> reservations_;           // base -> size
   std::unordered_map<PhysicalHandle, AllocationRecord> allocations_;

@@ -32,7 +32,14 @@ struct KVSpaceOptions {
   bool zero_backing = true;
   std::size_t zero_chunk_bytes = 256u << 20;  // largest shared zero allocation on GPUs
   std::size_t max_spare_pages = 0;           // unmapped allocations kept for reuse
-  std::size_t zero_frontier_pages = 4;       // page ids whose zero chunks are split at set-up
+  // Unmapped page ids kept split ahead of use (GPU zero backing): set-up
+  // splits the first ones (at most kSetupPrepareAllocations allocations'
+  // worth) and a block manager's worker keeps at least this many ready.
+  std::size_t zero_frontier_pages = 64;
+  // Set-up splits at most this many allocations' worth of page ids ahead (each
+  // costs a zero mapping given access, ~30 us on an H200): 64 page ids of the
+  // contiguous layout, 8 per-layer with 32 layers; the worker does the rest.
+  static constexpr std::size_t kSetupPrepareAllocations = 512;
 };
 
 // What an unmap did: every page listed was unmapped; of their allocations,
@@ -73,7 +80,12 @@ class KVCACHED_EXPORT KVSpace {
   bool is_mapped(std::int64_t page) const;
   // Split coarse zero chunks around these (unmapped) pages ahead of use, so
   // mapping them later is one zero page swapped for real memory. No-op on host.
+  // Takes the lock one range at a time, so a map waits for one split at most.
   void prepare_pages(const std::vector<std::int64_t>& pages);
+  // Page ids a block manager should keep prepared ahead of use (0 without GPU zero backing).
+  std::size_t zero_frontier_pages() const noexcept { return frontier_pages_; }
+  // Zero chunks split while mapping (the grow path): 0 when look-ahead kept up.
+  std::size_t zero_splits_on_map() const;
   std::size_t mapped_pages() const;
 
   // Pre-create physical allocations for `count` more page ids (stops early,
@@ -101,6 +113,10 @@ class KVCACHED_EXPORT KVSpace {
   void uncover_pages_locked(const std::vector<std::int64_t>& pages);
   void unmap_one_locked(std::size_t page);
   void check_unmappable_locked(const std::vector<std::int64_t>& pages) const;
+  // Set-up: zeros over every data region, the first `ready_pages` page ids in unit pieces.
+  void cover_regions(std::size_t ready_pages);
+  // Consecutive page ids prepared together (one zero split per run and region).
+  static constexpr std::size_t kPrepareRunPages = 8;
   UnmapResult unmap_checked_locked(const std::vector<std::int64_t>& pages);
   void map_checked_locked(const std::vector<std::int64_t>& pages);
   std::uint64_t apply_locked(const PageOps& ops);
@@ -118,6 +134,8 @@ class KVCACHED_EXPORT KVSpace {
   std::vector<PageBacking> spares_;
   std::atomic<std::size_t> spare_count_{0};  // spares_.size(), for lock-free readers
   std::size_t mapped_count_ = 0;
+  std::size_t frontier_pages_ = 0;      // zero_frontier_pages when zero chunks can be split, else 0
+  std::size_t zero_splits_on_map_ = 0;  // chunk splits on the map path
   std::uint64_t applied_seq_ = 0;
   bool closed_ = false;
 };

@@ -23,15 +23,22 @@ class KVCACHED_EXPORT ZeroBacking {
   virtual ~ZeroBacking() = default;
   // Fill [address, address + size) with zeros (it holds no mapping now).
   virtual void cover(VirtualAddress address, std::size_t size_bytes) = 0;
+  // The same with unit-sized zero pieces only: the range is then prepared
+  // (see prepare) without a split. Used at set-up for the first page ids.
+  virtual void cover_prepared(VirtualAddress address, std::size_t size_bytes) = 0;
   // Remove the zero mappings overlapping [address, address + size) so real
   // memory can be mapped there; the rest of any split chunk stays covered.
   virtual void uncover(VirtualAddress address, std::size_t size_bytes) = 0;
   // Split ahead of use: afterwards [address, address + size) is covered by
   // unit-sized zero pieces, so mapping real memory there later replaces one
-  // piece instead of splitting a coarse chunk on the grow path.
+  // piece instead of splitting a coarse chunk on the grow path. A run of
+  // units is split and re-covered together (one set_access for the run).
   virtual void prepare(VirtualAddress address, std::size_t size_bytes) = 0;
   // Number of zero mappings currently in place (0 on host, where it is free).
   virtual std::size_t mapping_count() const = 0;
+  // Coarse chunks split so far (by uncover or prepare): each one costs an
+  // unmap plus zero pieces mapped and given access around the edge.
+  virtual std::size_t splits() const { return 0; }
 
   // `unit_bytes`: the smallest size ever covered or uncovered (an allocation
   // of the KV layout); `max_chunk_bytes`: largest zero allocation (GPU only).

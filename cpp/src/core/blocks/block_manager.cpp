@@ -1,4 +1,4 @@
-// BlockManager, block side: construction, alloc / free / reserve, and what is available.
+// BlockManager, block side: construction, the fast alloc path, free and reserve.
 #include "kvcached/blocks/block_manager.hpp"
 
 #include <algorithm>
@@ -62,7 +62,9 @@ BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& op
   free_slots_.resize(num_pages);
   block_state_.assign(layout_.num_blocks(), kFree);
   for (std::size_t p = 0; p < num_pages; ++p) unmapped_.insert(unmapped_.end(), static_cast<std::int64_t>(p));
-  mapper_->set_max_spare_pages(options_.reserve.max_spare_pages);
+  // The space keeps every allocation it unmaps; the reserve (maintain) decides
+  // which go back and when, off the path of frees and allocs.
+  mapper_->set_max_spare_pages(layout_.num_pages());
   {
     std::lock_guard<std::mutex> map(map_mutex_);
     Lock lock(mutex_);
@@ -189,9 +191,13 @@ bool BlockManager::try_alloc_mapped(std::size_t n, std::vector<std::int64_t>& ou
   return true;
 }
 
-std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
+std::vector<std::int64_t> BlockManager::alloc(std::size_t n) { return alloc(n, std::chrono::nanoseconds::zero()); }
+
+std::vector<std::int64_t> BlockManager::alloc(std::size_t n, std::chrono::nanoseconds wait) {
   std::vector<std::int64_t> blocks;
   if (n == 0) return blocks;
+  const Clock::time_point deadline =
+      wait > std::chrono::nanoseconds::zero() ? Clock::now() + wait : Clock::time_point::min();
   {
     Lock lock(mutex_);
     if (closed_) throw InvalidArgument("the block manager is closed");
@@ -203,129 +209,7 @@ std::vector<std::int64_t> BlockManager::alloc(std::size_t n) {
       return blocks;
     }
   }
-  return alloc_slow(n, false);
-}
-
-std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_reserve) {
-  std::lock_guard<std::mutex> map(map_mutex_);  // waits for any map or unmap in flight
-  const auto device = device_free_pages();
-  Lock lock(mutex_);
-  if (closed_) throw InvalidArgument("the block manager is closed");
-  if (device) device_free_pages_ = device;
-  refresh_limit_locked();
-  std::vector<std::int64_t> blocks, grown;
-  const auto roll_back = [&] {
-    std::vector<std::uint32_t> empty;
-    for (std::int64_t p : grown) {
-      const auto page = static_cast<std::uint32_t>(p);
-      if (state_[p] == PageState::kMapped && index_.entirely_free(page)) empty.push_back(page);
-    }
-    try {
-      shrink_locked(lock, empty);
-    } catch (...) {
-    }
-  };
-  bool rolled_back = false;
-  try {
-    for (;;) {
-      const AllocPlan plan = plan_alloc_locked(n, into_reserve);
-      if (plan.action == AllocPlan::kTake) break;
-      if (plan.action == AllocPlan::kRefuse) {
-        const std::size_t can = available_locked();
-        std::string bound_by;
-        growth_room_locked(&bound_by);
-        roll_back();
-        rolled_back = true;
-        probe_budget_for_pressure(lock, plan.pages);
-        throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: " + std::to_string(can) +
-                              " are available (bound by " + bound_by + "; pages of " +
-                              std::to_string(layout_.page_id_bytes()) + " bytes, " +
-                              std::to_string(index_.pages()) + " mapped)");
-      }
-      std::vector<std::int64_t> pages_grown = grow_locked(lock, plan.pages, nullptr);
-      grown.insert(grown.end(), pages_grown.begin(), pages_grown.end());
-    }
-    take_locked(n, into_reserve, blocks);
-  } catch (...) {
-    if (!rolled_back) roll_back();
-    throw;
-  }
-  if (!grown.empty()) ++slow_allocs_;
-  report_usage_locked();
-  return blocks;
-}
-
-void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
-  if (ids.empty()) return;
-  check_ids_in_range(ids.data(), ids.size());
-  std::vector<std::int64_t> sorted = ids;
-  std::sort(sorted.begin(), sorted.end());
-  if (auto twice = std::adjacent_find(sorted.begin(), sorted.end()); twice != sorted.end()) {
-    throw InvalidArgument("block id " + std::to_string(*twice) + " is listed twice");
-  }
-  const auto page_of_id = [this](std::int64_t id) {
-    return static_cast<std::uint32_t>(id / static_cast<std::int64_t>(blocks_per_page_));
-  };
-  std::lock_guard<std::mutex> map(map_mutex_);
-  const auto device = device_free_pages();
-  Lock lock(mutex_);
-  if (closed_) throw InvalidArgument("the block manager is closed");
-  if (device) device_free_pages_ = device;
-  refresh_limit_locked();
-  // Which pages must be mapped, and how many pages become used (within the limit).
-  const auto check = [&](std::vector<std::int64_t>& to_map) {
-    std::size_t new_used = 0;
-    std::uint32_t last = BestFitIndex::kNone;
-    for (std::int64_t id : sorted) {
-      const std::uint32_t page = page_of_id(id);
-      const PageState state = state_[page];
-      if (state == PageState::kMapped) {
-        if (block_state_[id] != kFree) throw InvalidArgument("block id " + std::to_string(id) + " is already in use");
-        if (page != last && index_.entirely_free(page)) ++new_used;
-      } else if (state == PageState::kUnmapped) {
-        if (page != last) to_map.push_back(page), ++new_used;
-      } else {
-        throw InvalidArgument("block id " + std::to_string(id) + " is on page " + std::to_string(page) +
-                              ", whose unmap the mirrors have not acknowledged yet");
-      }
-      last = page;
-    }
-    if (new_used > new_page_quota_locked()) {
-      throw BudgetExhausted("these blocks need " + std::to_string(new_used) + " more page(s); the limit allows " +
-                            std::to_string(new_page_quota_locked()));
-    }
-  };
-  std::vector<std::int64_t> to_map;
-  check(to_map);
-  if (!to_map.empty()) {
-    std::string bound_by;
-    if (growth_room_locked(&bound_by) < to_map.size()) {
-      throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) + " more page(s) for these blocks: " +
-                            "bound by " + bound_by);
-    }
-    grow_locked(lock, to_map.size(), &to_map);
-    std::vector<std::int64_t> again;
-    try {
-      check(again);  // the fast path may have taken some of them while the lock was released
-    } catch (...) {
-      std::vector<std::uint32_t> empty;
-      for (std::int64_t p : to_map) {
-        if (index_.entirely_free(static_cast<std::uint32_t>(p))) empty.push_back(static_cast<std::uint32_t>(p));
-      }
-      shrink_locked(lock, empty);
-      throw;
-    }
-  }
-  for (std::int64_t id : sorted) {
-    const std::uint32_t page = page_of_id(id);
-    auto& slots = free_slots_[page];
-    slots.erase(std::find(slots.begin(), slots.end(), static_cast<std::uint32_t>(id % blocks_per_page_)));
-    index_.update(page, index_.free_blocks(page) - 1);
-    block_state_[id] = kUsed;
-    ++used_blocks_;
-  }
-  ++allocs_;
-  report_usage_locked();
+  return alloc_slow(n, false, deadline);
 }
 
 void BlockManager::free(const std::int64_t* ids, std::size_t count) {
@@ -377,7 +261,7 @@ bool BlockManager::try_reserve(std::size_t n) {
     }
   }
   try {
-    alloc_slow(n, true);
+    alloc_slow(n, true, Clock::time_point::min());
     return true;
   } catch (const BudgetExhausted&) {
     return false;

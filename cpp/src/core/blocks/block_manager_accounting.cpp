@@ -38,6 +38,23 @@ std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
   return room;
 }
 
+std::size_t BlockManager::fixed_room_locked() const {
+  const std::size_t committed = index_.pages() + mapping_pages_;
+  const std::size_t ids = unmapped_.size() + unmapping_pages_;
+  return std::min(ids, limit_pages_ > committed ? limit_pages_ - committed : 0);
+}
+
+std::size_t BlockManager::budget_room_pages_locked() const {
+  std::size_t room = 0;
+  bool any = false;
+  for (std::size_t i = 0; i < budgets_.size(); ++i) {
+    if (!budgets_.alive(i) || budgets_.budget(i) == nullptr) continue;
+    room += budgets_.room_pages(i);  // the same sum wait_for_budget_locked polls
+    any = true;
+  }
+  return any ? room : std::numeric_limits<std::size_t>::max();  // no budget: nothing to wait for
+}
+
 std::size_t BlockManager::growth_blocks_locked(std::size_t pages) const noexcept {
   // Pages grow lowest id first; only the last page can be short, and it is the highest id.
   const std::size_t ids = unmapped_.size() + unmapping_pages_;
@@ -134,13 +151,23 @@ void BlockManager::refresh_limit_locked() const {
   limit_pages_ = limit;
 }
 
-std::optional<std::size_t> BlockManager::device_free_pages() const {
+std::optional<std::size_t> BlockManager::device_free_pages(bool query) const {
   try {
-    if (auto bytes = mapper_->device_free_bytes()) return *bytes / layout_.page_id_bytes();
+    if (auto bytes = mapper_->device_free_bytes(query)) return *bytes / layout_.page_id_bytes();
   } catch (...) {
     // A failed query keeps the last figure; the map itself reports a real shortage.
   }
   return std::nullopt;
+}
+
+bool BlockManager::requery_device_locked(Lock& lock) {
+  if (!device_free_pages_) return false;  // no device (mirrors): nothing to learn
+  lock.unlock();
+  const std::optional<std::size_t> queried = device_free_pages(/*query=*/true);
+  lock.lock();
+  const bool more = queried && *queried > *device_free_pages_;
+  if (queried) device_free_pages_ = queried;
+  return more;
 }
 
 void BlockManager::report_usage_locked() const noexcept { budgets_.report_usage(used_pages_locked()); }

@@ -9,6 +9,18 @@
 
 namespace kvcached {
 
+namespace {
+
+// Allocations unmapped between two settlements of the budgets: small enough
+// that memory moves to a waiting pool while the rest is still being unmapped
+// (8 compound pages contiguous, one page id per-layer with 4+ layers), large
+// enough that the device is synchronised rarely.
+constexpr std::size_t kShrinkSliceAllocations = 8;
+// Grows remembered for the look-ahead (zero chunks split ahead of use).
+constexpr std::size_t kRecentGrows = 16;
+
+}  // namespace
+
 
 // ---- mapping and unmapping (map_mutex_ held) ----------------------------------------
 
@@ -57,18 +69,16 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
     undo_grow_locked(pages);
     throw;
   }
-  std::optional<std::size_t> device;
   try {
-    with_mapper(lock, [&] {
-      mapper_->map_pages(pages);
-      device = device_free_pages();
-    });
+    with_mapper(lock, [&] { mapper_->map_pages(pages); });
   } catch (...) {
     undo_grow_locked(pages);
+    if (auto device = device_free_pages()) device_free_pages_ = device;  // an out-of-memory create re-asked the driver
     settle_locked(lock);  // what the failed map kept as spares stays charged; the rest goes back
     throw;
   }
-  if (device) device_free_pages_ = device;
+  if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
+  note_grow_locked(count);
   for (std::int64_t p : pages) {
     const auto page = static_cast<std::uint32_t>(p);
     const std::size_t capacity = index_.capacity(page);
@@ -84,46 +94,63 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
   return pages;
 }
 
-std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages) {
+std::size_t BlockManager::shrink_slice_pages() const noexcept {
+  return std::max<std::size_t>(1, kShrinkSliceAllocations / layout_.allocations_per_page());
+}
+
+std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint32_t>& pages,
+                                        std::optional<std::size_t> release_beyond) {
   if (pages.empty()) return 0;
-  std::vector<std::int64_t> ids;
-  for (std::uint32_t p : pages) {
+  for (std::uint32_t p : pages) {  // all of them leave the allocatable set now
     index_.erase(p);
     state_[p] = PageState::kUnmapping;
     free_slots_[p].clear();
-    ids.push_back(p);
   }
   unmapping_pages_ += pages.size();
-  UnmapOutcome outcome;
-  std::optional<std::size_t> device;
-  try {
-    with_mapper(lock, [&] {
-      outcome = mapper_->unmap_pages(ids);
-      device = device_free_pages();
-    });
-  } catch (...) {
-    for (std::uint32_t p : pages) {  // still mapped: put the pages back
-      const std::size_t capacity = index_.capacity(p);
-      auto& slots = free_slots_[p];
-      slots.resize(capacity);
-      for (std::size_t i = 0; i < capacity; ++i) slots[i] = static_cast<std::uint32_t>(capacity - 1 - i);
-      state_[p] = PageState::kMapped;
-      index_.insert(p, capacity);
+  // Mirrors get one batch; a local space is unmapped a slice at a time.
+  const std::size_t slice = op_log_ != nullptr ? pages.size() : shrink_slice_pages();
+  for (std::size_t first = 0; first < pages.size(); first += slice) {
+    const std::size_t end = std::min(pages.size(), first + slice);
+    std::vector<std::int64_t> ids(pages.begin() + static_cast<std::ptrdiff_t>(first),
+                                  pages.begin() + static_cast<std::ptrdiff_t>(end));
+    UnmapOutcome outcome;
+    try {
+      with_mapper(lock, [&] {
+        outcome = mapper_->unmap_pages(ids);
+        if (release_beyond && mapper_->spare_pages() > *release_beyond) mapper_->trim_spares(*release_beyond);
+      });
+    } catch (...) {
+      for (std::size_t i = first; i < pages.size(); ++i) {  // still mapped: put the pages back
+        const std::uint32_t p = pages[i];
+        if (state_[p] != PageState::kUnmapping) continue;
+        const std::size_t capacity = index_.capacity(p);
+        auto& slots = free_slots_[p];
+        slots.resize(capacity);
+        for (std::size_t k = 0; k < capacity; ++k) slots[k] = static_cast<std::uint32_t>(capacity - 1 - k);
+        state_[p] = PageState::kMapped;
+        index_.insert(p, capacity);
+        --unmapping_pages_;
+      }
+      settle_locked(lock);
+      throw;
     }
-    unmapping_pages_ -= pages.size();
-    throw;
+    for (std::int64_t p : outcome.unmapped) {
+      state_[p] = PageState::kUnmapped;
+      unmapped_.insert(p);
+    }
+    for (std::int64_t p : outcome.awaiting_ack) state_[p] = PageState::kAwaitingAck;
+    awaiting_ack_pages_ += outcome.awaiting_ack.size();
+    unmapping_pages_ -= ids.size();
+    settle_locked(lock);  // this slice's memory goes back now, not after the whole batch
   }
-  if (device) device_free_pages_ = device;
-  for (std::int64_t p : outcome.unmapped) {
-    state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
-  }
-  for (std::int64_t p : outcome.awaiting_ack) state_[p] = PageState::kAwaitingAck;
-  awaiting_ack_pages_ += outcome.awaiting_ack.size();
-  unmapping_pages_ -= pages.size();
-  settle_locked(lock);
+  if (auto device = device_free_pages()) device_free_pages_ = device;
   report_usage_locked();
   return pages.size();
+}
+
+void BlockManager::note_grow_locked(std::size_t pages) {
+  recent_grows_.push_back(pages);
+  if (recent_grows_.size() > kRecentGrows) recent_grows_.pop_front();
 }
 
 void BlockManager::trim_spares_locked(Lock& lock, std::size_t keep) {

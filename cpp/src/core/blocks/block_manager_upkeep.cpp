@@ -9,29 +9,43 @@
 
 namespace kvcached {
 
-namespace {
-
-// How often the worker re-checks the reserve when nobody wakes it.
-constexpr auto kWorkerPeriod = std::chrono::milliseconds(50);
-// Unmapped page ids (lowest first: the next to be grown) the worker gets ready
-// ahead of use (on GPUs: zero chunks split around them).
-constexpr std::size_t kFrontierPages = 8;
-
-}  // namespace
-
 // ---- keeping the reserve ------------------------------------------------------------
 
 void BlockManager::maintain() {
-  std::lock_guard<std::mutex> map(map_mutex_);
-  const auto device = device_free_pages();
-  Lock lock(mutex_);
-  if (closed_) return;
-  if (device) device_free_pages_ = device;
-  refresh_limit_locked();
-  const ReserveGoal goal = reserve_.round(allocs_, frees_, budgets_.others_waiting());
+  ReserveGoal goal;
+  {
+    Lock lock(mutex_);
+    if (closed_) return;
+    goal = reserve_.round(allocs_, frees_, budgets_.others_waiting());
+  }
+  release_spares_beyond(goal.max_spare_pages);  // kept by earlier rounds: off every alloc's path
+  {
+    std::lock_guard<std::mutex> map(map_mutex_);
+    Lock lock(mutex_);
+    if (closed_) return;
+    if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
+    refresh_limit_locked();
+    keep_within_limit_locked(lock);
+    keep_reserve_locked(lock, goal);
+    report_usage_locked();
+  }
+}
 
-  // 1. Holding more than the limit: give back spares, then free pages (whose
-  //    allocations the space may keep as spares, so spares are trimmed again).
+void BlockManager::release_spares_beyond(std::size_t keep) {
+  // A slice at a time, each under the map lock: an alloc that needs it waits for one slice at most.
+  for (;;) {
+    std::lock_guard<std::mutex> map(map_mutex_);
+    Lock lock(mutex_);
+    const std::size_t spares = mapper_->spare_pages();
+    if (closed_ || spares <= keep) return;
+    trim_spares_locked(lock, std::max(keep, spares - std::min(spares, shrink_slice_pages())));
+    if (mapper_->spare_pages() >= spares) return;  // nothing went: never spin
+  }
+}
+
+void BlockManager::keep_within_limit_locked(Lock& lock) {
+  // Holding more than the limit: give back spares, then free pages (whose
+  // allocations the space keeps as spares, so spares are trimmed again).
   for (int pass = 0; pass < 2; ++pass) {
     const std::size_t spares = mapper_->spare_pages();
     const std::size_t committed = index_.pages() + mapping_pages_;
@@ -43,11 +57,16 @@ void BlockManager::maintain() {
       shrink_locked(lock, index_.empty_pages_to_release(index_.pages() - limit_pages_));
     }
   }
+}
 
-  // 2. Mapped free pages within the goal.
+void BlockManager::keep_reserve_locked(Lock& lock, const ReserveGoal& goal) {
+  // Mapped free pages within the goal. What is unmapped stays as spares for a
+  // round (the next alloc may want it back) unless the goal says release now.
   const std::size_t empty = index_.empty_pages();
   if (empty > goal.max_free_pages) {
-    shrink_locked(lock, index_.empty_pages_to_release(empty - goal.max_free_pages));
+    const std::optional<std::size_t> release_beyond =
+        goal.release_now ? std::optional<std::size_t>(goal.max_spare_pages) : std::nullopt;
+    shrink_locked(lock, index_.empty_pages_to_release(empty - goal.max_free_pages), release_beyond);
   } else if (empty < goal.min_free_pages) {
     const std::size_t want = std::min(goal.min_free_pages - empty, growth_room_locked());
     try {
@@ -57,8 +76,8 @@ void BlockManager::maintain() {
     } catch (const DeviceOutOfMemory&) {
     }
   }
-
-  // 3. Pre-created spare allocations within the goal.
+  // Pre-created spare allocations up to the goal's minimum (released above
+  // its maximum by the next round, or now when the goal says so).
   const std::size_t spares = mapper_->spare_pages();
   if (spares < goal.min_spare_pages) {
     const std::size_t held = index_.pages() + mapping_pages_ + spares;
@@ -69,18 +88,9 @@ void BlockManager::maintain() {
       } catch (const BudgetExhausted&) {
       }
     }
-  } else if (spares > goal.max_spare_pages) {
+  } else if (goal.release_now && spares > goal.max_spare_pages) {
     trim_spares_locked(lock, goal.max_spare_pages);
   }
-  report_usage_locked();
-
-  // 4. Get the next pages to be grown ready (cheap when already done).
-  std::vector<std::int64_t> frontier;
-  for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < kFrontierPages; ++it) {
-    frontier.push_back(*it);
-  }
-  lock.unlock();
-  mapper_->prepare_pages(frontier);
 }
 
 std::size_t BlockManager::trim() {
@@ -88,7 +98,7 @@ std::size_t BlockManager::trim() {
   Lock lock(mutex_);
   if (closed_) return 0;
   reserve_.trimmed(allocs_);  // and the worker keeps it so until the next alloc
-  const std::size_t unmapped = shrink_locked(lock, index_.empty_pages_to_release(index_.empty_pages()));
+  const std::size_t unmapped = shrink_locked(lock, index_.empty_pages_to_release(index_.empty_pages()), 0);
   trim_spares_locked(lock, 0);
   report_usage_locked();
   return unmapped;
@@ -119,7 +129,6 @@ void BlockManager::set_reserve(const ReserveTargets& targets) {
     reserve_.set_targets(targets);
     options_.reserve = targets;
   }
-  mapper_->set_max_spare_pages(targets.max_spare_pages);
   wake_worker();
 }
 
@@ -170,55 +179,6 @@ void BlockManager::close() {
   reserved_.clear();
   used_blocks_ = mapping_pages_ = mapping_blocks_ = unmapping_pages_ = awaiting_ack_pages_ = 0;
   budgets_.report_usage(0);
-}
-
-// ---- background worker ----------------------------------------------------------------
-
-void BlockManager::wake_worker() noexcept {
-  {
-    std::lock_guard<std::mutex> lock(worker_mutex_);
-    worker_kick_ = true;
-  }
-  worker_cv_.notify_one();
-}
-
-void BlockManager::record_worker_error(const char* what) noexcept {
-  bool first = false;
-  std::size_t count = 0;
-  try {
-    Lock lock(mutex_);
-    first = worker_errors_ == 0;
-    count = ++worker_errors_;
-    last_worker_error_ = what;
-  } catch (...) {
-  }
-  if (count > 0) budgets_.report_worker_errors(count);  // kvctl / kvtop show it
-  // Logged once (C++ cannot reach Python's logging from this thread); every
-  // failure is counted in stats() and the last one's text kept there.
-  if (first) {
-    std::fprintf(stderr,
-                 "kvcached: the block manager's background worker failed: %s "
-                 "(further failures are counted in stats()['worker_errors'])\n",
-                 what);
-  }
-}
-
-void BlockManager::worker_loop() {
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(worker_mutex_);
-      worker_cv_.wait_for(lock, kWorkerPeriod, [this] { return worker_stop_ || worker_kick_; });
-      if (worker_stop_) return;
-      worker_kick_ = false;
-    }
-    try {
-      maintain();
-    } catch (const std::exception& e) {
-      record_worker_error(e.what());  // the round is retried next period
-    } catch (...) {
-      record_worker_error("unknown error");
-    }
-  }
 }
 
 }  // namespace kvcached

@@ -104,7 +104,22 @@ std::shared_ptr<Device> Device::open(std::shared_ptr<VmmBackend> backend) {
 Device::Device(std::shared_ptr<VmmBackend> backend)
     : backend_(std::move(backend)),
       granularity_(backend_->granularity()),
-      canonical_name_(backend_->physical_device_name()) {}
+      canonical_name_(backend_->physical_device_name()) {
+  (void)memory_info();  // the first figure of the estimate
+}
+
+MemoryInfo Device::memory_info() const {
+  // Under the lock, so no create or release lands between the answer and the reset.
+  std::lock_guard<std::mutex> lock(mutex_);
+  const MemoryInfo info = backend_->memory_info();
+  free_estimate_bytes_.store(static_cast<std::int64_t>(info.free_bytes), std::memory_order_relaxed);
+  return info;
+}
+
+std::size_t Device::estimated_free_bytes() const noexcept {
+  const std::int64_t estimate = free_estimate_bytes_.load(std::memory_order_relaxed);
+  return estimate > 0 ? static_cast<std::size_t>(estimate) : 0;
+}
 
 Device::~Device() = default;  // every Reservation / PhysicalAllocation holds a shared_ptr to us
 
@@ -142,11 +157,22 @@ Reservation Device::reserve(std::size_t size_bytes, std::size_t alignment_bytes)
 
 PhysicalAllocation Device::create(std::size_t size_bytes) {
   check_aligned("allocation size", size_bytes);
-  std::lock_guard<std::mutex> lock(mutex_);
-  const PhysicalHandle handle = backend_->create(size_bytes);
+  std::unique_lock<std::mutex> lock(mutex_);
+  PhysicalHandle handle = 0;
+  try {
+    handle = backend_->create(size_bytes);
+  } catch (const DeviceOutOfMemory&) {
+    lock.unlock();
+    try {
+      (void)memory_info();  // the estimate was too high: learn what is really free
+    } catch (...) {
+    }
+    throw;
+  }
   allocations_.emplace(handle, AllocationRecord{size_bytes, 0});
   counters_.created_bytes += size_bytes;
   counters_.allocations += 1;
+  free_estimate_bytes_.fetch_sub(static_cast<std::int64_t>(size_bytes), std::memory_order_relaxed);
   return PhysicalAllocation(shared_from_this(), handle, size_bytes);
 }
 
@@ -169,9 +195,13 @@ void Device::map(VirtualAddress address, const PhysicalAllocation& allocation) {
   if (!allocation.valid() || allocation.device() != this) {
     throw InvalidArgument("map: the allocation is released or belongs to another device");
   }
-  const std::size_t size = allocation.size_bytes();
   check_aligned("mapping address", address);
   std::lock_guard<std::mutex> lock(mutex_);
+  map_locked(address, allocation);
+}
+
+void Device::map_locked(VirtualAddress address, const PhysicalAllocation& allocation) {
+  const std::size_t size = allocation.size_bytes();
   if (find_reservation(address, size) == reservations_.end()) {
     throw InvalidArgument("map: [" + hex(address) + ", +" + std::to_string(size) +
                           ") is not inside one reserved range");
@@ -230,6 +260,10 @@ void Device::unmap_locked(VirtualAddress address, std::size_t size_bytes) {
 
 void Device::set_access(VirtualAddress address, std::size_t size_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  set_access_locked(address, size_bytes);
+}
+
+void Device::set_access_locked(VirtualAddress address, std::size_t size_bytes) {
   VirtualAddress cursor = address;
   auto it = mappings_.upper_bound(address);
   if (it != mappings_.begin()) --it;
@@ -245,12 +279,17 @@ void Device::set_access(VirtualAddress address, std::size_t size_bytes) {
 }
 
 void Device::map_accessible(VirtualAddress address, const PhysicalAllocation& allocation) {
-  map(address, allocation);
+  if (!allocation.valid() || allocation.device() != this) {
+    throw InvalidArgument("map: the allocation is released or belongs to another device");
+  }
+  check_aligned("mapping address", address);
+  std::lock_guard<std::mutex> lock(mutex_);  // one lock for the pair: the grow path's common call
+  map_locked(address, allocation);
   try {
-    set_access(address, allocation.size_bytes());
+    set_access_locked(address, allocation.size_bytes());
   } catch (...) {
     try {
-      unmap(address, allocation.size_bytes());
+      unmap_locked(address, allocation.size_bytes());
     } catch (...) {
     }
     throw;
@@ -329,14 +368,17 @@ void Device::release_allocation(PhysicalHandle handle, bool force) {
     }
   }
   const std::size_t size = found->second.size_bytes;
+  bool released = true;
   try {
     backend_->release(handle);
   } catch (...) {
     if (!force) throw;
+    released = false;  // e.g. the driver shut down at exit: nothing came back
   }
   allocations_.erase(found);
   counters_.created_bytes -= size;
   counters_.allocations -= 1;
+  if (released) free_estimate_bytes_.fetch_add(static_cast<std::int64_t>(size), std::memory_order_relaxed);
 }
 
 }  // namespace kvcached

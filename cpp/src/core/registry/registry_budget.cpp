@@ -72,7 +72,10 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
     return false;
   }
   entry->mapped_bytes.store(own_mapped + bytes, std::memory_order_relaxed);
-  entry->wanted_bytes.store(0, std::memory_order_relaxed);
+  // A grant covers that much of what was wanted, not all of it: a pool that
+  // waits and takes memory as it comes back stays pressure on the others.
+  entry->wanted_bytes.store(saturating_sub(entry->wanted_bytes.load(std::memory_order_relaxed), bytes),
+                            std::memory_order_relaxed);
   lock.confirm();  // a fault mid-way means nothing was really taken: refuse loudly
   return true;
 }

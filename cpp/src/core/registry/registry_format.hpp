@@ -46,7 +46,7 @@ struct alignas(64) EntryRecord {
   Counter mapped_bytes;      // taken from the budget: every mapped page
   Counter used_bytes;        // reported by the pool (display only)
   Counter reported_mapped_bytes;
-  Counter wanted_bytes;  // last device-wide refusal, while recent
+  Counter wanted_bytes;  // last device-wide refusal, less what was granted since; while recent
   SignedCounter wanted_at_ns;
   Counter worker_errors;  // the pool's background worker failures, as reported
   char name[kRegistryNameMaxBytes + 1];

@@ -7,6 +7,19 @@
 
 namespace kvcached {
 
+namespace {
+
+// Refuses a list naming a page twice (sorted copy: no quadratic scan).
+void check_listed_once(const std::vector<std::int64_t>& pages) {
+  if (pages.size() < 2) return;
+  std::vector<std::int64_t> sorted(pages);
+  std::sort(sorted.begin(), sorted.end());
+  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  if (twice != sorted.end()) throw InvalidArgument("page " + std::to_string(*twice) + " listed twice");
+}
+
+}  // namespace
+
 KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const KVSpaceOptions& options)
     : layout_(layout), options_(options), memory_(std::make_shared<KVMemory>()) {
   const std::size_t granularity = device->granularity().minimum_bytes;
@@ -24,31 +37,18 @@ KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const K
   memory_->reservation = device->reserve(layout_.reservation_bytes(), aligned);
   base_ = memory_->reservation.base();
   mapped_.resize(layout_.num_pages());
+  prepared_.assign(layout_.num_pages(), 0);
+  const bool splittable = options_.zero_backing && device->backend_name() != "host";  // host zeros are free
+  frontier_pages_ = splittable ? std::min(options_.zero_frontier_pages, layout_.num_pages()) : 0;
+  // What the first allocations need is ready at once, within a set-up budget
+  // of zero mappings; a block manager's worker prepares the rest of the look-ahead.
+  const std::size_t ready_pages =
+      std::min(frontier_pages_,
+               std::max<std::size_t>(1, KVSpaceOptions::kSetupPrepareAllocations / layout_.allocations_per_page()));
   if (options_.zero_backing) {
     memory_->zeros = ZeroBacking::create(device, base_, layout_.allocation_bytes(),
                                          std::max(options_.zero_chunk_bytes, layout_.allocation_bytes()));
-    for (const ByteRange& region : layout_.data_regions()) {
-      memory_->zeros->cover(base_ + region.offset, region.size);
-    }
-  }
-  prepared_.assign(layout_.num_pages(), 0);
-  std::vector<std::int64_t> frontier;
-  for (std::size_t p = 0; p < std::min(options_.zero_frontier_pages, layout_.num_pages()); ++p) {
-    frontier.push_back(static_cast<std::int64_t>(p));
-  }
-  prepare_pages(frontier);
-}
-
-void KVSpace::prepare_pages(const std::vector<std::int64_t>& pages) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (closed_ || !memory_->zeros) return;
-  for (std::int64_t page : pages) {
-    check_page(page);
-    if (prepared_[page] || !mapped_[page].empty()) continue;
-    for (const ByteRange& range : layout_.page_ranges(page)) {
-      memory_->zeros->prepare(base_ + range.offset, range.size);
-    }
-    prepared_[page] = 1;
+    cover_regions(ready_pages);
   }
 }
 
@@ -134,15 +134,11 @@ void KVSpace::map_pages(const std::vector<std::int64_t>& pages) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) throw InvalidArgument("KV space is closed");
-    for (std::size_t i = 0; i < pages.size(); ++i) {
-      check_page(pages[i]);
-      if (!mapped_[pages[i]].empty()) {
-        throw InvalidArgument("page " + std::to_string(pages[i]) + " is already mapped");
-      }
-      for (std::size_t j = 0; j < i; ++j) {
-        if (pages[j] == pages[i]) throw InvalidArgument("page " + std::to_string(pages[i]) + " listed twice");
-      }
+    for (std::int64_t page : pages) {
+      check_page(page);
+      if (!mapped_[page].empty()) throw InvalidArgument("page " + std::to_string(page) + " is already mapped");
     }
+    check_listed_once(pages);
     map_checked_locked(pages);
   }
   fence_new_mappings(pages.size());
@@ -155,6 +151,14 @@ void KVSpace::fence_new_mappings(std::size_t mapped_pages) {
 }
 
 void KVSpace::map_checked_locked(const std::vector<std::int64_t>& pages) {
+  const std::size_t splits_before = memory_->zeros ? memory_->zeros->splits() : 0;
+  struct CountSplits {  // also when the map fails: what was split stays split
+    KVSpace& space;
+    std::size_t before;
+    ~CountSplits() {
+      if (space.memory_->zeros) space.zero_splits_on_map_ += space.memory_->zeros->splits() - before;
+    }
+  } count_splits{*this, splits_before};
   // Several pages: uncover their zero chunks together first, so neighbouring
   // pages split a coarse chunk once instead of re-covering the rest page by page.
   const bool batch_uncover = memory_->zeros != nullptr && pages.size() > 1;
@@ -221,13 +225,11 @@ void KVSpace::uncover_pages_locked(const std::vector<std::int64_t>& pages) {
 }
 
 void KVSpace::check_unmappable_locked(const std::vector<std::int64_t>& pages) const {
-  for (std::size_t i = 0; i < pages.size(); ++i) {
-    check_page(pages[i]);
-    if (mapped_[pages[i]].empty()) throw InvalidArgument("page " + std::to_string(pages[i]) + " is not mapped");
-    for (std::size_t j = 0; j < i; ++j) {
-      if (pages[j] == pages[i]) throw InvalidArgument("page " + std::to_string(pages[i]) + " listed twice");
-    }
+  for (std::int64_t page : pages) {
+    check_page(page);
+    if (mapped_[page].empty()) throw InvalidArgument("page " + std::to_string(page) + " is not mapped");
   }
+  check_listed_once(pages);
 }
 
 UnmapResult KVSpace::unmap_checked_locked(const std::vector<std::int64_t>& pages) {
@@ -268,19 +270,16 @@ std::uint64_t KVSpace::apply_locked(const PageOps& ops) {
                           (ops.seq <= applied_seq_ ? " (applied already)" : " (batches in between are missing)"));
   }
   check_unmappable_locked(ops.unmap_pages);
-  for (std::size_t i = 0; i < ops.map_pages.size(); ++i) {
-    const std::int64_t page = ops.map_pages[i];
+  std::vector<std::int64_t> unmapped_first(ops.unmap_pages);
+  std::sort(unmapped_first.begin(), unmapped_first.end());
+  for (std::int64_t page : ops.map_pages) {
     check_page(page);
-    const bool unmapped_first =
-        std::find(ops.unmap_pages.begin(), ops.unmap_pages.end(), page) != ops.unmap_pages.end();
-    if (!mapped_[page].empty() && !unmapped_first) {
+    if (!mapped_[page].empty() && !std::binary_search(unmapped_first.begin(), unmapped_first.end(), page)) {
       throw InvalidArgument("page-op batch " + std::to_string(ops.seq) + " maps page " + std::to_string(page) +
                             ", which is mapped already");
     }
-    for (std::size_t j = 0; j < i; ++j) {
-      if (ops.map_pages[j] == page) throw InvalidArgument("page " + std::to_string(page) + " listed twice");
-    }
   }
+  check_listed_once(ops.map_pages);
   unmap_checked_locked(ops.unmap_pages);
   applied_seq_ = ops.seq;  // the unmaps are done whatever happens to the maps
   if (!ops.map_pages.empty()) map_checked_locked(ops.map_pages);

@@ -16,6 +16,7 @@ class HostZeroPages final : public ZeroBacking {
   void cover(VirtualAddress address, std::size_t size_bytes) override {
     device_->map_free_zero_pages(address, size_bytes);
   }
+  void cover_prepared(VirtualAddress address, std::size_t size_bytes) override { cover(address, size_bytes); }
   void uncover(VirtualAddress, std::size_t) override {}  // a fixed mapping replaces it
   void prepare(VirtualAddress, std::size_t) override {}   // nothing to split
   std::size_t mapping_count() const override { return 0; }
@@ -70,14 +71,22 @@ class SharedZeroChunks final : public ZeroBacking {
   }
 
   void cover(VirtualAddress address, std::size_t size_bytes) override {
-    // Greedy buddy decomposition: at each step the largest chunk that is
-    // aligned (relative to the reservation base) and fits. Access is granted
-    // once for the whole run, not per chunk: set_access is the costly call.
+    cover_up_to(address, size_bytes, zero_chunks_.size() - 1);
+  }
+
+  void cover_prepared(VirtualAddress address, std::size_t size_bytes) override {
+    cover_up_to(address, size_bytes, 0);
+  }
+
+  // Greedy buddy decomposition: at each step the largest chunk up to
+  // `max_level` that is aligned (relative to the reservation base) and fits.
+  // Access is granted once for the whole run, not per chunk.
+  void cover_up_to(VirtualAddress address, std::size_t size_bytes, std::size_t max_level) {
     VirtualAddress cursor = address;
     const VirtualAddress end = address + size_bytes;
     try {
       while (cursor < end) {
-        std::size_t level = zero_chunks_.size() - 1;
+        std::size_t level = max_level;
         while (level > 0) {
           const std::size_t chunk = unit_bytes_ << level;
           if ((cursor - base_) % chunk == 0 && cursor + chunk <= end) break;
@@ -129,6 +138,7 @@ class SharedZeroChunks final : public ZeroBacking {
       }
       // A chunk across an edge of the range: unmap it, keep zeros outside.
       device_->unmap(chunk_start, chunk_end - chunk_start);
+      ++splits_;
       it = mappings_.erase(it);
       // Keep zeros on the parts of the chunk outside the requested range.
       if (chunk_start < address) cover(chunk_start, address - chunk_start);
@@ -138,20 +148,48 @@ class SharedZeroChunks final : public ZeroBacking {
   }
 
   void prepare(VirtualAddress address, std::size_t size_bytes) override {
-    for (VirtualAddress unit = address; unit < address + size_bytes; unit += unit_bytes_) {
-      auto it = mappings_.upper_bound(unit);
-      if (it == mappings_.begin()) continue;  // not covered (real memory there)
-      --it;
-      const bool covers = it->first + (unit_bytes_ << it->second) > unit;
-      if (!covers || it->second == 0) continue;  // real memory, or already a single unit
-      uncover(unit, unit_bytes_);
-      cover(unit, unit_bytes_);
+    // Each maximal run of units still under coarse chunks is uncovered at once
+    // (splitting at most the chunks across its two edges) and re-covered unit
+    // by unit with one set_access: not a split per unit.
+    const VirtualAddress end = address + size_bytes;
+    VirtualAddress run_start = 0;
+    bool in_run = false;
+    for (VirtualAddress unit = address; unit <= end; unit += unit_bytes_) {
+      bool coarse = false;
+      if (unit < end) {
+        auto it = mappings_.upper_bound(unit);
+        if (it != mappings_.begin()) {
+          --it;
+          coarse = it->second != 0 && it->first + (unit_bytes_ << it->second) > unit;  // not real memory, not a unit
+        }
+      }
+      if (coarse && !in_run) {
+        run_start = unit;
+        in_run = true;
+      } else if (!coarse && in_run) {
+        split_into_units(run_start, unit - run_start);
+        in_run = false;
+      }
     }
   }
 
   std::size_t mapping_count() const override { return mappings_.size(); }
+  std::size_t splits() const override { return splits_; }
 
  private:
+  void split_into_units(VirtualAddress address, std::size_t size_bytes) {
+    uncover(address, size_bytes);
+    try {
+      cover_up_to(address, size_bytes, 0);
+    } catch (...) {
+      try {
+        cover(address, size_bytes);  // never leave the range without zeros
+      } catch (...) {
+      }
+      throw;
+    }
+  }
+
   // Maps (without access; cover grants it for the whole run).
   void map_chunk(VirtualAddress address, std::size_t level) {
     PhysicalAllocation& zeros = zero_chunk(level, address);
@@ -188,6 +226,7 @@ class SharedZeroChunks final : public ZeroBacking {
   std::size_t unit_bytes_;
   std::vector<std::shared_ptr<PhysicalAllocation>> zero_chunks_;  // index: level (size unit << level)
   std::map<VirtualAddress, std::size_t> mappings_;  // address -> level
+  std::size_t splits_ = 0;
 };
 
 }  // namespace
