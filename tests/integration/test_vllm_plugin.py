@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvcached.integration import vllm as plugin
-from kvcached.integration.vllm import settings
+from kvcached.integration.common import settings
 
 pytestmark = pytest.mark.vllm
 
@@ -50,8 +50,8 @@ def test_other_vllm_versions_are_refused_by_name(version):
 
 
 def test_supported_versions_resolve_to_one_module():
-    assert plugin.patch_module_for("0.32.0").__name__.endswith("patches_v0_32")
-    assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith("patches_v0_32")
+    assert plugin.patch_module_for("0.32.0").__name__.endswith(".v0_32")
+    assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith(".v0_32")
 
 
 def test_register_logs_and_survives_an_unsupported_vllm(no_flags, caplog):
