@@ -43,7 +43,14 @@ class RankProcess:
         self.process = context.Process(target=_serve, args=(child, pickle.dumps(layout), rank, board_path, num_ranks),
                                        daemon=True)
         self.process.start()
-        self.device = self.conn.recv()  # its RankDevice, described in its own process
+        self._device: Any = None
+
+    @property
+    def device(self) -> Any:
+        """Its RankDevice, described in its own process (waits for the process to be ready)."""
+        if self._device is None:
+            self._device = self.conn.recv()
+        return self._device
 
     def apply(self, ops: Any) -> dict:
         self.conn.send(ops)
@@ -61,7 +68,19 @@ class RankProcess:
         self.process.join(10)
 
     def close(self) -> None:
-        if self.process.is_alive():
-            self.conn.send(None)
-            self.conn.recv()
-        self.process.join(10)
+        """Closes its space and ends the process (see :func:`close_all` for several at once)."""
+        close_all([self])
+
+
+def close_all(ranks: list[RankProcess]) -> None:
+    """Ends these rank processes, all at once."""
+    asked = []
+    for rank in ranks:
+        if rank.process.is_alive():
+            rank.device  # noqa: B018 - its first message must be read before the next
+            rank.conn.send(None)
+            asked.append(rank)
+    for rank in asked:
+        rank.conn.recv()
+    for rank in ranks:
+        rank.process.join(10)

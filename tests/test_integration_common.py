@@ -16,7 +16,7 @@ from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
 from kvcached.pool import KVSpace
 from kvcached.registry import registry_for
-from rank_process import RankProcess
+from rank_process import RankProcess, close_all
 
 KiB = 1 << 10
 # 100 engine blocks of 4 KiB in 64 KiB pages: 16 blocks per page, 7 pages, the
@@ -167,8 +167,7 @@ def two_ranks(request):
     budgets = register_ranks(name, devices, limit_bytes=None)
     engine = EngineBlocks.deciding(layouts, budgets, ranks=devices, board=board, name=name, ack_timeout_s=0.5)
     yield engine, ranks, name
-    for rank in ranks:
-        rank.close()
+    close_all(ranks)
     engine.close()
 
 
