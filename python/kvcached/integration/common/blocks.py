@@ -126,7 +126,11 @@ class EngineBlocks:
             mirrors=[Mirror(budget, layout) for budget, layout in zip(budgets, layouts)],
             name=name,
         )
-        mirrors = RankMirrors(manager, board, ranks, ack_timeout_s=ack_timeout_s, logger=logger)
+        try:
+            mirrors = RankMirrors(manager, board, ranks, ack_timeout_s=ack_timeout_s, logger=logger)
+        except BaseException:
+            manager.close()
+            raise
         return cls(manager, budgets=budgets, mirrors=mirrors)
 
     @property
