@@ -157,8 +157,26 @@ def run(spec: dict) -> dict:
         _touch(phase.get("signal"))
     result = {"outputs": outputs, "probes": probes, "init_s": init_s, "total_s": time.time() - t0}
     llm.llm_engine.engine_core.shutdown()  # stops the EngineCore and worker processes
-    result["entries_after_shutdown"] = registry_entries(os.environ.get("KVCACHED_NAME"))
+    result["after_shutdown"] = _registry_after_shutdown(os.environ.get("KVCACHED_NAME"))
     return result
+
+
+def _registry_after_shutdown(name: str | None, timeout_s: float = 60.0) -> dict | None:
+    """Once the EngineCore is gone: this engine's entries and the device's mapped bytes.
+
+    vLLM may kill an EngineCore that is slow to stop; its entries are then
+    reclaimed as stale (what any kvcached process does when it registers).
+    """
+    if not name or not _kvcached_enabled():
+        return None
+    from kvcached.registry import open_existing
+
+    deadline = time.time() + timeout_s
+    while any(e["alive"] for e in registry_entries(name)) and time.time() < deadline:
+        time.sleep(0.2)
+    registry = open_existing("cpu")
+    registry.clean_stale()
+    return {"entries": registry_entries(name), "device_mapped_bytes": registry.mapped_bytes}
 
 
 if __name__ == "__main__":
