@@ -70,6 +70,7 @@ def test_defaults_apply_when_unset(monkeypatch):
         ("name", "llama-8b", "llama-8b"),
         ("registry_dir", "/run/kvcached", "/run/kvcached"),
         ("enable", "on", True),
+        ("rank_ack_timeout_s", "2.5", 2.5),
     ],
 )
 def test_valid_values_parse(monkeypatch, name, text, value):
@@ -98,6 +99,9 @@ def test_valid_values_parse(monkeypatch, name, text, value):
         ("host_capacity_bytes", "0"),
         ("name", "bad\x1bname"),
         ("registry_dir", "relative/dir"),
+        ("rank_ack_timeout_s", "0"),
+        ("rank_ack_timeout_s", "inf"),
+        ("rank_ack_timeout_s", "soon"),
     ],
 )
 def test_invalid_values_raise_a_clear_value_error(monkeypatch, name, text):

@@ -1,54 +1,64 @@
-"""The engine-independent parts of the integrations: geometry, engine blocks, worker spaces, devices."""
+"""The engine-independent parts of the integrations: layouts, engine blocks, ranks and their acknowledgements."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from kvcached.errors import OutOfMemoryError
+from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.blocks import EngineBlocks
-from kvcached.integration.common.devices import kvcached_device_name
-from kvcached.integration.common.geometry import KVGeometry
-from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings
-from kvcached.integration.common.space import WorkerSpace
+from kvcached.integration.common.devices import RankDevice, describe_rank
+from kvcached.integration.common.geometry import engine_layout, engine_page_bytes, stage_layout
+from kvcached.integration.common.mirrors import process_alive
+from kvcached.integration.common.registration import register_ranks
+from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
+from kvcached.pool import KVSpace
 from kvcached.registry import registry_for
+from rank_process import RankProcess, close_all
 
 KiB = 1 << 10
-# 100 engine blocks of 4 KiB in 64 KiB pages: 16 blocks per page, 7 pages, so
-# the last page holds 12 ids past the engine's range.
-GEOMETRY = KVGeometry(num_blocks=100, block_bytes=4 * KiB, num_layers=2, num_buffers=2, page_bytes=64 * KiB)
+# 100 engine blocks of 4 KiB in 64 KiB pages: 16 blocks per page, 7 pages, the
+# last one holding only 4 blocks (ids past 99 do not exist).
+LAYOUT = engine_layout(num_blocks=100, block_bytes=4 * KiB, num_layers=2, num_buffers=2, page_bytes=64 * KiB)
+PAGE_ID_BYTES = 64 * KiB * 2 * 2
 
 
 @pytest.fixture
 def blocks(request):
-    budget = registry_for("cpu").register(request.node.name[:60])
-    engine = EngineBlocks.local(GEOMETRY, device="cpu", budget=budget, name=request.node.name[:60])
+    name = request.node.name[:60]
+    budget = registry_for("cpu").register(name)
+    engine = EngineBlocks.local(LAYOUT, device="cpu", budget=budget, name=name)
     yield engine
     engine.close()
-    budget.unregister()
 
 
-def test_geometry_rejects_what_the_core_cannot_lay_out():
-    assert GEOMETRY.blocks_per_page == 16 and GEOMETRY.block_id_bytes == 16 * KiB
-    with pytest.raises(ValueError, match="whole number"):
-        KVGeometry(num_blocks=8, block_bytes=3 * KiB, num_layers=1, num_buffers=2, page_bytes=64 * KiB)
-    with pytest.raises(ValueError, match="num_buffers"):
-        KVGeometry(num_blocks=8, block_bytes=4 * KiB, num_layers=1, num_buffers=3, page_bytes=64 * KiB)
-    with pytest.raises(ValueError, match="layout"):
-        KVGeometry(num_blocks=8, block_bytes=4 * KiB, num_layers=1, num_buffers=2, page_bytes=64 * KiB,
-                   layout="striped")
+def test_engine_layout_holds_whole_blocks_and_exact_block_ids():
+    assert (LAYOUT.num_blocks, LAYOUT.num_pages, LAYOUT.blocks_per_page) == (100, 7, 16)
+    assert LAYOUT.blocks_on_page(6) == 4
+    odd = engine_layout(num_blocks=10, block_bytes=3 * KiB, num_layers=1, num_buffers=2, page_bytes=64 * KiB)
+    assert odd.page_bytes == engine_page_bytes(64 * KiB, 3 * KiB) == 192 * KiB  # grows to hold whole blocks
+    stage = stage_layout(LAYOUT, 1)
+    assert (stage.num_layers, stage.num_blocks, stage.blocks_per_page) == (1, 100, 16)
+    assert stage.page_id_bytes == LAYOUT.page_id_bytes // 2
+    with pytest.raises(ValueError):
+        engine_layout(num_blocks=8, block_bytes=4 * KiB, num_layers=1, num_buffers=3, page_bytes=64 * KiB)
+    with pytest.raises(ValueError):
+        engine_page_bytes(0, 4 * KiB)
 
 
-def test_engine_blocks_hand_out_only_engine_ids_and_never_the_null_block(blocks):
-    assert blocks.manager.num_blocks == 112 and blocks.available() == 99 == blocks.logical_free()
-    ids = blocks.alloc(99)  # everything, including the last page with the 12 tail ids
+def test_engine_blocks_hand_out_every_engine_id_and_never_the_null_block(blocks):
+    assert blocks.available() == 99 == blocks.logical_free()
+    ids = blocks.alloc(99)  # everything, the short last page included
     assert sorted(ids.tolist()) == list(range(1, 100))
-    assert blocks.stats()["parked_blocks"] == 12 and blocks.available() == 0
+    assert blocks.available() == 0 and blocks.logical_free() == 0
     with pytest.raises(OutOfMemoryError):
         blocks.alloc(1)
     blocks.free(ids)
     assert blocks.available() == 99
-    blocks.trim()  # idle: tail ids and free pages go back; the null block's page stays
-    assert blocks.stats()["parked_blocks"] == 0 and blocks.stats()["mapped_pages"] == 1
+    assert blocks.trim() == 6  # idle: every free page goes back; the null block's page stays
+    assert blocks.stats()["mapped_pages"] == 1
 
 
 def test_engine_blocks_refuse_bad_frees_and_change_nothing(blocks):
@@ -69,12 +79,14 @@ def test_secured_blocks_survive_a_budget_taken_by_another_process(blocks):
     assert not blocks.secure(40) and blocks.num_short_secures == 1
     ids = blocks.alloc(20)  # takes the secured blocks: no new page needed
     assert ids.size == 20 and blocks.secured == 11  # partial securing kept the rest of the mapped pages
+    with pytest.raises(ValueError):
+        blocks.free([int(blocks.stats()["used_blocks"])])  # a secured id is not the engine's to free
     blocks.end_step()
     assert blocks.secured == 0 and blocks.logical_free() == 79
 
 
 def test_alloc_that_fails_keeps_secured_blocks(blocks):
-    registry_for("cpu").set_limit(blocks.manager.name, 2 * GEOMETRY.page_bytes * 4)
+    registry_for("cpu").set_limit(blocks.manager.name, 2 * PAGE_ID_BYTES)
     assert blocks.secure(8)
     with pytest.raises(OutOfMemoryError):
         blocks.alloc(100)
@@ -85,65 +97,200 @@ def test_clear_frees_everything_handed_out(blocks):
     blocks.alloc(30)
     blocks.secure(5)
     blocks.clear()
-    assert blocks.logical_free() == 99 and blocks.secured == 0 and blocks.stats()["used_blocks"] == 1
+    stats = blocks.stats()
+    assert blocks.logical_free() == 99 and stats["secured_blocks"] == 0 and stats["used_blocks"] == 1
 
 
-def test_worker_space_mirrors_a_deciding_engine():
-    """Decisions without a device, tensors in a WorkerSpace: ordered page ops, acknowledged."""
-    budget = registry_for("cpu").register("deciding")
-    decider = EngineBlocks.deciding(GEOMETRY, budget=budget, name="deciding", null_block=True)
-    worker = WorkerSpace(GEOMETRY, device="cpu")
-    try:
-        ids = decider.alloc(40)
-        ops = decider.take_page_ops()
-        assert ops is not None and ops[2] == []
-        seq = worker.apply(ops)
-        mapped = decider.stats()["mapped_bytes"]
-        assert worker.stats()["mapped_bytes"] == mapped == len(ops[1]) * GEOMETRY.page_bytes * 4
-        flat = worker.flat_bytes()
-        offset = worker.space.offset_of(1, 1, int(ids[-1]))
-        flat[offset:offset + 8] = 7  # the mapped block is writable in the worker
-        decider.acknowledge(seq)
-        decider.free(ids)
-        decider.trim()
-        unmap = decider.take_page_ops()
-        assert unmap is not None and unmap[1] == [] and len(unmap[2]) >= 2
-        worker.apply(unmap)
-        decider.acknowledge(unmap[0])
-        assert worker.stats()["mapped_bytes"] == decider.stats()["mapped_bytes"] == GEOMETRY.page_bytes * 4
-        assert decider.stats()["pending_pages"] == 0
-    finally:
-        worker.close()
-        decider.close()
+def test_engine_blocks_stats_count_engine_and_core(blocks):
+    blocks.alloc(3)
+    blocks.secure(2)
+    stats = blocks.stats()
+    assert stats["engine_used_blocks"] == 3 and stats["used_blocks"] == 6  # + 2 secured + the null block
+    assert stats["available_blocks"] == 96 and stats["engine_blocks"] == 100
+
+
+def test_an_ack_board_is_shared_by_its_path():
+    board = AckBoard.create(3)
+    other = AckBoard.attach(board.path, 3)
+    other.publish(2, 41)
+    assert board.seqs().tolist() == [0, 0, 41]
+    with pytest.raises(RuntimeError, match="ranks"):
+        AckBoard.attach(board.path, 4)
+    other.close()
+    other.close()  # idempotent
+    board.close()
+    with pytest.raises(RuntimeError, match="same user"):
+        AckBoard.attach("/proc/self/fd/999999", 1)
+
+
+def test_a_rank_describes_its_device_and_registers_under_its_label():
+    rank = describe_rank("cpu", 3)
+    assert (rank.device, rank.local_device, rank.label, rank.rank) == ("cpu", "cpu", "rank3-cpu", 3)
+    budgets = register_ranks("described", [rank, describe_rank("cpu", 4)], limit_bytes=1 << 20)
+    entries = [e for e in registry_for("cpu").entries() if e["name"] == "described"]
+    assert sorted(e["local_device"] for e in entries) == ["rank3-cpu", "rank4-cpu"]
+    assert {e["limit_bytes"] for e in entries} == {1 << 20}
+    for budget in budgets:
         budget.unregister()
 
 
-def test_device_names_follow_torchs_build(monkeypatch):
-    torch = pytest.importorskip("torch")
-    assert kvcached_device_name("cpu") == kvcached_device_name(torch.device("cpu"), registry=True) == "cpu"
-    assert kvcached_device_name("cuda:1") == "cuda:1"
-    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)  # a ROCm build of PyTorch
-    assert kvcached_device_name("cuda:1") == "hip:1"
-    assert kvcached_device_name("cuda:1", registry=True) == "rocm:1"
-    with pytest.raises(ValueError):
-        kvcached_device_name("mps")
+def test_a_zombie_is_not_alive():
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    deadline = time.time() + 10
+    while process_alive(child.pid) and time.time() < deadline:
+        time.sleep(0.01)  # exited, not reaped: a zombie
+    assert not process_alive(child.pid)
+    child.wait()
+    assert process_alive(__import__("os").getpid())
 
 
-def test_settings_come_from_the_environment(monkeypatch):
-    for name in ("KVCACHED_VIRTUAL_CAPACITY_BYTES", "KVCACHED_PAGE_BYTES", "KVCACHED_IDLE_CACHE_BYTES"):
+# --------------------------------------------------------------------------- #
+# A deciding engine and its ranks, each in a process of its own
+# --------------------------------------------------------------------------- #
+
+
+def _entry(name: str, label: str) -> dict:
+    (entry,) = [e for e in registry_for("cpu").entries() if e["name"] == name and e["local_device"] == label]
+    return entry
+
+
+@pytest.fixture
+def two_ranks(request):
+    """A deciding engine with two ranks (pipeline stages: 2 layers and 1), each in its own process."""
+    name = request.node.name[:60]
+    layouts = [LAYOUT, stage_layout(LAYOUT, 1)]
+    board = AckBoard.create(2)
+    ranks = [RankProcess(layout, rank, board.path, 2) for rank, layout in enumerate(layouts)]
+    devices = [rank.device for rank in ranks]
+    budgets = register_ranks(name, devices, limit_bytes=None)
+    engine = EngineBlocks.deciding(layouts, budgets, ranks=devices, board=board, name=name, ack_timeout_s=0.5)
+    yield engine, ranks, name
+    close_all(ranks)
+    engine.close()
+
+
+def _send(engine: EngineBlocks, ranks: list) -> None:
+    ops = engine.take_page_ops()
+    for rank in ranks:
+        if ops is not None:
+            rank.apply(ops)
+
+
+def test_every_rank_maps_the_pages_and_is_charged_on_its_own_budget(two_ranks):
+    engine, ranks, name = two_ranks
+    ids = engine.alloc(40)  # 3 pages, with the null block's
+    _send(engine, ranks)
+    engine.poll_acknowledgements()
+    stats = [rank.stats() for rank in ranks]
+    assert [s["mapped_pages"] for s in stats] == [3, 3]
+    assert [s["mapped_bytes"] for s in stats] == [3 * PAGE_ID_BYTES, 3 * PAGE_ID_BYTES // 2]  # stage 1: one layer
+    assert _entry(name, "rank0-cpu")["mapped_bytes"] == 3 * PAGE_ID_BYTES
+    assert _entry(name, "rank1-cpu")["mapped_bytes"] == 3 * PAGE_ID_BYTES // 2
+    mirrors = engine.stats()["mirrors"]
+    assert [m["acked_seq"] for m in mirrors] == [engine.stats()["last_seq"]] * 2
+
+
+def test_an_unmap_is_released_on_a_rank_only_after_that_rank_acknowledged_it(two_ranks):
+    engine, ranks, name = two_ranks
+    ids = engine.alloc(40)
+    _send(engine, ranks)
+    engine.poll_acknowledgements()
+    engine.free(ids)
+    engine.trim()
+    unmap = engine.take_page_ops()
+    ranks[0].apply(unmap)  # rank 1 has not applied the unmap yet
+    engine.poll_acknowledgements()
+    assert _entry(name, "rank0-cpu")["mapped_bytes"] == PAGE_ID_BYTES  # the null block's page
+    assert _entry(name, "rank1-cpu")["mapped_bytes"] == 3 * PAGE_ID_BYTES // 2  # still mapped there
+    assert engine.stats()["pending_pages"] == 2  # not reusable until every rank unmapped them
+    assert engine.available() == 99 - 2 * 16  # the other ids are allocatable: the charge moves to them
+    ranks[1].apply(unmap)
+    engine.poll_acknowledgements()
+    assert _entry(name, "rank1-cpu")["mapped_bytes"] == PAGE_ID_BYTES // 2
+    assert engine.stats()["pending_pages"] == 0 and engine.available() == 99
+
+
+def test_a_dead_rank_gives_its_budget_back_and_stops_holding_the_others(two_ranks, caplog):
+    engine, ranks, name = two_ranks
+    ids = engine.alloc(40)
+    _send(engine, ranks)
+    engine.poll_acknowledgements()
+    engine.free(ids)
+    engine.trim()
+    ranks[1].kill()
+    _send(engine, ranks[:1])
+    with caplog.at_level("ERROR"):
+        assert engine.mirrors.check_ranks() == [1]
+    assert "rank 1 (cpu on cpu) is lost: its process" in caplog.text
+    assert _entry(name, "rank1-cpu")["mapped_bytes"] == 0
+    engine.poll_acknowledgements()
+    assert engine.stats()["pending_pages"] == 0  # rank 0 alone decides reuse now
+    assert engine.stats()["lost_ranks"].keys() == {1}
+    engine.alloc(40)  # charged on rank 0 only
+    _send(engine, ranks[:1])
+    assert _entry(name, "rank0-cpu")["mapped_bytes"] == 3 * PAGE_ID_BYTES
+
+
+def test_a_rank_that_stops_acknowledging_is_declared_lost_after_the_timeout(two_ranks):
+    engine, ranks, name = two_ranks
+    engine.alloc(40)
+    ops = engine.take_page_ops()
+    ranks[0].apply(ops)
+    ranks[1].stall()
+    engine.poll_acknowledgements()
+    assert engine.mirrors.check_ranks() == []  # not yet: within the bound
+    time.sleep(0.6)
+    assert engine.mirrors.check_ranks() == [1]
+    assert "acknowledged no page operations" in engine.mirrors.lost[1]
+
+
+@pytest.mark.emulation
+def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
+    """Two rank processes seeing one emulated GPU under different indices land in one registry."""
+    pytest.importorskip("torch")
+    from emulated_process import run_emulated
+
+    code = """
+        import dataclasses, json, torch
+        from kvcached.integration.common.devices import describe_rank
+        {rocm}
+        print(json.dumps(dataclasses.asdict(describe_rank(torch.device("cuda:{index}"), {rank}))))
+    """
+    seen = [
+        run_emulated("cuda", code.format(rocm="", index=0, rank=0), {"KVCACHED_EMULATED_GPUS": "2",
+                                                                      "CUDA_VISIBLE_DEVICES": "1"}),
+        run_emulated("cuda", code.format(rocm="", index=1, rank=1), {"KVCACHED_EMULATED_GPUS": "2"}),
+        run_emulated("hip", code.format(rocm='torch.version.hip = "7.0"', index=0, rank=2),
+                     {"KVCACHED_EMULATED_GPUS": "2", "HIP_VISIBLE_DEVICES": "1"}),
+    ]
+    ranks = [RankDevice(**fields) for fields in seen]
+    assert ranks[0].device == ranks[1].device and ranks[0].device.startswith("cuda-GPU-")
+    assert [r.label for r in ranks] == ["rank0-cuda:0", "rank1-cuda:1", "rank2-hip:0"]
+    assert ranks[2].device.startswith("hip-GPU-")
+    budgets = register_ranks("tp-engine", ranks, limit_bytes=None)  # this process never opens a GPU
+    try:
+        entries = registry_for(ranks[0].device).entries()
+        assert sorted(e["local_device"] for e in entries if e["name"] == "tp-engine") == ["rank0-cuda:0",
+                                                                                          "rank1-cuda:1"]
+        assert [e["local_device"] for e in registry_for(ranks[2].device).entries()] == ["rank2-hip:0"]
+    finally:
+        for budget in budgets:
+            budget.unregister()
+
+
+def test_settings_come_from_the_one_options_table(monkeypatch):
+    for name in ("KVCACHED_VIRTUAL_CAPACITY_BYTES", "KVCACHED_PAGE_BYTES", "KVCACHED_IDLE_CACHE_BYTES",
+                 "KVCACHED_RANK_ACK_TIMEOUT_S"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVCACHED_LIMIT_BYTES", "64MiB")
     monkeypatch.setenv("KVCACHED_NAME", "engine-a")
     settings = Settings.from_env()
     assert settings == Settings(virtual_bytes=None, limit_bytes=64 << 20, page_bytes=DEFAULT_PAGE_BYTES,
-                                name="engine-a", idle_cache_bytes=0)
+                                name="engine-a", idle_cache_bytes=0, rank_ack_timeout_s=120.0)
     monkeypatch.setenv("KVCACHED_LIMIT_BYTES", "lots")
     with pytest.raises(ValueError, match="KVCACHED_LIMIT_BYTES"):
         Settings.from_env()
-
-
-def test_engine_blocks_stats_count_engine_and_core(blocks):
-    blocks.alloc(3)
-    stats = blocks.stats()
-    assert stats["engine_used_blocks"] == 3 and stats["used_blocks"] == 4  # + the null block
-    assert stats["available_blocks"] == 96 and stats["engine_blocks"] == 100
+    monkeypatch.setenv("KVCACHED_ENABLE", "maybe")
+    assert is_enabled() is False  # an engine plugin never raises on it

@@ -64,6 +64,16 @@ def _parse_fraction(text: str) -> float:
     return value
 
 
+def _parse_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, e.g. 120, got {text!r}") from None
+    if not value > 0.0 or value == float("inf"):  # also refuses nan
+        raise ValueError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
+
+
 def _parse_layout(text: str) -> str:
     value = text.strip().lower()
     if value not in ("per_layer", "contiguous"):
@@ -167,7 +177,7 @@ OPTIONS: dict[str, Option] = {
     ),
     "enable": Option(
         "KVCACHED_ENABLE", False, _parse_bool,
-        "Switch kvcached on in a vLLM engine (ENABLE_KVCACHED=true works too).",
+        "Switch kvcached on in a vLLM or SGLang engine (ENABLE_KVCACHED=true works too).",
         aliases=("ENABLE_KVCACHED",),
     ),
     "name": Option(
@@ -181,6 +191,10 @@ OPTIONS: dict[str, Option] = {
     "idle_cache_bytes": Option(
         "KVCACHED_IDLE_CACHE_BYTES", 0, _parse_size,
         "Prefix-cache memory an idle engine keeps (0: an engine with no requests returns all its KV memory).",
+    ),
+    "rank_ack_timeout_s": Option(
+        "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, _parse_seconds,
+        "A rank that acknowledges no page operations for this long is declared lost (its budget returns).",
     ),
 }
 

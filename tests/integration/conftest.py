@@ -14,6 +14,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def vllm_workdir(tmp_path_factory):
+    """A directory with the tiny Llama, shared by every vLLM engine test."""
+    from tiny_llama import make_tiny_llama
+
+    path = tmp_path_factory.mktemp("vllm")
+    make_tiny_llama(path / "model")
+    return path
+
+
+@pytest.fixture(scope="session")
 def sglang_workdir(tmp_path_factory):
     """A directory with the tiny Llama, shared by every SGLang engine test."""
     from tiny_llama import make_tiny_llama

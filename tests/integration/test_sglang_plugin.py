@@ -95,8 +95,10 @@ def v():
 
 
 def _plan(v, name: str, limit_bytes=None):
+    from kvcached.integration.common.devices import describe_rank
+
     settings = Settings(virtual_bytes=None, limit_bytes=limit_bytes, page_bytes=2 * MiB, name=name)
-    return v.Plan(settings=settings, device="cpu", registry_device="cpu", name=name, virtual_bytes=64 * MiB)
+    return v.Plan(settings=settings, rank=describe_rank("cpu", 0), name=name, virtual_bytes=64 * MiB)
 
 
 def _mha_pool(v, name: str, size: int, page_size: int, limit_bytes=None):
@@ -194,9 +196,9 @@ def test_limit_makes_allocation_refuse_instead_of_raise(v):
 
     pool = _mha_pool(v, "limited", size=16384, page_size=16)
     allocator = v.KvcachedPagedTokenToKVPoolAllocator(16384, 16, torch.float32, "cpu", pool, False)
-    page_id_bytes = pool.kvcached_blocks.geometry.page_bytes * 4  # 2 layers x K and V
+    page_id_bytes = pool.kvcached_blocks.layout.page_bytes * 4  # 2 layers x K and V
     assert registry_for("cpu").set_limit("limited", 2 * page_id_bytes) == 1
-    tokens_per_page_id = pool.kvcached_blocks.geometry.blocks_per_page * 16
+    tokens_per_page_id = pool.kvcached_blocks.layout.blocks_per_page * 16
     assert allocator.available_size() == 2 * tokens_per_page_id - 16  # page 0 holds the padding page
     assert allocator.logical_available_size() == 16384  # SGLang's conservation is unaffected
     taken = allocator.alloc(allocator.available_size())
@@ -230,8 +232,8 @@ def test_prefill_admission_secures_memory_or_says_no(v):
 
     pool = _mha_pool(v, "admission", size=16384, page_size=1)
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
-    tokens_per_page_id = pool.kvcached_blocks.geometry.blocks_per_page
-    registry_for("cpu").set_limit("admission", 2 * pool.kvcached_blocks.geometry.page_bytes * 4)
+    tokens_per_page_id = pool.kvcached_blocks.layout.blocks_per_page
+    registry_for("cpu").set_limit("admission", 2 * pool.kvcached_blocks.layout.page_bytes * 4)
     budget = allocator.create_prefill_budget(_Tree())
     assert isinstance(budget, v.KvcachedPrefillBudget)
     args = dict(max_new_tokens=16, input_tokens=0, swa_host_hit_length=0, chunk_limit=None)
@@ -274,7 +276,7 @@ def test_last_request_waits_for_memory_instead_of_being_aborted(v, monkeypatch):
     monkeypatch.setattr(v.allocators, "LAST_REQUEST_WAIT_S", 0.5)
     pool = _mha_pool(v, "last-request", size=16384, page_size=1)
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
-    page_id_bytes = pool.kvcached_blocks.geometry.page_bytes * 4
+    page_id_bytes = pool.kvcached_blocks.layout.page_bytes * 4
     registry = registry_for("cpu")
     registry.set_limit("last-request", page_id_bytes)
     held = allocator.alloc(allocator.available_size())

@@ -22,120 +22,48 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-HERE = Path(__file__).parent
-HARNESS = HERE / "vllm_harness.py"
-sys.path.insert(0, str(HERE))
-import vllm_harness as harness  # noqa: E402
-
-ENGINE_TIMEOUT_S = 900
-MiB = 1 << 20
-# One page id of the tiny model: 2 MiB per layer x 2 layers.
-PAGE_ID_BYTES = 2 * 2 * MiB
-
-SHARED_PREFIX = harness.prompt_ids(8, 200, seed=1, shared_prefix=130)
-# 12 requests of 250 prompt tokens (2 blocks of 128) that grow into a third
-# block while decoding: 36 blocks = 5 page ids at peak.
-LOAD = harness.prompt_ids(12, 250, seed=7)
-PHASES = [
-    {"prompts": SHARED_PREFIX, "max_tokens": 16},
-    {"prompts": SHARED_PREFIX[:4], "max_tokens": 16},  # prefix hits across calls
-    {"prompts": LOAD, "max_tokens": 32, "probe_during": True},
-]
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_runs import (  # noqa: E402
+    ENGINE_TIMEOUT_S,
+    PAGE_ID_BYTES,
+    PHASES,
+    engine_env,
+    finish,
+    peak,
+    probe,
+    run_side_by_side,
+    start,
+)
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm")
-    harness.make_tiny_llama(path / "model")
-    return path
-
-
-def _env(kvcached_on: bool, registry_dir: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "KVCACHED_LIMIT_BYTES", "KVCACHED_NAME"):
-        env.pop(name, None)
-    env["KVCACHED_REGISTRY_DIR"] = str(registry_dir)  # never the machine's /dev/shm
-    env["KVCACHED_VIRTUAL_CAPACITY_BYTES"] = str(1 << 30)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # share two cores between engines
-    if kvcached_on:
-        env["KVCACHED_ENABLE"] = "1"
-    env.update(extra)
-    return env
-
-
-def _start(workdir: Path, label: str, spec: dict, env: dict) -> tuple[subprocess.Popen, Path]:
-    spec = {"model": str(workdir / "model"), **spec}
-    spec_path = workdir / f"{label}.spec.json"
-    out_path = workdir / f"{label}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    log = open(workdir / f"{label}.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, str(HARNESS), str(spec_path), str(out_path)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-    )
-    return proc, out_path
-
-
-def _finish(workdir: Path, label: str, proc: subprocess.Popen, out_path: Path) -> dict:
-    try:
-        rc = proc.wait(timeout=ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    log = (workdir / f"{label}.log").read_text()
-    assert rc == 0 and out_path.exists(), f"engine {label} failed (rc={rc}):\n{log[-6000:]}"
-    result = json.loads(out_path.read_text())
-    result["log"] = log
-    return result
-
-
-def _run_pair(workdir: Path, runs: dict[str, tuple[dict, dict]]) -> dict[str, dict]:
-    """Runs engines side by side (vLLM start-up is mostly single-threaded)."""
-    started = {label: _start(workdir, label, spec, env) for label, (spec, env) in runs.items()}
-    return {label: _finish(workdir, label, *started[label]) for label in started}
-
-
-@pytest.fixture(scope="module")
-def prefix_on(workdir):
-    registry = workdir / "registry-on"
+def prefix_on(vllm_workdir):
+    registry = vllm_workdir / "registry-on"
     registry.mkdir()
     spec = {"prefix_caching": True, "phases": PHASES}
-    return _run_pair(
-        workdir,
-        {"base_on": (spec, _env(False, registry)), "kv_on": (spec, _env(True, registry))},
+    return run_side_by_side(
+        vllm_workdir,
+        {"base_on": (spec, engine_env(False, registry)), "kv_on": (spec, engine_env(True, registry))},
     )
 
 
 @pytest.fixture(scope="module")
-def prefix_off_and_tight(workdir):
+def prefix_off_and_tight(vllm_workdir):
     """Prefix caching off (baseline vs kvcached), and kvcached under a limit that
     forces preemption (four page ids: the null block's and three for 36 blocks'
     worth of requests)."""
-    registry = workdir / "registry-off"
+    registry = vllm_workdir / "registry-off"
     registry.mkdir()
     spec = {"prefix_caching": False, "phases": PHASES[:1]}
     tight = {"prefix_caching": True, "phases": [PHASES[2]]}
-    return _run_pair(
-        workdir,
+    return run_side_by_side(
+        vllm_workdir,
         {
-            "base_off": (spec, _env(False, registry)),
-            "kv_off": (spec, _env(True, registry)),
-            "kv_tight": (tight, _env(True, registry, KVCACHED_LIMIT_BYTES=str(4 * PAGE_ID_BYTES))),
+            "base_off": (spec, engine_env(False, registry)),
+            "kv_off": (spec, engine_env(True, registry)),
+            "kv_tight": (tight, engine_env(True, registry, KVCACHED_LIMIT_BYTES=str(4 * PAGE_ID_BYTES))),
         },
     )
-
-
-def _probe(result: dict, label: str) -> dict:
-    return next(p for p in result["probes"] if p["label"] == label)
-
-
-def _peak(result: dict, label: str, side: str = "engine") -> int:
-    """Largest mapped_bytes seen in the probes taken after each step of a phase."""
-    probes = [p for p in result["probes"] if p["label"] == label]
-    assert probes, f"no probe {label}"
-    if side == "engine":
-        return max(p["engine"]["mapped_bytes"] for p in probes)
-    return max(p["workers"][0]["mapped_bytes"] for p in probes)
 
 
 # --------------------------------------------------------------------------- #
@@ -146,8 +74,8 @@ def test_kvcached_is_active_in_every_process(prefix_on):
     assert "kvcached: virtual KV cache of" in log  # EngineCore planned blocks
     assert "is a virtual" in log  # the worker backs the views with a KV space
     assert "kvcached" not in prefix_on["base_on"]["log"].replace("KVCACHED", "")
-    stats = _probe(prefix_on["kv_on"], "after_init")["engine"]
-    assert stats["geometry_num_blocks"] % (stats["geometry_page_bytes"] // stats["geometry_block_bytes"]) == 0
+    stats = probe(prefix_on["kv_on"], "after_init")["engine"]
+    assert stats["layout_num_blocks"] % (stats["layout_page_bytes"] // stats["layout_block_bytes"]) == 0
 
 
 def test_greedy_outputs_match_without_kvcached_prefix_caching_on(prefix_on):
@@ -161,18 +89,18 @@ def test_greedy_outputs_match_without_kvcached_prefix_caching_off(prefix_off_and
 
 def test_kv_memory_grows_with_load_and_returns_when_idle(prefix_on):
     result = prefix_on["kv_on"]
-    idle_before = _probe(result, "after_init")
-    done = _probe(result, "phase2_done")
+    idle_before = probe(result, "after_init")
+    done = probe(result, "phase2_done")
     page_id_bytes = done["engine"]["page_id_bytes"]
     assert page_id_bytes == PAGE_ID_BYTES
     # While 12 requests run, several page ids are mapped, in the worker too
     # (36 blocks + the null block: 5 page ids of 8 blocks).
-    assert _peak(result, "phase2_running") >= 5 * page_id_bytes
-    assert _peak(result, "phase2_running", side="workers") >= 5 * page_id_bytes
+    assert peak(result, "phase2_running") >= 5 * page_id_bytes
+    assert peak(result, "phase2_running", side="workers") >= 5 * page_id_bytes
     # Idle again: only the null block's page stays; the worker applied the
     # unmaps and acknowledged them, so nothing is pending release.
-    for probe in (idle_before, done):
-        assert probe["engine"]["mapped_bytes"] <= page_id_bytes
+    for idle in (idle_before, done):
+        assert idle["engine"]["mapped_bytes"] <= page_id_bytes
     assert done["engine"]["pending_pages"] == 0
     assert done["engine"]["acked_seq"] == done["engine"]["sent_seq"] > 0
     assert done["workers"][0]["mapped_bytes"] == done["engine"]["mapped_bytes"]
@@ -181,16 +109,17 @@ def test_kv_memory_grows_with_load_and_returns_when_idle(prefix_on):
 
 def test_exhaustion_becomes_preemption_not_a_crash(prefix_on, prefix_off_and_tight):
     tight = prefix_off_and_tight["kv_tight"]
-    assert _peak(tight, "phase0_running") <= 4 * PAGE_ID_BYTES
+    assert peak(tight, "phase0_running") <= 4 * PAGE_ID_BYTES
     # 12 requests outgrow 31 blocks while decoding: vLLM preempts some.
-    assert _probe(tight, "phase0_done")["engine"]["num_preempted"] > 0
+    assert probe(tight, "phase0_done")["engine"]["num_preempted"] > 0
     # Same tokens as the unconstrained engines: preempted requests recompute.
     assert tight["outputs"][0] == prefix_on["base_on"]["outputs"][2]
 
 
-def test_two_engines_share_one_budget(workdir):
+def test_two_engines_share_one_budget(vllm_workdir):
     """Two engines in two processes under one device budget that fits only one
     engine's peak: each uses memory the other released, and kvctl sees both."""
+    workdir = vllm_workdir
     registry = workdir / "registry-shared"
     registry.mkdir()
     budget_bytes = 8 * PAGE_ID_BYTES  # 2 null-block pages + 6 for load; one peak is 5
@@ -211,10 +140,10 @@ def test_two_engines_share_one_budget(workdir):
         {"wait_for": flag["a_done"], **PHASES[2]},
         {"wait_for": flag["kvctl_done"], "signal": flag["b_done"]},
     ]}
-    env_a = _env(True, registry, KVCACHED_NAME="engine-a")
-    env_b = _env(True, registry, KVCACHED_NAME="engine-b")
-    proc_a, out_a = _start(workdir, "engine_a", spec_a, env_a)
-    proc_b, out_b = _start(workdir, "engine_b", spec_b, env_b)
+    env_a = engine_env(True, registry, KVCACHED_NAME="engine-a")
+    env_b = engine_env(True, registry, KVCACHED_NAME="engine-b")
+    proc_a, out_a = start(workdir, "engine_a", spec_a, env_a)
+    proc_b, out_b = start(workdir, "engine_b", spec_b, env_b)
     try:
         deadline = time.time() + ENGINE_TIMEOUT_S
         while not os.path.exists(flag["a_done"]):
@@ -227,8 +156,8 @@ def test_two_engines_share_one_budget(workdir):
             capture_output=True, text=True, timeout=60,
         )
         Path(flag["kvctl_done"]).write_text("done")
-        result_a = _finish(workdir, "engine_a", proc_a, out_a)
-        result_b = _finish(workdir, "engine_b", proc_b, out_b)
+        result_a = finish(workdir, "engine_a", proc_a, out_a)
+        result_b = finish(workdir, "engine_b", proc_b, out_b)
     finally:
         for proc in (proc_a, proc_b):
             if proc.poll() is None:
@@ -237,24 +166,25 @@ def test_two_engines_share_one_budget(workdir):
     names = {entry["name"] for entry in json.loads(listing.stdout)["instances"]}
     assert {"engine-a", "engine-b"} <= names, listing.stdout
     # Both completed with the unconstrained engine's tokens.
-    peak_a = _peak(result_a, "phase0_running")
-    peak_b = _peak(result_b, "phase1_running")
+    peak_a = peak(result_a, "phase0_running")
+    peak_b = peak(result_b, "phase1_running")
     assert result_a["outputs"][0] == result_b["outputs"][1]
     # Together they mapped more than the budget: each used memory that the
     # other had given back.
     assert peak_a + peak_b > budget_bytes, (peak_a, peak_b)
-    assert _probe(result_a, "phase0_done")["engine"]["mapped_bytes"] <= PAGE_ID_BYTES
+    assert probe(result_a, "phase0_done")["engine"]["mapped_bytes"] <= PAGE_ID_BYTES
 
 
-def test_in_process_engine(workdir, prefix_on):
+def test_in_process_engine(vllm_workdir, prefix_on):
     """VLLM_ENABLE_V1_MULTIPROCESSING=0: front end, EngineCore and worker in one
     process; the same ordered path (page ops on SchedulerOutput) is used."""
+    workdir = vllm_workdir
     registry = workdir / "registry-inproc"
     registry.mkdir()
     spec = {"prefix_caching": True, "phases": PHASES}
-    env = _env(True, registry, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    result = _run_pair(workdir, {"kv_inproc": (spec, env)})["kv_inproc"]
+    env = engine_env(True, registry, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    result = run_side_by_side(workdir, {"kv_inproc": (spec, env)})["kv_inproc"]
     assert result["outputs"] == prefix_on["base_on"]["outputs"]
-    assert _peak(result, "phase2_running") >= 5 * PAGE_ID_BYTES
-    done = _probe(result, "phase2_done")["engine"]
+    assert peak(result, "phase2_running") >= 5 * PAGE_ID_BYTES
+    done = probe(result, "phase2_done")["engine"]
     assert done["mapped_bytes"] <= PAGE_ID_BYTES and done["pending_pages"] == 0

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvcached.integration import vllm as plugin
-from kvcached.integration.vllm import settings
+from kvcached.integration.common import settings
 
 pytestmark = pytest.mark.vllm
 
@@ -50,8 +50,8 @@ def test_other_vllm_versions_are_refused_by_name(version):
 
 
 def test_supported_versions_resolve_to_one_module():
-    assert plugin.patch_module_for("0.32.0").__name__.endswith("patches_v0_32")
-    assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith("patches_v0_32")
+    assert plugin.patch_module_for("0.32.0").__name__.endswith(".v0_32")
+    assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith(".v0_32")
 
 
 def test_register_logs_and_survives_an_unsupported_vllm(no_flags, caplog):
@@ -92,3 +92,49 @@ def test_patches_install_once_and_bind_the_block_pool(no_flags):
     plugin._installed.clear()
     plugin.register()  # a second install must not wrap twice
     assert Scheduler.schedule is schedule
+
+
+# --------------------------------------------------------------------------- #
+# Planning checks of the EngineCore (no engine: the plan's own rules)
+# --------------------------------------------------------------------------- #
+
+
+def _ranks(*hosts):
+    import os
+    import socket
+
+    from kvcached.integration.common.devices import RankDevice
+
+    return [RankDevice(rank=i, device="cpu", local_device="cpu", total_bytes=1 << 30, pid=os.getpid(),
+                       host=host or socket.gethostname()) for i, host in enumerate(hosts)]
+
+
+def _layouts(*layers, block_bytes=4096):
+    from kvcached.integration.common.geometry import engine_layout
+
+    return [engine_layout(num_blocks=64, block_bytes=block_bytes, num_layers=n, num_buffers=1, page_bytes=64 << 10)
+            for n in layers]
+
+
+def test_ranks_of_tensor_and_pipeline_parallel_engines_are_accepted():
+    from kvcached.integration.vllm.v0_32 import plan
+
+    plan._check_ranks(_ranks(None, None), _layouts(2, 2))  # tensor parallel: the same layout
+    plan._check_ranks(_ranks(None, None), _layouts(3, 1))  # pipeline stages: their own layers
+
+
+def test_workers_on_another_host_are_refused_by_name():
+    from kvcached.integration.vllm.v0_32 import plan
+
+    with pytest.raises(plan.UnsupportedVLLMConfig, match="node-b"):
+        plan._check_ranks(_ranks(None, "node-b"), _layouts(2, 2))
+
+
+def test_ranks_must_share_their_block_ids():
+    from kvcached.integration.vllm.v0_32 import plan
+
+    mixed = [_layouts(2)[0], _layouts(2, block_bytes=8192)[0]]
+    with pytest.raises(plan.UnsupportedVLLMConfig, match="same blocks on every rank"):
+        plan._check_ranks(_ranks(None, None), mixed)
+    with pytest.raises(RuntimeError, match="ranks"):
+        plan._check_ranks(_ranks(None), _layouts(2, 2))  # one description for two configs

@@ -47,6 +47,17 @@ def kvcached_worker_stats(llm) -> list | None:
     return llm.collective_rpc("kvcached_kv_stats")
 
 
+def registry_entries(name: str | None) -> list | None:
+    """This engine's entries (one per rank) in the cpu registry, as ``kvctl list`` reads them."""
+    if not name or not _kvcached_enabled():
+        return None
+    from kvcached.registry import open_existing
+
+    registry = open_existing("cpu")
+    entries = registry.entries() if registry is not None else []
+    return sorted((e for e in entries if e["name"] == name), key=lambda e: e["local_device"])
+
+
 def _probe(llm, label: str, probes: list) -> None:
     probes.append(
         {
@@ -54,6 +65,7 @@ def _probe(llm, label: str, probes: list) -> None:
             "time": time.time(),
             "engine": kvcached_engine_stats(llm),
             "workers": kvcached_worker_stats(llm),
+            "entries": registry_entries(os.environ.get("KVCACHED_NAME")),
         }
     )
 
@@ -77,14 +89,17 @@ def run(spec: dict) -> dict:
     """Runs the phases of ``spec`` on one engine.
 
     spec keys: model (dir), prefix_caching (bool), kv_cache_bytes (vLLM's
-    ``kv_cache_memory_bytes``: its KV size without kvcached, the engine's
-    limit with it), max_num_seqs, phases: a list of {prompts: [[ids]],
-    max_tokens, probe_during (bool), wait_for (file), signal (file)}. A phase
-    without prompts only waits and signals.
+    ``kv_cache_memory_bytes`` per worker: its KV size without kvcached, each
+    rank's limit with it), max_num_seqs, tensor_parallel_size,
+    pipeline_parallel_size, enforce_eager (default true),
+    gpu_memory_utilization, phases: a list of {prompts: [[ids]], max_tokens,
+    probe_during (bool), wait_for (file), signal (file)}. A phase without
+    prompts only waits and signals.
     """
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
+    optional = {key: spec[key] for key in ("gpu_memory_utilization",) if key in spec}
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -95,8 +110,11 @@ def run(spec: dict) -> dict:
         enable_prefix_caching=spec.get("prefix_caching", True),
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
         block_size=spec.get("block_size", 128),
-        enforce_eager=True,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=spec.get("pipeline_parallel_size", 1),
+        enforce_eager=spec.get("enforce_eager", True),
         seed=0,
+        **optional,
     )
     init_s = time.time() - t0
     probes: list = []
@@ -139,7 +157,26 @@ def run(spec: dict) -> dict:
         _touch(phase.get("signal"))
     result = {"outputs": outputs, "probes": probes, "init_s": init_s, "total_s": time.time() - t0}
     llm.llm_engine.engine_core.shutdown()  # stops the EngineCore and worker processes
+    result["after_shutdown"] = _registry_after_shutdown(os.environ.get("KVCACHED_NAME"))
     return result
+
+
+def _registry_after_shutdown(name: str | None, timeout_s: float = 60.0) -> dict | None:
+    """Once the EngineCore is gone: this engine's entries and the device's mapped bytes.
+
+    vLLM may kill an EngineCore that is slow to stop; its entries are then
+    reclaimed as stale (what any kvcached process does when it registers).
+    """
+    if not name or not _kvcached_enabled():
+        return None
+    from kvcached.registry import open_existing
+
+    deadline = time.time() + timeout_s
+    while any(e["alive"] for e in registry_entries(name)) and time.time() < deadline:
+        time.sleep(0.2)
+    registry = open_existing("cpu")
+    registry.clean_stale()
+    return {"entries": registry_entries(name), "device_mapped_bytes": registry.mapped_bytes}
 
 
 if __name__ == "__main__":

@@ -1,35 +1,57 @@
-"""Which kvcached device an engine's torch device is (the one place integrations map them).
+"""Which physical device each rank of an engine holds its KV tensors on.
 
-PyTorch names every GPU ``cuda``, also AMD GPUs under its ROCm build
-(``torch.version.hip`` set). kvcached opens those with its HIP backend
-(``hip:N``) and keeps their registry under ``rocm:N``.
+The process that decides blocks (vLLM's EngineCore) never opens a device, so
+it cannot tell which GPU a rank uses. Each rank describes its own device where
+it has it open (:func:`describe_rank`); the deciding side registers the engine
+in each of those devices' registries, keyed by the physical identity
+(``cuda-GPU-<uuid>``, ``hip-GPU-<uuid>``, ``cpu``), with the rank and the index
+it sees as the entry's local device (``rank0-cuda:0``). Pools, both engine
+integrations, ``kvctl`` and ``kvtop`` therefore name a device alike, whatever
+``CUDA_VISIBLE_DEVICES`` each process has.
+
+Torch devices become kvcached device names through one function,
+:func:`kvcached.devices.device_name_from_torch` (``cuda:N`` under a ROCm
+torch is ``hip:N``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import socket
 from typing import Any
 
 
-def kvcached_device_name(device: Any, *, registry: bool = False) -> str:
-    """kvcached's name of a torch device: "cpu", "cuda:N" or "hip:N" (registry: "rocm:N").
+@dataclasses.dataclass(frozen=True)
+class RankDevice:
+    """One rank's device, as that rank's process found it (picklable: it crosses processes)."""
 
-    ``device`` is anything ``torch.device`` accepts; a GPU without an index
-    means the process's current one.
+    rank: int  # the rank's index among the engine's KV spaces (vLLM's global worker rank)
+    device: str  # physical identity, the registry's key: "cpu", "cuda-GPU-<uuid>", ...
+    local_device: str  # as the rank's process sees it: "cpu", "cuda:0", "hip:1"
+    total_bytes: int  # the device's memory (host: kvcached's host capacity)
+    pid: int  # the rank's process: the one that applies and acknowledges page ops
+    host: str  # the machine it runs on (acknowledgements travel through shared memory)
+
+    @property
+    def label(self) -> str:
+        """The registry entry's local device: the rank and the index it sees ("rank0-cuda:0")."""
+        return f"rank{self.rank}-{self.local_device}"
+
+
+def describe_rank(torch_device: Any, rank: int) -> RankDevice:
+    """Describes this process's device for ``rank``; creates the device's registry if no engine has.
+
+    Called in the process that holds the KV tensors (it may open the device).
     """
-    # TODO(devices): switch to kvcached.devices' canonical device-name helpers
-    # once they exist, so the registry and the backends spell devices alike.
-    import torch
+    from kvcached.devices import canonical_device_name, device_name_from_torch, open_device
+    from kvcached.registry import HOST_DEVICE, registry_for
 
-    device = torch.device(device)
-    if device.type == "cpu":
-        return "cpu"
-    if device.type != "cuda":
-        raise ValueError(f"kvcached has no backend for torch device {device}")
-    kind = "cuda"
-    if getattr(torch.version, "hip", None):  # PyTorch's ROCm build: an AMD GPU
-        kind = "rocm" if registry else "hip"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return f"{kind}:{index}"
+    local = device_name_from_torch(torch_device)
+    total_bytes = int(open_device(local).memory_info()[1])
+    registry_for(local, None if local == HOST_DEVICE else total_bytes)
+    return RankDevice(rank=rank, device=canonical_device_name(local), local_device=local,
+                      total_bytes=total_bytes, pid=os.getpid(), host=socket.gethostname())
 
 
-__all__ = ["kvcached_device_name"]
+__all__ = ["RankDevice", "describe_rank"]

@@ -1,54 +1,63 @@
-"""How an engine integration enters kvcached's per-device registry (kvctl, kvtop).
+"""How an engine integration enters the per-device registries (kvctl, kvtop).
 
-An engine registers once, before it creates the block manager that decides its
-blocks: the returned budget is the device-wide one that all engines on the
-device share, so the engine shows up in ``kvctl list`` and can be steered with
-``kvctl set-limit``. This module is the one place that adapts the engine
-integrations to the registry.
+An engine registers once per rank, before it creates the block manager that
+decides its blocks: each rank's entry is in the registry of that rank's
+physical device (:class:`~kvcached.integration.common.devices.RankDevice`),
+named after the engine, with the rank and the index it sees as its local device.
+Each entry's budget is the one that rank's memory is charged on (a
+:class:`kvcached.layout.Mirror` each), so ``kvctl list`` shows every rank and
+``kvctl set-limit NAME`` steers all of them. This module is the one place that
+adapts the engine integrations to the registry.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional, Sequence
+
+from kvcached.integration.common.devices import RankDevice
 
 _logger = logging.getLogger(__name__)
 
 
-def ensure_registry(device: str, total_bytes: int | None = None) -> None:
-    """Creates the device's registry if no engine has yet.
-
-    Called where the device is open (a worker, a scheduler holding the KV
-    tensors): a process that only decides blocks must not open the device.
-    """
-    from kvcached.registry import registry_for
-
-    registry_for(device, total_bytes)
-
-
-def register_engine(
-    name: str, *, device: str, limit_bytes: int | None, logger: logging.Logger | None = None
+def register_rank(
+    name: str, rank: RankDevice, *, limit_bytes: Optional[int], logger: Optional[logging.Logger] = None
 ) -> Any:
-    """Registers an engine in ``device``'s registry and returns its shared budget.
+    """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
 
-    ``device`` is a registry device name ("cpu", "cuda:N", "rocm:N"). The
-    registry normally exists already (see :func:`ensure_registry`); if not, only
-    ``cpu`` can be created here without opening a device. The engine's own
-    limit lives in the registry, so ``kvctl set-limit`` can change it later.
+    The registry exists already: the rank's process created it
+    (:func:`~kvcached.integration.common.devices.describe_rank`), so this
+    process never opens the device. The limit lives in the registry, so
+    ``kvctl set-limit`` can change it later.
     """
     from kvcached import registry
 
-    existing = registry.open_existing(device)
+    existing = registry.open_existing(rank.device)
     if existing is None:
-        if device != registry.HOST_DEVICE:
-            raise RuntimeError(f"kvcached: no registry for {device}; the process holding the device should have created it")
-        existing = registry.registry_for(device)
-    budget = existing.register(name, limit_bytes=limit_bytes)
+        if rank.device != registry.HOST_DEVICE:
+            raise RuntimeError(f"kvcached: no registry for {rank.device}; the rank holding it should have created it")
+        existing = registry.registry_for(rank.device)
+    budget = existing.register(name, limit_bytes=limit_bytes, local_device=rank.label)
     (logger or _logger).info(
-        "kvcached: registered %r on %s (device budget %d B, limit %s)",
-        name,
-        device,
-        existing.budget_bytes,
-        "none" if limit_bytes is None else f"{limit_bytes} B",
+        "kvcached: registered %r (%s) on %s (device budget %d B, limit %s)",
+        name, rank.label, rank.device, existing.budget_bytes, "none" if limit_bytes is None else f"{limit_bytes} B",
     )
     return budget
+
+
+def register_ranks(
+    name: str, ranks: Sequence[RankDevice], *, limit_bytes: Optional[int], logger: Optional[logging.Logger] = None
+) -> list[Any]:
+    """One entry per rank (see :func:`register_rank`), all or nothing."""
+    budgets: list[Any] = []
+    try:
+        for rank in ranks:
+            budgets.append(register_rank(name, rank, limit_bytes=limit_bytes, logger=logger))
+    except BaseException:
+        for budget in budgets:
+            budget.unregister()
+        raise
+    return budgets
+
+
+__all__ = ["register_rank", "register_ranks"]

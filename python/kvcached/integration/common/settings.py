@@ -1,43 +1,34 @@
 """Environment settings shared by the engine integrations (vLLM, SGLang).
 
-Options kvcached already has (page size, virtual capacity) come from
-:mod:`kvcached.config`; the ones that only make sense for an engine are read
-here. Everything is read when needed, so spawned engine processes see what their
-parent exported.
+Every value comes from kvcached's one options table (:mod:`kvcached.config`,
+documented in ``docs/configuration.md``), read when needed, so spawned engine
+processes see what their parent exported.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Optional
 
-_TRUE = {"1", "true", "yes", "on"}
+# The page size when KVCACHED_PAGE_BYTES is unset. An engine may decide page ids
+# in a process that never opens the device (vLLM's EngineCore), so it cannot ask
+# the driver for its granularity: 2 MiB, CUDA's and HIP's recommended one.
+from kvcached.layout import DEFAULT_PAGE_BYTES
 
-#: Page size when ``KVCACHED_PAGE_BYTES`` is unset. An engine may decide page
-#: ids in a process that never opens the device (vLLM's EngineCore), so it
-#: cannot ask the driver for its granularity. 2 MiB is CUDA's and HIP's
-#: recommended granularity and the host backend's default.
-DEFAULT_PAGE_BYTES = 2 << 20
+__all__ = ["DEFAULT_PAGE_BYTES", "Settings", "is_enabled"]
 
 
 def is_enabled() -> bool:
-    """True when ``KVCACHED_ENABLE`` (or the older ``ENABLE_KVCACHED``) is set to a true value."""
-    return any(
-        os.environ.get(name, "").strip().lower() in _TRUE
-        for name in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
-    )
+    """True when ``KVCACHED_ENABLE`` (or the older ``ENABLE_KVCACHED``) is set to a true value.
 
+    An unparsable value counts as off (an engine plugin must not raise).
+    """
+    from kvcached import config
 
-def _env_bytes(name: str) -> int | None:
-    from kvcached.registry import parse_bytes
-
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
     try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
+        return bool(config.get("enable"))
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -46,18 +37,21 @@ class Settings:
 
     #: Virtual KV capacity the engine plans for (``KVCACHED_VIRTUAL_CAPACITY_BYTES``);
     #: None: the device's total memory.
-    virtual_bytes: int | None
-    #: This engine's own physical limit (``KVCACHED_LIMIT_BYTES``); None: the
-    #: engine's own KV size setting where it has one, else only the device's
+    virtual_bytes: Optional[int]
+    #: This engine's own physical limit per rank (``KVCACHED_LIMIT_BYTES``); None:
+    #: the engine's own KV size setting where it has one, else only the device's
     #: shared budget.
-    limit_bytes: int | None
+    limit_bytes: Optional[int]
     #: Page size of the engine's block manager and KV spaces.
     page_bytes: int
-    #: Name in the device registry (``KVCACHED_NAME``); None: derived.
-    name: str | None
+    #: Name in the device registries (``KVCACHED_NAME``); None: derived.
+    name: Optional[str]
     #: Prefix-cache memory an idle engine keeps (``KVCACHED_IDLE_CACHE_BYTES``);
     #: default 0: an engine with no requests returns all of its KV memory.
     idle_cache_bytes: int = 0
+    #: A rank whose oldest unacknowledged page-op batch is older than this is
+    #: declared lost (``KVCACHED_RANK_ACK_TIMEOUT_S``).
+    rank_ack_timeout_s: float = 120.0
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -65,8 +59,9 @@ class Settings:
 
         return cls(
             virtual_bytes=config.get("virtual_capacity_bytes") or None,
-            limit_bytes=_env_bytes("KVCACHED_LIMIT_BYTES"),
+            limit_bytes=config.get("limit_bytes"),
             page_bytes=config.get("page_bytes") or DEFAULT_PAGE_BYTES,
-            name=os.environ.get("KVCACHED_NAME") or None,
-            idle_cache_bytes=_env_bytes("KVCACHED_IDLE_CACHE_BYTES") or 0,
+            name=config.get("name"),
+            idle_cache_bytes=config.get("idle_cache_bytes"),
+            rank_ack_timeout_s=config.get("rank_ack_timeout_s"),
         )

@@ -1,32 +1,41 @@
 """The tensor side of an integration in a process that holds KV tensors but does not decide blocks.
 
 When an engine decides blocks in one process and keeps its KV tensors in
-others (vLLM's EngineCore and workers; tensor-parallel ranks), each tensor
-process owns a :class:`WorkerSpace`: a kvcached KV space laid out like the
-deciding side's :class:`~kvcached.integration.common.geometry.KVGeometry`,
-applying the page-op batches that side emits, in order. Applying a batch
-synchronises the device before it unmaps (the core's fence), so pages a kernel
-may still read are never unmapped under it.
+others (vLLM's EngineCore and workers; tensor-parallel ranks; pipeline
+stages), each rank's process owns a :class:`WorkerSpace`: a kvcached KV space
+laid out by that rank's :class:`kvcached.KVLayout` (a pipeline stage: only its
+layers), applying the deciding side's page-op batches in order, and
+acknowledging each on the :class:`~kvcached.integration.common.acks.AckBoard`.
+Applying a batch synchronises the device before it unmaps (the core's fence),
+so pages a kernel may still read are never unmapped under it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
-from kvcached.integration.common.blocks import WireOps
-from kvcached.integration.common.geometry import KVGeometry
+from kvcached.integration.common.acks import AckBoard
+from kvcached.layout import KVLayout, space_options
 
 
 class WorkerSpace:
-    """A KV space mirroring an engine's block decisions in this process."""
+    """Rank ``rank``'s KV space, mirroring an engine's block decisions in this process.
 
-    def __init__(self, geometry: KVGeometry, *, device: str, zero_backing: bool = True) -> None:
+    Args:
+        layout: this rank's layout.
+        device: the kvcached device ("cpu", "cuda:0", "hip:1").
+        rank: its index among the engine's ranks (its slot on the board).
+        board: where it acknowledges (None: the caller acknowledges).
+    """
+
+    def __init__(self, layout: KVLayout, *, device: str, rank: int = 0, board: Optional[AckBoard] = None,
+                 zero_backing: bool = True) -> None:
         from kvcached.pool import KVSpace
 
-        self.geometry = geometry
-        self.space = KVSpace(**geometry.core_kwargs(), device=device, zero_backing=zero_backing)
-        self.applied_seq = 0
+        self.rank = rank
+        self.board = board
+        self.space = KVSpace(layout, device, space_options(zero_backing=zero_backing))
 
     def flat_bytes(self) -> Any:
         """The whole reservation as a flat torch uint8 tensor (keeps it alive)."""
@@ -34,27 +43,30 @@ class WorkerSpace:
 
         return torch.from_dlpack(self.space.tensor())
 
-    def apply(self, ops: WireOps) -> int:
-        """Applies one ``(seq, map_pages, unmap_pages)`` batch; returns the seq to acknowledge."""
-        from kvcached.pool import PageOps
-
-        batch = PageOps()
-        batch.seq, batch.map_pages, batch.unmap_pages = ops
-        self.applied_seq = int(self.space.apply(batch))
-        return self.applied_seq
+    def apply(self, ops: Any) -> int:
+        """Applies one :class:`kvcached.PageOps` batch (in order) and acknowledges it; returns its seq."""
+        seq = int(self.space.apply(ops))
+        if self.board is not None:
+            self.board.publish(self.rank, seq)
+        return seq
 
     def stats(self) -> dict[str, Any]:
+        """What this rank has mapped, in this process."""
         mapped_pages = int(self.space.mapped_pages)
         return {
+            "rank": self.rank,
             "pid": os.getpid(),
+            "device": self.space.device.name,
             "mapped_pages": mapped_pages,
             "mapped_bytes": mapped_pages * self.space.page_id_bytes,
-            "applied_seq": self.applied_seq,
+            "applied_seq": int(self.space.applied_seq),
         }
 
     def close(self) -> None:
-        """Unmaps everything; live tensors then read zeros. Idempotent."""
+        """Unmaps everything (live tensors then read zeros). Idempotent."""
         self.space.close()
+        if self.board is not None:
+            self.board.close()
 
 
 __all__ = ["WorkerSpace"]

@@ -5,17 +5,19 @@ workers, the model-registry helper) through the entry point
 ``vllm.general_plugins: kvcached = "kvcached.integration.vllm:register"``.
 Nothing happens unless ``KVCACHED_ENABLE=1`` (or ``ENABLE_KVCACHED=true``) is
 set. When enabled, :func:`register` checks ``vllm.__version__`` and installs the
-patches of the one module written for that version (see ``_PATCH_MODULES``);
+patches of the one package written for that version (see ``_PATCH_MODULES``);
 any other version is refused with a message naming the supported ones.
 
-How it works (vLLM 0.32; details in ``patches_v0_32``):
+How it works (vLLM 0.32; details in ``v0_32``):
 
-- workers report a *virtual* KV capacity instead of profiled free memory, and
-  back vLLM's KV views with a kvcached :class:`kvcached.pool.KVSpace`;
+- every worker describes its device; workers report a *virtual* KV capacity
+  instead of profiled free memory, and back vLLM's KV views with a kvcached KV
+  space of their own (tensor-parallel ranks and pipeline stages alike);
 - the EngineCore's ``BlockPool`` is a subclass whose blocks come from a
-  device-less :class:`kvcached.pool.BlockManager`; running out becomes preemption;
+  device-less block manager with one mirror per rank, each charged on its own
+  device's budget; running out becomes preemption;
 - page map/unmap lists ride on each ``SchedulerOutput`` to every worker, in step
-  order; workers acknowledge on their ``ModelRunnerOutput``; an idle engine
+  order; every rank acknowledges on a shared-memory board; an idle engine
   flushes pending unmaps with one ordered RPC.
 """
 
@@ -29,14 +31,14 @@ from typing import Any
 
 from kvcached.errors import KvcachedError
 
-from .settings import Settings, is_enabled
+from kvcached.integration.common.settings import Settings, is_enabled
 
 # A child of vLLM's logger, so messages appear in vLLM's log stream and format.
 logger = logging.getLogger("vllm.kvcached")
 
 #: vLLM minor version -> module holding every private vLLM name kvcached touches.
 _PATCH_MODULES: dict[tuple[int, int], str] = {
-    (0, 32): "patches_v0_32",
+    (0, 32): "v0_32",
 }
 SUPPORTED_VERSIONS = ", ".join(f"{a}.{b}.x" for a, b in sorted(_PATCH_MODULES))
 

@@ -81,7 +81,7 @@ class _KvcachedAllocator:
             return
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        keep_tokens = keep_bytes // self.kvcached_blocks.geometry.block_id_bytes * self.page_size
+        keep_tokens = keep_bytes // self.kvcached_blocks.layout.block_id_bytes * self.page_size
         evictable = tree_cache.evictable_size() if tree_cache is not None else 0
         if evictable > keep_tokens:
             tree_cache.evict(EvictParams(num_tokens=evictable - keep_tokens))

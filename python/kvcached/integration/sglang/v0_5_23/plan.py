@@ -1,4 +1,4 @@
-"""Whether and how kvcached runs one SGLang 0.5.23 engine: refusals, the plan, geometry."""
+"""Whether and how kvcached runs one SGLang 0.5.23 engine: refusals and the plan."""
 
 from __future__ import annotations
 
@@ -6,17 +6,16 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-import math
 import os
 from typing import Any, Iterator, Optional
 
 import torch
 
 from kvcached.integration.common.blocks import EngineBlocks
-from kvcached.integration.common.devices import kvcached_device_name
-from kvcached.integration.common.geometry import KVGeometry
-from kvcached.integration.common.registration import ensure_registry, register_engine
+from kvcached.integration.common.devices import RankDevice, describe_rank
+from kvcached.integration.common.registration import register_rank
 from kvcached.integration.common.settings import Settings
+from kvcached.layout import KVLayout
 
 logger = logging.getLogger("sglang.srt.kvcached")
 
@@ -49,16 +48,23 @@ class Plan:
     """Where and as what one SGLang engine (scheduler process) runs kvcached."""
 
     settings: Settings
-    device: str  # kvcached device ("cpu", "cuda:N", "hip:N")
-    registry_device: str  # its registry ("cpu", "cuda:N", "rocm:N")
+    rank: RankDevice  # the scheduler's device: the physical identity and the index it sees
     name: str
     virtual_bytes: int
 
-    def open_blocks(self, geometry: KVGeometry) -> EngineBlocks:
-        budget = register_engine(
-            self.name, device=self.registry_device, limit_bytes=self.settings.limit_bytes, logger=logger
-        )
-        return EngineBlocks.local(geometry, device=self.device, budget=budget, name=self.name)
+    @property
+    def device(self) -> str:
+        """The kvcached device this process opens ("cpu", "cuda:N", "hip:N")."""
+        return self.rank.local_device
+
+    def open_blocks(self, layout: KVLayout) -> EngineBlocks:
+        """The engine's blocks and KV space, registered in its device's registry."""
+        budget = register_rank(self.name, self.rank, limit_bytes=self.settings.limit_bytes, logger=logger)
+        try:
+            return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
+        except BaseException:
+            budget.unregister()
+            raise
 
 
 _current_plan: contextvars.ContextVar[Optional[Plan]] = contextvars.ContextVar("kvcached_sglang_plan", default=None)
@@ -111,21 +117,15 @@ def plan_for(configurator: Any) -> Optional[Plan]:
                      "Unset KVCACHED_ENABLE to silence this message.", ", ".join(found))
         _plans[id(configurator)] = (configurator, None)
         return None
-    from kvcached.devices import open_device
-
     engine_settings = settings()
     torch_device = torch.device("cpu") if configurator.device == "cpu" else torch.device("cuda", configurator.gpu_id)
-    device = kvcached_device_name(torch_device)
-    registry_device = kvcached_device_name(torch_device, registry=True)
-    total_bytes = int(open_device(device).memory_info()[1])
-    ensure_registry(registry_device, None if device == "cpu" else total_bytes)
+    rank = describe_rank(torch_device, 0)  # one rank: parallel engines are refused above
     model = os.path.basename(str(configurator.server_args.model_path).rstrip("/")) or "model"
     plan = Plan(
         settings=engine_settings,
-        device=device,
-        registry_device=registry_device,
+        rank=rank,
         name=engine_settings.name or f"sglang:{model}:{os.getpid()}",
-        virtual_bytes=engine_settings.virtual_bytes or total_bytes,
+        virtual_bytes=engine_settings.virtual_bytes or rank.total_bytes,
     )
     _plans[id(configurator)] = (configurator, plan)
     return plan
@@ -139,12 +139,6 @@ def building(plan: Optional[Plan]) -> Iterator[None]:
         yield
     finally:
         _current_plan.reset(token)
-
-
-def kv_geometry(num_blocks: int, block_bytes: int, num_layers: int, num_buffers: int, page_bytes: int) -> KVGeometry:
-    """The geometry of a pool; a page must hold whole blocks, so it grows to a common multiple."""
-    page_bytes = page_bytes * block_bytes // math.gcd(page_bytes, block_bytes)
-    return KVGeometry(num_blocks, block_bytes, num_layers, num_buffers, page_bytes)
 
 
 def require_plan(pool: Any) -> Plan:

@@ -6,8 +6,9 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached.geometry import sglang_views, strided_bytes_view
+from kvcached.integration.common.geometry import engine_layout
 
-from .plan import kv_geometry, require_plan
+from .plan import require_plan
 
 
 class KvcachedMHATokenToKVPool(MHATokenToKVPool):
@@ -19,14 +20,14 @@ class KvcachedMHATokenToKVPool(MHATokenToKVPool):
         plan = require_plan(self)
         rows = self.size + self.page_size  # slot 0's page pads dummy writes
         item = torch.empty((), dtype=self.store_dtype).element_size()
-        geometry = kv_geometry(
+        layout = engine_layout(
             num_blocks=-(-rows // self.page_size),
             block_bytes=self.page_size * self.head_num * self.head_dim * item,
             num_layers=self.layer_num,
             num_buffers=2,
             page_bytes=plan.settings.page_bytes,
         )
-        self.kvcached_blocks = plan.open_blocks(geometry)
+        self.kvcached_blocks = plan.open_blocks(layout)
         views = sglang_views(
             self.kvcached_blocks.space, num_heads=self.head_num, head_dim=self.head_dim, dtype=self.store_dtype
         )
@@ -44,14 +45,14 @@ class KvcachedMLATokenToKVPool(MLATokenToKVPool):
         rows = self.size + self.page_size
         item = torch.empty((), dtype=self.store_dtype).element_size()
         row_bytes = self.kv_cache_dim * item
-        geometry = kv_geometry(
+        layout = engine_layout(
             num_blocks=-(-rows // self.page_size),
             block_bytes=self.page_size * row_bytes,
             num_layers=self.layer_num,
             num_buffers=1,
             page_bytes=plan.settings.page_bytes,
         )
-        self.kvcached_blocks = plan.open_blocks(geometry)
+        self.kvcached_blocks = plan.open_blocks(layout)
         space = self.kvcached_blocks.space
         flat = torch.from_dlpack(space.tensor())
         self.kv_buffer = [

@@ -1,0 +1,133 @@
+"""kvcached inside vLLM 0.32 (V1 engine). Every private vLLM name kvcached uses is in this package.
+
+Rationale
+---------
+vLLM decides blocks in the EngineCore process (Scheduler -> KVCacheManager ->
+BlockPool) while the KV tensors live in worker processes (always on the CPU
+build, and on GPUs with tensor or pipeline parallelism: one worker per rank).
+kvcached splits the same way: a device-less block manager in the EngineCore
+decides which block ids (and so which pages) are in use, and one KV space per
+worker rank maps and unmaps those pages in its own address space, on its own
+device. The EngineCore never opens a device.
+
+Approach
+--------
+* ``plan``: every worker describes its device (physical identity, the index it
+  sees); vLLM plans its one-KV-tensor layout for a virtual capacity; each rank
+  gets its own layout (same block ids; a pipeline stage only its layers).
+* ``scheduler`` and ``block_pool``: the engine registers one entry per rank in
+  that rank's device registry; its block manager has one mirror per rank,
+  charged on that rank's budget at that rank's page cost, all or nothing, and
+  released on a rank's budget once that rank acknowledged the unmap. vLLM's
+  BlockPool takes its blocks from it; running out becomes waiting or preemption.
+* Ordering: each step's page ops ride on the ``SchedulerOutput`` that vLLM
+  delivers to every worker in step order; an idle engine flushes them with one
+  ordered ``collective_rpc``.
+* ``worker``: each rank backs vLLM's KV views with its KV space, applies each
+  batch before the forward pass (synchronising the device before unmapping)
+  and acknowledges it itself on the engine's acknowledgement board (shared
+  memory). A rank whose process is gone, or that acknowledges nothing for
+  ``KVCACHED_RANK_ACK_TIMEOUT_S``, is declared lost: its budget returns.
+
+Limitations
+-----------
+Refused with a clear error: hybrid models (several KV cache groups or tensors
+overlaying one allocation), sleep mode, KV connectors, HiSparse, workers on
+another host than the EngineCore, and pipeline parallelism with a
+block-outermost KV layout. Written for the V1 and V2 model runners and for
+CPU, CUDA and ROCm workers; the CPU build with the V1 runner has run (one
+worker, tensor parallelism 2, pipeline parallelism 2).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvcached.integration.common.settings import Settings
+
+from . import block_pool, plan, scheduler, worker
+from .block_pool import KVCachePoolExhausted
+from .plan import UnsupportedVLLMConfig, logger
+from .worker import worker_kv_stats
+
+_MARKER = "_kvcached_patched"  # on every patched function and class (idempotence)
+
+
+def _patch(owner: Any, name: str, wrapper: Any) -> None:
+    current = getattr(owner, name)
+    if getattr(current, _MARKER, False):
+        return
+    replacement = wrapper(current)
+    setattr(replacement, _MARKER, True)
+    replacement.__wrapped__ = current
+    replacement.__name__ = getattr(current, "__name__", name)
+    replacement.__qualname__ = getattr(current, "__qualname__", name)
+    setattr(owner, name, replacement)
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    if not getattr(getattr(owner, name, None), _MARKER, False):
+        setattr(value, _MARKER, True)
+        setattr(owner, name, value)
+
+
+def install(settings: Settings) -> None:
+    """Installs every patch; pure attribute swaps, safe in every vLLM process."""
+    plan.use_settings(settings)
+
+    from vllm.v1.core import block_pool as vllm_block_pool
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+    from vllm.v1.core.sched import scheduler as vllm_scheduler
+    from vllm.v1.engine import core
+    from vllm.v1.worker import gpu_model_runner, gpu_worker
+    from vllm.v1.worker import utils as worker_utils
+
+    # EngineCore: the ranks' devices, planning, block pool, ordering, idle flush.
+    _patch(core.EngineCore, "_initialize_kv_caches", plan.wrap_initialize_kv_caches)
+    _patch(core, "get_kv_cache_configs", plan.wrap_get_kv_cache_configs)
+    if not getattr(kv_cache_coordinator.BlockPool, _MARKER, False):
+        pool_class = block_pool.make_block_pool_class(vllm_block_pool.BlockPool)
+        setattr(pool_class, _MARKER, True)
+        kv_cache_coordinator.BlockPool = pool_class
+    Scheduler = vllm_scheduler.Scheduler
+    _patch(Scheduler, "__init__", scheduler.wrap_scheduler_init)
+    _patch(Scheduler, "schedule", scheduler.wrap_schedule)
+    _patch(Scheduler, "update_from_output", scheduler.wrap_update_from_output)
+    _patch(Scheduler, "_preempt_request", scheduler.wrap_preempt_request)
+    _patch(Scheduler, "shutdown", scheduler.wrap_scheduler_shutdown)
+    _patch(kv_cache_manager.KVCacheManager, "allocate_slots", scheduler.wrap_allocate_slots)
+    for method in ("step", "step_with_batch_queue", "abort_requests"):
+        _patch(core.EngineCore, method, scheduler.wrap_flushing)
+    _set(core.EngineCore, "kvcached_stats", scheduler.engine_core_kvcached_stats)
+
+    # Workers: their devices, virtual capacity, KV spaces, page ops.
+    Worker = gpu_worker.Worker
+    _set(Worker, "kvcached_describe_rank", worker.worker_describe_rank)
+    _patch(Worker, "determine_available_memory", worker.wrap_gpu_determine_available_memory)
+    _patch(gpu_worker, "request_memory", worker.wrap_request_memory)
+    _patch(Worker, "execute_model", worker.wrap_execute_model)
+    _set(Worker, "kvcached_apply_page_ops", worker.worker_apply_page_ops)
+    _set(Worker, "kvcached_kv_stats", worker.worker_kv_stats)
+    _patch(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", worker.wrap_initialize_kv_cache)
+    for module in (gpu_model_runner, worker_utils):
+        _patch(module, "allocate_kv_cache", worker.wrap_allocate_kv_cache)
+    optional = {
+        "vllm.v1.worker.cpu_worker": lambda m: _set(
+            m.CPUWorker, "determine_available_memory", worker.cpu_determine_available_memory
+        ),
+        "vllm.v1.worker.gpu.attn_utils": lambda m: _patch(m, "allocate_kv_cache", worker.wrap_allocate_kv_cache),
+        "vllm.v1.worker.gpu.model_runner": lambda m: _patch(
+            m.GPUModelRunner, "initialize_kv_cache", worker.wrap_initialize_kv_cache
+        ),
+    }
+    for name, apply in optional.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:  # that worker / runner is not part of this build
+            logger.debug("kvcached: skipping %s (%s)", name, exc)
+            continue
+        apply(module)
+
+
+__all__ = ["KVCachePoolExhausted", "UnsupportedVLLMConfig", "install", "worker_kv_stats"]

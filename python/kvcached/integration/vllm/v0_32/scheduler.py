@@ -1,0 +1,218 @@
+"""vLLM 0.32's Scheduler and EngineCore with kvcached: blocks decided here, page ops to every rank.
+
+The Scheduler of each engine owns one :class:`EngineKV`: a device-less block
+manager with one mirror per worker rank (each charged on its own device's
+budget, at its own layout's page cost), through
+:class:`~kvcached.integration.common.blocks.EngineBlocks`. After every
+``Scheduler.schedule`` the pending :class:`kvcached.PageOps` batch is attached
+(as is: it pickles itself) to the ``SchedulerOutput``, which vLLM delivers to
+every worker in step order; every rank acknowledges on the engine's
+acknowledgement board, read at each ``schedule`` and ``update_from_output``.
+When the engine goes idle, pending ops are flushed to every worker with one
+``collective_rpc`` (ordered with the steps on the same queue).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvcached.integration.common.blocks import EngineBlocks
+from kvcached.integration.common.registration import register_ranks
+
+from .block_pool import KVCachePoolExhausted, building
+from .plan import PAGE_OPS_ATTR, PLAN_ATTR, EnginePlan, logger, refuse_unsupported, settings, take_board
+
+
+class EngineKV:
+    """kvcached state of one Scheduler (EngineCore process)."""
+
+    def __init__(self, blocks: EngineBlocks, plan: EnginePlan, name: str) -> None:
+        self.blocks = blocks
+        self.plan = plan
+        self.name = name
+        self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
+        self.num_preempted = 0  # requests vLLM preempted (for lack of KV memory)
+        self.block_pool: Any = None
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.blocks.stats()
+        mirrors = stats["mirrors"]
+        stats.update(
+            name=self.name,
+            pid=os.getpid(),
+            sent_seq=stats["last_seq"],
+            # The slowest live rank's acknowledgement (each rank's is in stats["mirrors"]).
+            acked_seq=min((m["acked_seq"] for m in mirrors if m["alive"]), default=stats["last_seq"]),
+            ranks=[dict(rank=r.rank, device=r.device, local_device=r.local_device, pid=r.pid,
+                        num_layers=layout.num_layers) for r, layout in zip(self.plan.ranks, self.plan.layouts)],
+            num_exhausted=self.num_exhausted,
+            num_preempted=self.num_preempted,
+            **{f"layout_{k}": v for k, v in self.blocks.layout.as_dict().items()},
+        )
+        return stats
+
+
+def _engine_name(vllm_config: Any) -> str:
+    name = settings().name
+    if name:
+        return name
+    model = os.path.basename(str(vllm_config.model_config.model).rstrip("/")) or "model"
+    return f"vllm:{model}:{os.getpid()}"
+
+
+def _physical_limit(vllm_config: Any) -> int | None:
+    """Each rank's limit: KVCACHED_LIMIT_BYTES, else vLLM's per-worker KV size setting."""
+    limit = settings().limit_bytes
+    return limit if limit is not None else vllm_config.cache_config.kv_cache_memory_bytes
+
+
+def wrap_scheduler_init(original: Any) -> Any:
+    def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        plan = getattr(kv_cache_config, PLAN_ATTR, None)
+        if plan is None:  # not planned by kvcached (e.g. attention-free model)
+            return original(self, vllm_config, kv_cache_config, *args, **kwargs)
+        refuse_unsupported(vllm_config)
+        name = _engine_name(vllm_config)
+        # One entry per rank in its device's registry; the limit lives there,
+        # so that ``kvctl set-limit`` can change it while the engine runs.
+        budgets = register_ranks(name, plan.ranks, limit_bytes=_physical_limit(vllm_config), logger=logger)
+        try:
+            blocks = EngineBlocks.deciding(plan.layouts, budgets, ranks=plan.ranks, board=take_board(plan.board_path),
+                                           name=name, ack_timeout_s=settings().rank_ack_timeout_s, logger=logger)
+        except BaseException:
+            for budget in budgets:
+                budget.unregister()
+            raise
+        engine = EngineKV(blocks, plan, name)
+        token = building.set(engine)
+        try:
+            original(self, vllm_config, kv_cache_config, *args, **kwargs)
+        finally:
+            building.reset(token)
+        pool = self.kv_cache_manager.block_pool
+        if getattr(pool, "_kv", None) is not engine:
+            raise RuntimeError("kvcached: vLLM did not build its BlockPool through kvcached's subclass")
+        self._kvcached = engine
+        engine.block_pool = pool
+
+    return __init__
+
+
+def wrap_allocate_slots(original: Any) -> Any:
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # Runs for every scheduled request in every step: kvcached serves one
+        # KV cache group (others are refused), so look at its manager directly.
+        request_id = request.request_id
+        managers = self.coordinator.single_type_managers
+        if len(managers) == 1:
+            had_blocks = request_id in managers[0].req_to_blocks
+        else:
+            had_blocks = any(request_id in manager.req_to_blocks for manager in managers)
+        try:
+            return original(self, request, *args, **kwargs)
+        except KVCachePoolExhausted as exc:
+            if not had_blocks:
+                # Undo the prefix-hit touches of a request that got nothing.
+                self.coordinator.free(request_id)
+            logger.debug("kvcached: %s waits or is preempted: %s", request_id, exc)
+            return None
+
+    return allocate_slots
+
+
+def wrap_schedule(original: Any) -> Any:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(self, "_kvcached", None)
+        if engine is None:
+            return original(self, *args, **kwargs)
+        # What the ranks unmapped since the last step is released before this one allocates.
+        engine.blocks.poll_acknowledgements()
+        output = original(self, *args, **kwargs)
+        ops = engine.blocks.take_page_ops()
+        if ops is not None:
+            setattr(output, PAGE_OPS_ATTR, ops)
+        return output
+
+    return schedule
+
+
+def wrap_preempt_request(original: Any) -> Any:
+    def _preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(self, "_kvcached", None)
+        if engine is not None:
+            engine.num_preempted += 1
+        return original(self, *args, **kwargs)
+
+    return _preempt_request
+
+
+def wrap_update_from_output(original: Any) -> Any:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        result = original(self, scheduler_output, model_runner_output)
+        engine = getattr(self, "_kvcached", None)
+        if engine is not None:
+            engine.blocks.poll_acknowledgements()
+        return result
+
+    return update_from_output
+
+
+def _flush_if_idle(engine_core: Any) -> None:
+    """Sends pending page ops to every worker when no step will carry them."""
+    scheduler = getattr(engine_core, "scheduler", None)
+    engine = getattr(scheduler, "_kvcached", None)
+    # Unfinished requests mean another schedule() will carry the ops. Finished
+    # ones whose ids are still to be reported do not: an in-process front end
+    # stops stepping as soon as it has their outputs.
+    if engine is None or scheduler.get_num_unfinished_requests() > 0 or getattr(engine_core, "batch_queue", None):
+        return
+    engine.block_pool.release_cached_blocks(keep_bytes=settings().idle_cache_bytes)
+    engine.blocks.trim()  # reserve pages too: an idle engine holds only the null block's page
+    ops = engine.blocks.take_page_ops()
+    if ops is not None:
+        # Every rank applies and acknowledges on the board before the call returns.
+        engine_core.model_executor.collective_rpc("kvcached_apply_page_ops", args=(ops,))
+    engine.blocks.poll_acknowledgements()
+
+
+def wrap_flushing(original: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _flush_if_idle(self)
+        return result
+
+    return method
+
+
+def wrap_scheduler_shutdown(original: Any) -> Any:
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        engine = getattr(self, "_kvcached", None)
+        if engine is not None:  # the workers are gone: give every rank's budget back, leave the registries
+            engine.blocks.close()
+        return result
+
+    return shutdown
+
+
+def engine_core_kvcached_stats(self: Any) -> dict[str, Any] | None:
+    """EngineCore utility ``kvcached_stats``: kvcached's view of this engine (None if not active)."""
+    engine = getattr(getattr(self, "scheduler", None), "_kvcached", None)
+    if engine is None:
+        return None
+    engine.blocks.poll_acknowledgements()
+    return engine.stats()
+
+
+__all__ = [
+    "EngineKV",
+    "engine_core_kvcached_stats",
+    "wrap_allocate_slots",
+    "wrap_flushing",
+    "wrap_preempt_request",
+    "wrap_schedule",
+    "wrap_scheduler_init",
+    "wrap_scheduler_shutdown",
+    "wrap_update_from_output",
+]
