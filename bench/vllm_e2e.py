@@ -23,56 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import resource
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-MODEL = dict(
-    vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-)
-WORKLOAD = dict(requests=96, min_prompt=16, max_prompt=400, new_tokens=64, seed=20241201)
+from e2e_common import (WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts, run_child, run_rounds, summarize,
+                        without_kvcached_flags, write_report)
+
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_bytes=256 << 20)
-WARMUP_REQUESTS = 8
-
-
-def make_model(path: Path, seed: int = 0) -> str:
-    """Writes the random-weight checkpoint once (bf16) and returns its directory."""
-    if (path / "config.json").exists():
-        return str(path)
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL, torch_dtype="bfloat16"))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    path.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
-def make_prompts(requests: int, min_prompt: int, max_prompt: int, seed: int, **_: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randint(min_prompt, max_prompt))]
-            for _ in range(requests)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 # ----------------------------------------------------------------------------- one engine
@@ -100,16 +60,7 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str)
             if out.finished:
                 finish[out.request_id] = now
                 tokens[out.request_id] = count
-    end = time.perf_counter()
-    ttft = [first[r] - start for r in finish]
-    tpot = [(finish[r] - first[r]) / (tokens[r] - 1) for r in finish if tokens[r] > 1]
-    return dict(
-        wall_s=end - start, output_tokens=sum(tokens.values()), requests=len(finish), steps=steps,
-        tokens_per_s=sum(tokens.values()) / (end - start),
-        ttft_p50_ms=percentile(ttft, 0.5) * 1e3, ttft_p99_ms=percentile(ttft, 0.99) * 1e3,
-        tpot_p50_ms=percentile(tpot, 0.5) * 1e3, tpot_p99_ms=percentile(tpot, 0.99) * 1e3,
-        ttft_ms=[round(x * 1e3, 1) for x in ttft], tpot_ms=[round(x * 1e3, 2) for x in tpot],
-    )
+    return summarize(start, time.perf_counter(), first, finish, tokens, steps)
 
 
 class SchedulerTimer:
@@ -193,9 +144,8 @@ def child(spec_path: str, out_path: str) -> None:
 
 
 def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")}
-    env.update(KVCACHED_REGISTRY_DIR=registry_dir, KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
-               VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONUNBUFFERED="1")
+    env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=registry_dir, KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
+                                      VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONUNBUFFERED="1"))
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
     if in_process:
@@ -205,75 +155,10 @@ def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False) -
 
 def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, profile: bool = False,
                kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False) -> dict:
-    registry_dir = tempfile.mkdtemp(prefix="kvcached-e2e-")
     spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None, kv_cache_bytes=kv_cache_bytes,
                 sched_timing=sched_timing)
-    spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
-    spec_path.write_text(json.dumps(spec))
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.time()
-    with open(out / f"{label}.log", "w") as log:
-        # Its own session: on a timeout (or if we are stopped) the EngineCore and
-        # worker it started go with it.
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path), str(result_path)],
-                                env=engine_env(kvcached_on, registry_dir, in_process=profile or sched_timing),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever of the engine is left
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the engine's processes, once reaped
-    entry = dict(label=label, kvcached=kvcached_on, rc=rc, uptime_before=uptime, seconds=round(time.time() - start, 1),
-                 cpu_s=round(usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime, 1),
-                 minor_faults=usage.ru_minflt - usage_before.ru_minflt)
-    if rc == 0 and result_path.exists():
-        entry.update(json.loads(result_path.read_text()))
-    return entry
-
-
-def report(runs: list[dict]) -> str:
-    lines = ["| run | kvcached | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | "
-             "wall (s) | steps | scheduler CPU µs / step | CPU s (whole run) | minor faults | load before / after | uptime before |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        if "tokens_per_s" not in r:
-            lines.append(f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | failed (rc {r['rc']}) ||||||||||||")
-            continue
-        lines.append(
-            f"| {r['label']} | {'on' if r['kvcached'] else 'off'} | {r['tokens_per_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
-            f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['wall_s']:.1f} | {r['steps']} | "
-            + (f"{r['scheduler_cpu_us_per_step']:.0f} | " if "scheduler_cpu_us_per_step" in r else "— | ")
-            + f"{r.get('cpu_s', '—')} | {r.get('minor_faults', '—')} | "
-            + f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | {r['uptime_before']} |")
-    ratios = []
-    rounds = sorted({r["round"] for r in runs})
-    for i in rounds:
-        pair = {r["kvcached"]: r for r in runs if r["round"] == i and "tokens_per_s" in r}
-        if len(pair) == 2:
-            on, off = pair[True], pair[False]
-            ratios.append(dict(round=i, tokens_per_s=on["tokens_per_s"] / off["tokens_per_s"],
-                               sched_cpu=(on["scheduler_cpu_us_per_step"] / off["scheduler_cpu_us_per_step"]
-                                          if "scheduler_cpu_us_per_step" in on and "scheduler_cpu_us_per_step" in off
-                                          else float("nan")),
-                               tpot_p99=on["tpot_p99_ms"] / off["tpot_p99_ms"],
-                               ttft_p50=on["ttft_p50_ms"] / off["ttft_p50_ms"], ttft_p99=on["ttft_p99_ms"] / off["ttft_p99_ms"]))
-    lines += ["", "| round | tokens/s on ÷ off (target ≥ 0.97) | TPOT p99 on ÷ off (target ≤ 1.05) | TTFT p50 on ÷ off | "
-              "TTFT p99 on ÷ off | scheduler CPU / step on ÷ off |", "|---|---|---|---|---|---|"]
-    for r in ratios:
-        lines.append(f"| {r['round']} | {r['tokens_per_s']:.3f} | {r['tpot_p99']:.3f} | {r['ttft_p50']:.3f} | "
-                     f"{r['ttft_p99']:.3f} | {r['sched_cpu']:.3f} |")
-    if ratios:
-        med = {k: statistics.median(r[k] for r in ratios) for k in ("tokens_per_s", "tpot_p99", "ttft_p50", "ttft_p99", "sched_cpu")}
-        lines.append(f"| median | **{med['tokens_per_s']:.3f}** | **{med['tpot_p99']:.3f}** | {med['ttft_p50']:.3f} | "
-                     f"{med['ttft_p99']:.3f} | {med['sched_cpu']:.3f} |")
-    return "\n".join(lines) + "\n"
+    env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=profile or sched_timing)
+    return run_child(__file__, out, label, spec, env, timeout_s, kvcached_on)
 
 
 def main() -> None:
@@ -294,26 +179,15 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = make_model(out.parent / "vllm-e2e-model")
-    runs = []
+    model = make_model(out.parent / "e2e-model")
     if args.profile:
-        for on in (False, True):
-            runs.append(dict(run_engine(out, f"profile-{'on' if on else 'off'}", model, on, args.timeout_s, profile=True,
-                                        kv_cache_bytes=args.kv_cache_mib << 20), round=0))
+        runs = [dict(run_engine(out, f"profile-{'on' if on else 'off'}", model, on, args.timeout_s, profile=True,
+                                kv_cache_bytes=args.kv_cache_mib << 20), round=0) for on in (False, True)]
+        write_report(out, runs, "vllm_e2e")
     else:
-        for i in range(args.rounds):
-            order = (False, True) if i % 2 == 0 else (True, False)  # ABBA: drift cancels
-            for on in order:
-                entry = dict(run_engine(out, f"r{i}-{'on' if on else 'off'}", model, on, args.timeout_s,
-                                        kv_cache_bytes=args.kv_cache_mib << 20, sched_timing=args.sched_timing),
-                             round=i)
-                runs.append(entry)
-                print(json.dumps({k: entry.get(k) for k in ("label", "rc", "tokens_per_s", "tpot_p99_ms", "ttft_p50_ms",
-                                                              "seconds", "cpu_s", "scheduler_cpu_us_per_step")}), flush=True)
-                (out / "runs.json").write_text(json.dumps(runs, indent=1))
-    text = report(runs)
-    (out / "vllm_e2e.md").write_text(text)
-    print(text)
+        run_rounds(out, args.rounds, lambda label, on: run_engine(
+            out, label, model, on, args.timeout_s, kv_cache_bytes=args.kv_cache_mib << 20,
+            sched_timing=args.sched_timing), "vllm_e2e")
 
 
 if __name__ == "__main__":
