@@ -1,0 +1,144 @@
+"""Does a page's set_access cost depend on what was mapped at its address before, or where it lies?
+
+The per-layer grow of 64 page ids makes the same driver calls in kvcached and in
+the reference, yet kvcached's set_access calls took longer inside the driver (37
+vs 29 µs on an H200). This probe times map + set_access of 2 MiB pages on one
+device, in one process, rounds interleaved, varying one thing at a time.
+
+What was there before (pages in runs of 64 consecutive slots):
+
+* ``fresh``: address range never mapped;
+* ``after_run_zero``: one zero mapping over the run unmapped just before (what
+  kvcached's split-ahead zero pieces lead to);
+* ``after_run_zero_settled``: the same, with a synchronize and 100 ms between the
+  unmap and the maps;
+* ``after_page_zeros``: a 2 MiB zero mapping per page, each unmapped right before
+  its page is mapped (what the reference does).
+
+Where the pages lie (fresh ranges): ``spread_page_major`` maps one page in each of
+64 regions 2 GiB apart, then the next page in each (a per-layer page id: one slot
+per layer and K/V, in kvcached's order); ``spread_region_major`` maps the same
+pages region by region; ``spread_create_inline`` is ``spread_page_major`` with each
+step's 64 allocations created at the start of the step (as kvcached's pool does
+when it has no spares) instead of all before.
+
+    python bench/set_access_probe.py --device cuda:0 [--runs 16] [--rounds 3] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import kvcached
+
+PAGE = 2 << 20
+PAGES_PER_RUN = 64
+REGION = 2 << 30
+VARIANTS = ("fresh", "after_run_zero", "after_run_zero_settled", "after_page_zeros", "spread_page_major",
+            "spread_region_major", "spread_create_inline")
+
+
+def timed(samples: list[float], call, *args) -> None:
+    start = time.perf_counter()
+    call(*args)
+    samples.append((time.perf_counter() - start) * 1e6)
+
+
+def addresses(variant: str, base: int, runs: int) -> list[list[int]]:
+    """The pages' addresses in mapping order, in steps (a run; a per-layer page id; a region)."""
+    if variant in ("spread_page_major", "spread_create_inline"):
+        return [[base + p * REGION + r * PAGE for p in range(PAGES_PER_RUN)] for r in range(runs)]
+    if variant == "spread_region_major":
+        return [[base + p * REGION + r * PAGE for r in range(runs)] for p in range(PAGES_PER_RUN)]
+    return [[base + r * PAGES_PER_RUN * PAGE + p * PAGE for p in range(PAGES_PER_RUN)] for r in range(runs)]
+
+
+def one_variant(device, variant: str, runs: int) -> dict:
+    """Maps ``runs`` x 64 pages after ``variant``'s predecessor / in its places; per-call times in µs."""
+    run_bytes = PAGE * PAGES_PER_RUN
+    spread = variant.startswith("spread")
+    reservation = device.reserve(REGION * PAGES_PER_RUN if spread else run_bytes * runs)
+    steps = addresses(variant, reservation.address, runs)
+    run_zero = device.create(run_bytes) if variant.startswith("after_run_zero") else None
+    page_zero = device.create(PAGE) if variant == "after_page_zeros" else None
+    inline = variant == "spread_create_inline"
+    pages = [] if inline else [device.create(PAGE) for _ in range(runs * PAGES_PER_RUN)]
+    for step in steps:  # the predecessors, all in place before anything is timed
+        if run_zero is not None:
+            device.map_accessible(step[0], run_zero)
+        for address in step if page_zero is not None else ():
+            device.map_accessible(address, page_zero)
+    device.synchronize()
+    times: dict[str, list[float]] = {"create": [], "unmap_zero": [], "map": [], "set_access": []}
+    step_total = []
+    backing = iter(pages)
+    for step in steps:
+        begin = time.perf_counter()
+        if inline:
+            for _ in step:
+                start = time.perf_counter()
+                pages.append(device.create(PAGE))
+                times["create"].append((time.perf_counter() - start) * 1e6)
+            backing = iter(pages[-len(step):])
+        if run_zero is not None:
+            timed(times["unmap_zero"], device.unmap, step[0], run_bytes)
+            if variant == "after_run_zero_settled":
+                device.synchronize()
+                time.sleep(0.1)
+                begin = time.perf_counter()
+        for address in step:
+            if page_zero is not None:
+                timed(times["unmap_zero"], device.unmap, address, PAGE)
+            timed(times["map"], device.map, address, next(backing))
+            timed(times["set_access"], device.set_access, address, PAGE)
+        step_total.append((time.perf_counter() - begin) * 1e3)
+    for step in steps:
+        for address in step:
+            device.unmap(address, PAGE)
+    del pages, run_zero, page_zero, reservation  # released (RAII) before the next variant
+    result = {f"{k}_p50_us": statistics.median(v) for k, v in times.items() if v}
+    result.update({f"{k}_p90_us": statistics.quantiles(v, n=10)[-1] for k, v in times.items() if len(v) > 1})
+    result["per_64_pages_ms"] = sum(step_total) / runs  # runs x 64 pages in all
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--runs", type=int, default=16, help="steps of 64 pages per variant and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = kvcached.open_device(args.device)
+    rows = []
+    for round_index in range(args.rounds):
+        order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
+        for variant in order:
+            rows.append(dict(round=round_index, variant=variant, **one_variant(device, variant, args.runs)))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{device.name}: {args.runs} x {PAGES_PER_RUN} pages of 2 MiB per variant and round; "
+          "medians over rounds (every round in brackets)\n")
+    print("| variant | set_access p50 (µs) | map p50 (µs) | unmap of the zero mapping p50 (µs) "
+          "| per 64 pages, all calls (ms) |")
+    print("|---|---|---|---|---|")
+    for variant in VARIANTS:
+        mine = [r for r in rows if r["variant"] == variant]
+
+        def cell(key: str) -> str:
+            values = [r[key] for r in mine if key in r]
+            if not values:
+                return "—"
+            return f"**{statistics.median(values):.1f}** ({', '.join(f'{v:.1f}' for v in values)})"
+
+        print(f"| {variant} | {cell('set_access_p50_us')} | {cell('map_p50_us')} | {cell('unmap_zero_p50_us')} "
+              f"| {cell('per_64_pages_ms')} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
