@@ -84,3 +84,28 @@ def test_apply_takes_batches_in_order_unmapping_before_mapping(device):
         assert space.applied_seq == 2 and space.mapped_pages == 1  # nothing changed
     assert space.apply(kvcached.PageOps()) == 0  # an empty batch needs no acknowledgement
     space.close()
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "contiguous"])
+def test_a_batch_that_runs_out_of_memory_leaves_the_space_as_it_was(layout):
+    # Several pages are mapped together (per-layer: one region at a time); running
+    # out part-way unmaps what the batch mapped and gives every range its zeros back.
+    page_id_bytes = LAYERS * BUFFERS * (2 << 20)
+    device = kvcached._core.open_host_device(3 * page_id_bytes)
+    access = ByteAccess(device)
+    space = make_space(device, layout, zero_backing=True, max_spare_pages=0)
+    space.map_pages([0])
+    address = space.base_address + space.offset_of(1, 1, 0)
+    access.write(address, b"\x09")
+    counters = device.counters()
+    with pytest.raises(kvcached.OutOfMemoryError):
+        space.map_pages([4, 5, 6])  # room for two more pages only
+    assert device.counters() == counters and space.mapped_pages == 1 and space.spare_pages == 0
+    for page in (4, 5, 6):
+        assert not space.is_mapped(page)
+        for layer in range(LAYERS):
+            assert access.read(space.base_address + space.offset_of(layer, 1, page * space.blocks_per_page), 2) == bytes(2)
+    assert access.read(address, 1) == b"\x09"
+    space.map_pages([4, 5])  # what fits still maps
+    assert space.mapped_pages == 3
+    space.close()

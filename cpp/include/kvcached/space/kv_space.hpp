@@ -119,6 +119,10 @@ class KVCACHED_EXPORT KVSpace {
   static constexpr std::size_t kPrepareRunPages = 8;
   UnmapResult unmap_checked_locked(const std::vector<std::int64_t>& pages);
   void map_checked_locked(const std::vector<std::int64_t>& pages);
+  // Several pages of a layout with several allocations per page: every page's
+  // backing first, then one region (layer, K/V) at a time. Zeros, if any,
+  // already removed from every range by the caller.
+  void map_region_major_locked(const std::vector<std::int64_t>& pages);
   std::uint64_t apply_locked(const PageOps& ops);
   // Called without the lock after pages were mapped (see Device::fence_new_mappings).
   void fence_new_mappings(std::size_t mapped_pages);

@@ -163,6 +163,10 @@ void KVSpace::map_checked_locked(const std::vector<std::int64_t>& pages) {
   // pages split a coarse chunk once instead of re-covering the rest page by page.
   const bool batch_uncover = memory_->zeros != nullptr && pages.size() > 1;
   if (batch_uncover) uncover_pages_locked(pages);
+  if (pages.size() > 1 && layout_.allocations_per_page() > 1) {
+    map_region_major_locked(pages);  // publishes the spare count itself
+    return;
+  }
   std::size_t done = 0;
   bool inside_map_one = false;
   try {
