@@ -63,22 +63,36 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str)
     return summarize(start, time.perf_counter(), first, finish, tokens, steps)
 
 
-class SchedulerTimer:
-    """CPU time of the scheduler's own work per step (in-process engine only).
+class StepTimer:
+    """Where an in-process engine's steps spend their time (``--sched-timing``).
 
-    Wraps the Scheduler's ``schedule`` and ``update_from_output`` (outside
-    kvcached's wrappers) with the calling thread's CPU clock, so other processes
-    on a busy machine barely move it: it counts what the EngineCore computes,
-    not what it waits for.
+    * the scheduler's own work: the calling thread's CPU clock around the
+      Scheduler's ``schedule`` and ``update_from_output`` (outside kvcached's
+      wrappers), so other processes on a busy machine barely move it;
+    * the worker: wall time of the executor's ``execute_model`` + ``sample_tokens``
+      (in-process they run synchronously: the forward pass, and with kvcached the
+      step's page-op batch applied before it);
+    * kvcached's part of the worker's time: wall time of the page-op ``apply``.
     """
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, engine_core) -> None:
         self.cpu_s = {"schedule": 0.0, "update_from_output": 0.0}
+        self.worker_s = 0.0
+        self.apply_s = 0.0
         self.steps = 0
+        scheduler = engine_core.scheduler
         for name in self.cpu_s:
-            setattr(scheduler, name, self._timed(name, getattr(scheduler, name)))
+            setattr(scheduler, name, self._timed_cpu(name, getattr(scheduler, name)))
+        executor = engine_core.model_executor
+        for name in ("execute_model", "sample_tokens"):
+            setattr(executor, name, self._timed_wall("worker_s", getattr(executor, name)))
+        self.kvcached = os.environ.get("KVCACHED_ENABLE") == "1"
+        if self.kvcached:
+            from kvcached.integration.common.space import WorkerSpace
 
-    def _timed(self, name: str, method):
+            WorkerSpace.apply = self._timed_wall("apply_s", WorkerSpace.apply)
+
+    def _timed_cpu(self, name: str, method):
         def timed(*args, **kwargs):
             start = time.thread_time()
             try:
@@ -88,14 +102,27 @@ class SchedulerTimer:
                 self.steps += name == "schedule"
         return timed
 
+    def _timed_wall(self, attr: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
+        return timed
+
     def reset(self) -> None:
         self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)
+        self.worker_s = self.apply_s = 0.0
         self.steps = 0
 
     def result(self) -> dict:
-        per_step = {f"{k}_cpu_us_per_step": v / max(self.steps, 1) * 1e6 for k, v in self.cpu_s.items()}
+        steps = max(self.steps, 1)
+        per_step = {f"{k}_cpu_us_per_step": v / steps * 1e6 for k, v in self.cpu_s.items()}
         return dict(sched_steps=self.steps, **per_step,
-                    scheduler_cpu_us_per_step=sum(self.cpu_s.values()) / max(self.steps, 1) * 1e6)
+                    scheduler_cpu_us_per_step=sum(self.cpu_s.values()) / steps * 1e6,
+                    worker_ms_per_step=self.worker_s / steps * 1e3,
+                    apply_ms_per_step=self.apply_s / steps * 1e3 if self.kvcached else None)
 
 
 def child(spec_path: str, out_path: str) -> None:
@@ -112,7 +139,7 @@ def child(spec_path: str, out_path: str) -> None:
     )
     engine = llm.llm_engine
     init_s = time.perf_counter() - t0
-    timer = SchedulerTimer(engine.engine_core.engine_core.scheduler) if spec.get("sched_timing") else None
+    timer = StepTimer(engine.engine_core.engine_core) if spec.get("sched_timing") else None
     warm = make_prompts(WARMUP_REQUESTS, 32, 128, seed=1)
     run_workload(engine, warm, 8, "warm")
     prompts = make_prompts(**WORKLOAD)
@@ -172,7 +199,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per engine run")
     parser.add_argument("--profile", action="store_true", help="one in-process run per mode under cProfile instead")
     parser.add_argument("--sched-timing", action="store_true",
-                        help="in-process engines; report the scheduler's CPU time per step (load-robust)")
+                        help="in-process engines; report the scheduler's CPU time per step (load-robust), the "
+                             "worker's time per step and kvcached's page-op part of it")
     parser.add_argument("--kv-cache-mib", type=int, default=ENGINE["kv_cache_bytes"] >> 20,
                         help="vLLM's kv_cache_memory_bytes (kvcached: the engine's limit); lower it to make "
                              "prefix-cache eviction part of the run")
