@@ -72,7 +72,8 @@ class StepTimer:
     * the worker: wall time of the executor's ``execute_model`` + ``sample_tokens``
       (in-process they run synchronously: the forward pass, and with kvcached the
       step's page-op batch applied before it);
-    * kvcached's part of the worker's time: wall time of the page-op ``apply``.
+    * kvcached's part of the worker's time: wall time of the page-op ``apply``,
+      with the pages it mapped and unmapped and its slowest call.
     """
 
     def __init__(self, engine_core) -> None:
@@ -87,10 +88,11 @@ class StepTimer:
         for name in ("execute_model", "sample_tokens"):
             setattr(executor, name, self._timed_wall("worker_s", getattr(executor, name)))
         self.kvcached = os.environ.get("KVCACHED_ENABLE") == "1"
+        self.page_ops = {"mapped": 0, "unmapped": 0, "slowest_ms": 0.0}
         if self.kvcached:
             from kvcached.integration.common.space import WorkerSpace
 
-            WorkerSpace.apply = self._timed_wall("apply_s", WorkerSpace.apply)
+            WorkerSpace.apply = self._timed_apply(WorkerSpace.apply)
 
     def _timed_cpu(self, name: str, method):
         def timed(*args, **kwargs):
@@ -111,9 +113,23 @@ class StepTimer:
                 setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
         return timed
 
+    def _timed_apply(self, apply):
+        def timed(space, ops):
+            start = time.perf_counter()
+            try:
+                return apply(space, ops)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.apply_s += elapsed
+                self.page_ops["mapped"] += len(ops.map_pages)
+                self.page_ops["unmapped"] += len(ops.unmap_pages)
+                self.page_ops["slowest_ms"] = max(self.page_ops["slowest_ms"], elapsed * 1e3)
+        return timed
+
     def reset(self) -> None:
         self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)
         self.worker_s = self.apply_s = 0.0
+        self.page_ops = {"mapped": 0, "unmapped": 0, "slowest_ms": 0.0}
         self.steps = 0
 
     def result(self) -> dict:
@@ -122,7 +138,8 @@ class StepTimer:
         return dict(sched_steps=self.steps, **per_step,
                     scheduler_cpu_us_per_step=sum(self.cpu_s.values()) / steps * 1e6,
                     worker_ms_per_step=self.worker_s / steps * 1e3,
-                    apply_ms_per_step=self.apply_s / steps * 1e3 if self.kvcached else None)
+                    apply_ms_per_step=self.apply_s / steps * 1e3 if self.kvcached else None,
+                    page_ops=self.page_ops if self.kvcached else None)
 
 
 def child(spec_path: str, out_path: str) -> None:

@@ -9,7 +9,9 @@ budget, at its own layout's page cost), through
 every worker in step order; every rank acknowledges on the engine's
 acknowledgement board, read at each ``schedule`` and ``update_from_output``.
 When the engine goes idle, pending ops are flushed to every worker with one
-``collective_rpc`` (ordered with the steps on the same queue).
+``collective_rpc`` (ordered with the steps on the same queue): in an EngineCore
+process once its loop has queued the last step's outputs and is about to wait
+for input, so the last tokens never wait for memory to be given back.
 """
 
 from __future__ import annotations
@@ -179,7 +181,12 @@ def _flush_if_idle(engine_core: Any) -> None:
 def wrap_flushing(original: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        _flush_if_idle(self)
+        if not hasattr(type(self), "run_busy_loop"):
+            _flush_if_idle(self)  # an in-process EngineCore: nothing else runs once the caller has its outputs
+        elif _flush_if_idle not in self._idle_state_callbacks:
+            # EngineCoreProc: its loop calls these once it has no work, after this
+            # step's outputs are in the output queue (sent by another thread).
+            self._idle_state_callbacks.append(_flush_if_idle)
         return result
 
     return method
