@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -161,6 +162,7 @@ def child(spec_path: str, out_path: str) -> None:
     run_workload(engine, warm, 8, "warm")
     prompts = make_prompts(**WORKLOAD)
     load_before = os.getloadavg()
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if timer:
         timer.reset()
     if spec.get("profile"):
@@ -173,7 +175,9 @@ def child(spec_path: str, out_path: str) -> None:
         profiler.dump_stats(spec["profile"])
     else:
         result = run_workload(engine, prompts, WORKLOAD["new_tokens"], "r")
-    result.update(init_s=init_s, load_before=load_before, load_after=os.getloadavg())
+    # In-process engines (--sched-timing, --profile): the forward pass's page faults are counted here too.
+    result.update(init_s=init_s, load_before=load_before, load_after=os.getloadavg(),
+                  timed_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     if timer:
         result.update(timer.result())
     if os.environ.get("KVCACHED_ENABLE") == "1":
