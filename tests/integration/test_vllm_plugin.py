@@ -138,3 +138,32 @@ def test_ranks_must_share_their_block_ids():
         plan._check_ranks(_ranks(None, None), mixed)
     with pytest.raises(RuntimeError, match="ranks"):
         plan._check_ranks(_ranks(None), _layouts(2, 2))  # one description for two configs
+
+
+def test_an_engine_process_flushes_when_its_loop_goes_idle_and_an_in_process_engine_at_once(monkeypatch):
+    pytest.importorskip("vllm")
+    from kvcached.integration.vllm.v0_32 import scheduler
+
+    flushed = []
+    monkeypatch.setattr(scheduler, "_flush_if_idle", flushed.append)
+
+    class InProcessCore:  # vLLM's EngineCore: the caller steps it, nothing runs after
+        def __init__(self):
+            self._idle_state_callbacks = []
+
+        def step(self):
+            return "outputs"
+
+    class CoreProcess(InProcessCore):  # EngineCoreProc: its loop runs the idle callbacks before waiting
+        def run_busy_loop(self):
+            raise AssertionError("not run here")
+
+    step = scheduler.wrap_flushing(InProcessCore.step)
+    core = InProcessCore()
+    assert step(core) == "outputs" and flushed == [core]
+    flushed.clear()
+    process = CoreProcess()
+    assert step(process) == "outputs" and step(process) == "outputs"
+    assert flushed == [] and process._idle_state_callbacks == [flushed.append]  # registered once
+    process._idle_state_callbacks.pop()(process)  # what the loop does once it has no work
+    assert flushed == [process]
