@@ -4,9 +4,10 @@ Memory mapped fresh is given to the process by the kernel one 4 KiB page at a
 time on first touch (a fault, and the page zeroed); unmapping a page whose
 allocation is released frees that memory at once. A static KV cache pays the
 first touches once at start-up; kvcached pays them whenever it maps memory it
-gave back. This measures both on a KV space of the end-to-end benchmarks' model
-(6 layers, K and V, 2 MiB pages: a contiguous page id is 24 MiB), medians over
-``--repeats`` pages.
+gave back. This measures both on a KV space shaped like the one vLLM's CPU build
+makes for the end-to-end benchmarks' model (6 layers, K and V in one 128 KiB
+block per layer, 2 MiB pages: a page id is 12 MiB), medians over ``--repeats``
+pages.
 
     python bench/host_page_cost.py [--repeats 8] [--layers 6]
 """
@@ -21,7 +22,8 @@ import kvcached
 
 
 def measure(layout_kind: str, layers: int, repeats: int, keep_spares: bool) -> dict[str, float]:
-    layout = kvcached.KVLayout(layers, 64 << 10, kind=layout_kind, num_buffers=2, capacity_bytes=4 << 30, device="cpu")
+    layout = kvcached.KVLayout(layers, 128 << 10, kind=layout_kind, num_buffers=1, capacity_bytes=4 << 30,
+                               device="cpu")
     space = kvcached.KVSpace(layout, "cpu", kvcached.KVSpaceOptions(max_spare_pages=repeats if keep_spares else 0))
     import torch
 
@@ -40,7 +42,7 @@ def measure(layout_kind: str, layers: int, repeats: int, keep_spares: bool) -> d
             if layout_kind == "contiguous" else None
         targets = [region] if region is not None else [
             flat.narrow(0, space.offset_of(layer, buffer, page * space.blocks_per_page), layout.page_bytes)
-            for layer in range(layers) for buffer in range(2)]
+            for layer in range(layers) for buffer in range(1)]
         timed("first write", lambda: [t.fill_(1) for t in targets])
         timed("second write", lambda: [t.fill_(2) for t in targets])
         timed("unmap", space.unmap_pages, [page])

