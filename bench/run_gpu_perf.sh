@@ -6,6 +6,9 @@
 #
 #   bench/run_gpu_perf.sh OUT_DIR REF_TARBALL        (PYTHON=..., WORK=... to choose)
 #
+# ROUNDS=N (default 3) sets the side-by-side rounds (about 65 s each); HANDOVER=0
+# leaves the hand-over steps out, to keep a run with more rounds under 10 minutes.
+#
 # REF_TARBALL: the reference's source (a .tar.gz with one top folder). Every step is
 # time-limited (SIGINT, then SIGKILL 10 s later) and the next one runs anyway; the
 # limits add up to about 8 minutes, a normal run takes about 5. OUT_DIR receives
@@ -19,6 +22,8 @@ tarball=$(cd "$(dirname "$tarball")" && pwd)/$(basename "$tarball")
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 work=${WORK:-/tmp/kvcached-perf}
+rounds=${ROUNDS:-3}
+handover=${HANDOVER:-1}
 jobs=$(nproc 2>/dev/null || echo 8)
 export PYTHONUNBUFFERED=1
 cd "$repo"
@@ -60,20 +65,24 @@ step build 150 bash -c "build_reference > '$out/build_reference.log' 2>&1 & ref=
 bench_vmm=$(find build/perf -name bench_vmm -type f -perm -u+x 2>/dev/null | head -n 1)
 counter="$work/counter/libcuda_call_counter.so"
 
-step side_by_side 220 "$py" bench/side_by_side.py --out "$out/side_by_side" --rounds 3 \
+step side_by_side $(( 75 * rounds + 25 )) "$py" bench/side_by_side.py --out "$out/side_by_side" --rounds "$rounds" \
   --ref-site "$work/refsite" --ours-site "$work/oursite" --device cuda:0 \
   ${bench_vmm:+--bench-vmm "$bench_vmm"} $( [ -f "$counter" ] && echo --call-counter "$counter" ) \
-  --step-timeout-s 45 --deadline-s 195
+  --step-timeout-s 45 --deadline-s $(( 65 * rounds ))
 
 step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --pages 64 --iters 5 &&
   '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 128 --pages 16 --iters 5 &&
   '${bench_vmm:-bench_vmm}' --backend cuda --threads 1 --page-mib 1024 --pages 4 --iters 3"
 
-step handover 75 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
+# The floor of a zero-backed set-up: 128 GiB covered by one zero allocation of each size.
+step setup_floor 90 env PYTHONPATH="$work/oursite" "$py" bench/set_access_probe.py --device cuda:0 --cover 128 \
+  --rounds 3 --json "$out/setup_floor.json"
+
+[ "$handover" = 0 ] || step handover 75 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
   --handovers 20 --layouts contiguous,per_layer --zero-backing on,off --deadline-s 60 --out "$out/handover"
 
 # The earlier waiter (plain alloc retried every 1 ms), for comparison in the same run.
-step handover_retry 25 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
+[ "$handover" = 0 ] || step handover_retry 25 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
   --handovers 20 --layouts contiguous --zero-backing on --retry-ms 1 --deadline-s 15 --out "$out/handover_retry"
 
 step summary 5 bash -c "{
@@ -81,6 +90,7 @@ step summary 5 bash -c "{
   cat '$out/side_by_side/side_by_side.md' 2>/dev/null || echo '(no side-by-side report)'; echo
   echo '## Memory hand-over, 8 GiB, cuda:0'; echo; cat '$out/handover/handover.md' 2>/dev/null || echo '(none)'; echo
   cat '$out/handover_retry/handover.md' 2>/dev/null | tail -n 1; echo
-  echo '## bench_vmm, 1 thread'; echo; echo '\`\`\`'; cat '$out/bench_vmm.log'; echo '\`\`\`'
+  echo '## bench_vmm, 1 thread'; echo; echo '\`\`\`'; cat '$out/bench_vmm.log'; echo '\`\`\`'; echo
+  echo '## Zero-backed set-up floor'; echo; tail -n 14 '$out/setup_floor.log' 2>/dev/null || echo '(none)'
 } > '$out/SUMMARY.md'; wc -l '$out/SUMMARY.md'"
 echo "total seconds=$SECONDS" | tee -a "$out/exit_codes.txt"

@@ -22,7 +22,14 @@ pages region by region; ``spread_create_inline`` is ``spread_page_major`` with e
 step's 64 allocations created at the start of the step (as kvcached's pool does
 when it has no spares) instead of all before.
 
+With ``--cover GIB`` it instead measures the floor of a zero-backed set-up: one
+zero allocation of each chunk size mapped over and over until ``GIB`` GiB of
+address space are covered, and set_access on each mapping (the cheapest cover
+is the one with the fewest, largest mappings; the largest chunk that fits on the
+device is the bound).
+
     python bench/set_access_probe.py --device cuda:0 [--runs 16] [--rounds 3] [--json OUT]
+    python bench/set_access_probe.py --device cuda:0 --cover 128 [--rounds 3]
 """
 
 from __future__ import annotations
@@ -105,14 +112,79 @@ def one_variant(device, variant: str, runs: int) -> dict:
     return result
 
 
+def one_cover(device, total_bytes: int, chunk_bytes: int) -> dict:
+    """Covers ``total_bytes`` with mappings of one ``chunk_bytes`` allocation; times in ms."""
+    start = time.perf_counter()
+    reservation = device.reserve(total_bytes)
+    reserved = time.perf_counter()
+    try:
+        chunk = device.create(chunk_bytes)
+    except kvcached.DeviceOutOfMemoryError:
+        del reservation
+        return {"chunk_gib": chunk_bytes / 2**30, "error": "out of memory"}
+    created = time.perf_counter()
+    starts = range(reservation.address, reservation.address + total_bytes, chunk_bytes)
+    map_s = access_s = 0.0
+    for address in starts:
+        t0 = time.perf_counter()
+        device.map(address, chunk)
+        t1 = time.perf_counter()
+        device.set_access(address, chunk_bytes)
+        access_s += time.perf_counter() - t1
+        map_s += t1 - t0
+    device.synchronize()
+    total = (time.perf_counter() - start) - (created - reserved)  # creation is not part of a set-up's floor
+    for address in starts:
+        device.unmap(address, chunk_bytes)
+    del chunk, reservation
+    return {"chunk_gib": chunk_bytes / 2**30, "mappings": len(starts), "reserve_ms": (reserved - start) * 1e3,
+            "map_ms": map_s * 1e3, "set_access_ms": access_s * 1e3, "total_ms": total * 1e3,
+            "set_access_per_mapping_us": access_s * 1e6 / len(starts)}
+
+
+def cover_main(device, cover_gib: int, rounds: int, json_path: str | None) -> None:
+    total = cover_gib << 30
+    chunks = [c << 20 for c in (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072) if (c << 20) <= total]
+    rows = []
+    for round_index in range(rounds):
+        order = chunks[::-1] if round_index % 2 else chunks
+        for chunk in order:
+            rows.append(dict(round=round_index, **one_cover(device, total, chunk)))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{device.name}: {cover_gib} GiB of address space covered by one zero allocation of each size "
+          "(map + set_access per mapping, reserve included, creation not); medians over rounds "
+          "(every round in brackets)\n")
+    print("| chunk (GiB) | mappings | set_access per mapping (µs) | map, all (ms) | set_access, all (ms) | total (ms) |")
+    print("|---|---|---|---|---|---|")
+    for chunk in chunks:
+        mine = [r for r in rows if r["chunk_gib"] == chunk / 2**30 and "error" not in r]
+        if not mine:
+            print(f"| {chunk / 2**30:g} | — | out of memory | | | |")
+            continue
+
+        def cell(key: str) -> str:
+            values = [r[key] for r in mine]
+            return f"**{statistics.median(values):.2f}** ({', '.join(f'{v:.2f}' for v in values)})"
+
+        print(f"| {chunk / 2**30:g} | {mine[0]['mappings']} | {cell('set_access_per_mapping_us')} | "
+              f"{cell('map_ms')} | {cell('set_access_ms')} | {cell('total_ms')} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--runs", type=int, default=16, help="steps of 64 pages per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--cover", type=int, metavar="GIB", help="measure the zero-backed set-up floor instead")
     args = parser.parse_args()
     device = kvcached.open_device(args.device)
+    if args.cover:
+        cover_main(device, args.cover, args.rounds, args.json)
+        return
     rows = []
     for round_index in range(args.rounds):
         order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
