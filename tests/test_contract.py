@@ -7,6 +7,7 @@ raise and leave the device usable and its counters unchanged.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -98,6 +99,35 @@ def test_two_mappings_of_one_allocation_share_bytes(device, access):
     assert access.read(second + 7, 33) == b"written through the first mapping"
     device.unmap(first, p)
     device.unmap(second, p)
+    a.release()
+    r.free()
+
+
+def test_a_second_mapping_sees_what_was_written_before_it(device, access):
+    # The host backend keeps an allocation as anonymous memory until a second
+    # mapping appears, then moves its bytes into a shared file: nothing is lost.
+    p = page(device)
+    r = device.reserve(6 * p)
+    a = device.create(p)
+    first, second, third = r.address, r.address + 2 * p, r.address + 4 * p
+    device.map(first, a)
+    device.set_access(first, p)
+    device.fence_new_mappings()
+    access.write(first + p - 5, b"early")
+    device.map(second, a)  # access not set yet: the first mapping must stay usable
+    device.set_access(second, p)
+    device.fence_new_mappings()
+    assert access.read(second + p - 5, 5) == b"early"
+    access.write(second, b"back")
+    assert access.read(first, 4) == b"back"
+    device.unmap(first, p)
+    assert access.read(second, 4) == b"back"
+    device.unmap(second, p)
+    device.map(third, a)
+    device.set_access(third, p)
+    device.fence_new_mappings()
+    assert access.read(third, 4) == b"back" and access.read(third + p - 5, 5) == b"early"
+    device.unmap(third, p)
     a.release()
     r.free()
 
@@ -333,6 +363,80 @@ def test_host_leaves_no_file_descriptors_or_mappings(host_device):
             a.release()
         r.free()
     assert _fds_and_maps() == before
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+ANONYMOUS_HOST_MEMORY = pytest.mark.skipif(
+    os.environ.get("KVCACHED_HOST_SHARED_FILES", "").strip().lower() in ("1", "true", "yes", "on"),
+    reason="KVCACHED_HOST_SHARED_FILES: allocations are memfd files here")
+
+
+@ANONYMOUS_HOST_MEMORY
+def test_host_release_gives_the_memory_back(host_device):
+    size = 64 * 2**20
+    r = host_device.reserve(size)
+    a = host_device.create(size)
+    host_device.map(r.address, a)
+    host_device.set_access(r.address, size)
+    ctypes.memset(r.address, 1, size)
+    written = _resident_bytes()
+    host_device.unmap(r.address, size)
+    assert _resident_bytes() > written - size // 2, "unmapping keeps the allocation (and its bytes)"
+    a.release()
+    assert _resident_bytes() < written - size // 2
+    r.free()
+
+
+def _huge_page_setting() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unsupported"
+
+
+def _vmstat(name: str) -> int:
+    with open("/proc/vmstat") as f:
+        return next((int(line.split()[1]) for line in f if line.split()[0] == name), 0)
+
+
+def _anon_huge_kib(address: int) -> int:
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@ANONYMOUS_HOST_MEMORY
+@pytest.mark.skipif(_huge_page_setting() not in ("always", "madvise"),
+                    reason="transparent huge pages are off or absent on this kernel")
+def test_host_pages_are_huge_pages_where_the_kernel_allows(host_device):
+    # One fault per 2 MiB instead of 512: the first write to a page kvcached maps
+    # costs ~25x less than with shared memory (bench/host_page_cost.py).
+    size = 8 * 2**20
+    r = host_device.reserve(size, 2 * 2**20)
+    a = host_device.create(size)
+    host_device.map(r.address, a)
+    host_device.set_access(r.address, size)
+    fallbacks = _vmstat("thp_fault_fallback")
+    ctypes.memset(r.address, 1, size)
+    huge_kib = _anon_huge_kib(r.address)
+    host_device.unmap(r.address, size)
+    a.release()
+    r.free()
+    if huge_kib == 0 and _vmstat("thp_fault_fallback") > fallbacks:
+        pytest.skip("the kernel had no free huge page (thp_fault_fallback rose)")
+    assert huge_kib >= 2048
 
 
 def test_host_capacity_is_enforced_as_memory_error():

@@ -167,6 +167,11 @@ OPTIONS: dict[str, Option] = {
         "KVCACHED_HOST_CAPACITY_BYTES", None, _parse_positive_size,
         "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
     ),
+    "host_shared_files": Option(
+        "KVCACHED_HOST_SHARED_FILES", False, _parse_bool,
+        "Host backend allocations as memfd files mapped shared instead of anonymous memory moved by "
+        "mremap (no huge pages; child processes of fork() share them).",
+    ),
     "registry_dir": Option(
         "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,
         "Directory of the per-device registry files (created with the registry's mode if missing).",

@@ -1,16 +1,18 @@
-// Host backend: reservations are PROT_NONE anonymous mappings, physical
-// allocations are memfd files, and mapping one maps the file MAP_SHARED at a
-// fixed address, so two mappings of one allocation share bytes, as on a GPU.
+// Host backend: reservations are PROT_NONE anonymous mappings; physical
+// allocations are anonymous memory moved into place by mremap, or memfd files
+// when two mappings must share bytes (host_allocations.hpp).
 #include "host_backend.hpp"
+
+#include "host_allocations.hpp"
 
 #include "kvcached/device/device_identity.hpp"
 
 #include <errno.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -25,11 +27,6 @@ namespace {
 
 constexpr std::size_t kRecommendedGranularityBytes = 2u << 20;  // matches CUDA's 2 MiB pages
 constexpr int kReservationFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
-
-[[noreturn]] void throw_errno(const char* call, int error) {
-  if (error == ENOMEM) throw DeviceOutOfMemory("host", call, error, std::strerror(error));
-  throw DriverError("host", call, error, std::strerror(error));
-}
 
 // Smallest of the cgroup v2 / v1 memory limit and MemTotal, in bytes.
 std::size_t machine_memory_limit_bytes() {
@@ -53,9 +50,10 @@ std::size_t machine_memory_limit_bytes() {
 
 class HostBackend final : public VmmBackend {
  public:
-  explicit HostBackend(std::size_t capacity_bytes)
+  HostBackend(std::size_t capacity_bytes, bool shared_files)
       : capacity_bytes_(capacity_bytes),
-        page_bytes_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))) {}
+        page_bytes_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))),
+        allocations_(shared_files) {}
 
   std::string name() const override { return "host"; }
   int device_ordinal() const override { return 0; }
@@ -70,20 +68,11 @@ class HostBackend final : public VmmBackend {
   }
 
   VirtualAddress reserve(std::size_t size_bytes, std::size_t alignment_bytes) override {
-    // Over-reserve, then trim both ends so the base is aligned.
-    const std::size_t padded = size_bytes + alignment_bytes;
-    void* raw = mmap(nullptr, padded, PROT_NONE, kReservationFlags, -1, 0);
-    if (raw == MAP_FAILED) throw_errno("mmap(PROT_NONE)", errno);
-    const auto start = reinterpret_cast<VirtualAddress>(raw);
-    const VirtualAddress base = (start + alignment_bytes - 1) / alignment_bytes * alignment_bytes;
-    if (base > start) munmap(raw, base - start);
-    const VirtualAddress end = start + padded;
-    if (end > base + size_bytes) munmap(reinterpret_cast<void*>(base + size_bytes), end - (base + size_bytes));
-    return base;
+    return reserve_host_range(size_bytes, alignment_bytes);
   }
 
   void free_range(VirtualAddress base, std::size_t size_bytes) override {
-    if (munmap(reinterpret_cast<void*>(base), size_bytes) != 0) throw_errno("munmap", errno);
+    if (munmap(reinterpret_cast<void*>(base), size_bytes) != 0) throw_host_errno("munmap", errno);
   }
 
   PhysicalHandle create(std::size_t size_bytes) override {
@@ -98,46 +87,28 @@ class HostBackend final : public VmmBackend {
                 " more requested (set KVCACHED_HOST_CAPACITY_BYTES to change the capacity)");
       }
     } while (!created_bytes_.compare_exchange_weak(used, used + size_bytes));
-    const int fd = memfd_create("kvcached", MFD_CLOEXEC);
-    if (fd < 0) {
+    try {
+      return allocations_.create(size_bytes);
+    } catch (...) {
       created_bytes_ -= size_bytes;
-      throw_errno("memfd_create", errno);
+      throw;
     }
-    if (ftruncate(fd, static_cast<off_t>(size_bytes)) != 0) {
-      const int error = errno;
-      close(fd);
-      created_bytes_ -= size_bytes;
-      throw_errno("ftruncate", error);
-    }
-    return static_cast<PhysicalHandle>(fd);
   }
 
   void release(PhysicalHandle handle) override {
-    const int fd = static_cast<int>(handle);
-    struct stat info {};
-    if (fstat(fd, &info) != 0) throw_errno("fstat", errno);
-    if (close(fd) != 0) throw_errno("close", errno);
-    created_bytes_ -= static_cast<std::size_t>(info.st_size);
+    created_bytes_ -= allocations_.release(handle);
   }
 
   void map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) override {
-    // PROT_NONE until set_access, like a fresh GPU mapping.
-    void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_NONE,
-                        MAP_SHARED | MAP_FIXED, static_cast<int>(handle), 0);
-    if (result == MAP_FAILED) throw_errno("mmap(MAP_FIXED)", errno);
+    allocations_.map(address, size_bytes, handle);  // PROT_NONE until set_access, like a fresh GPU mapping
   }
 
   void unmap(VirtualAddress address, std::size_t size_bytes) override {
-    // Re-reserve in place rather than munmap, so nothing else can land in the hole.
-    void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_NONE,
-                        kReservationFlags | MAP_FIXED, -1, 0);
-    if (result == MAP_FAILED) throw_errno("mmap(PROT_NONE)", errno);
+    allocations_.unmap(address, size_bytes);  // the range stays reserved: nothing else can land in it
   }
 
   void set_access(VirtualAddress address, std::size_t size_bytes) override {
-    if (mprotect(reinterpret_cast<void*>(address), size_bytes, PROT_READ | PROT_WRITE) != 0) {
-      throw_errno("mprotect", errno);
-    }
+    allocations_.set_access(address, size_bytes);
   }
 
   void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
@@ -151,7 +122,7 @@ class HostBackend final : public VmmBackend {
     // zero page: zeros at no physical cost and no per-page bookkeeping.
     void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_READ,
                         kReservationFlags | MAP_FIXED, -1, 0);
-    if (result == MAP_FAILED) throw_errno("mmap(PROT_READ)", errno);
+    if (result == MAP_FAILED) throw_host_errno("mmap(PROT_READ)", errno);
     return true;
   }
 
@@ -159,6 +130,7 @@ class HostBackend final : public VmmBackend {
   const std::size_t capacity_bytes_;
   const std::size_t page_bytes_;
   std::atomic<std::size_t> created_bytes_{0};
+  HostAllocations allocations_;
 };
 
 }  // namespace
@@ -175,9 +147,23 @@ std::size_t default_host_capacity_bytes() {
   return static_cast<std::size_t>(value);
 }
 
+bool host_shared_files_requested() {
+  constexpr const char* kSharedFilesEnv = "KVCACHED_HOST_SHARED_FILES";
+  const char* text = std::getenv(kSharedFilesEnv);
+  if (text == nullptr) return false;
+  std::string value(text);
+  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  value.erase(0, value.find_first_not_of(" \t"));
+  value.erase(value.find_last_not_of(" \t") + 1);
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
+  throw InvalidArgument(std::string(kSharedFilesEnv) + "='" + text +
+                        "' is not a boolean: expected 1/0, true/false, yes/no or on/off");
+}
+
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {
   if (capacity_bytes == 0) capacity_bytes = default_host_capacity_bytes();
-  return std::make_shared<HostBackend>(capacity_bytes);
+  return std::make_shared<HostBackend>(capacity_bytes, host_shared_files_requested());
 }
 
 }  // namespace kvcached

@@ -1,4 +1,5 @@
-// Host backend: the VMM contract over host memory (memfd_create + mmap).
+// Host backend: the VMM contract over host memory (anonymous memory moved by
+// mremap, or memfd files: host_allocations.hpp).
 #pragma once
 
 #include <cstddef>
@@ -13,6 +14,10 @@ namespace kvcached {
 // kvcached's host pools raises a MemoryError long before the kernel's OOM
 // killer would step in.
 std::size_t default_host_capacity_bytes();
+
+// KVCACHED_HOST_SHARED_FILES: allocations as memfd files (host_allocations.hpp);
+// anything but a boolean is an InvalidArgument naming the variable.
+bool host_shared_files_requested();
 
 // capacity_bytes 0 means default_host_capacity_bytes().
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes = 0);

@@ -1,0 +1,246 @@
+#include "host_allocations.hpp"
+
+#include <errno.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kvcached/error.hpp"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older C libraries lack the name
+#endif
+
+namespace kvcached {
+
+namespace {
+
+constexpr int kReservationFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+constexpr std::size_t kHugePageBytes = 2u << 20;
+
+void* pointer(VirtualAddress address) { return reinterpret_cast<void*>(address); }
+
+// One move of anonymous pages to a new address, the old range left in place
+// (empty) rather than as a hole another thread's mmap could land in.
+bool dontunmap_works() {
+  const long page = sysconf(_SC_PAGESIZE);
+  void* source = mmap(nullptr, 2 * page, PROT_NONE, kReservationFlags, -1, 0);
+  if (source == MAP_FAILED) return false;
+  void* target = static_cast<char*>(source) + page;
+  const bool moved = mremap(source, page, page, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) == target;
+  munmap(source, 2 * page);
+  return moved;
+}
+
+void protect(VirtualAddress address, std::size_t size_bytes, int protection) {
+  if (mprotect(pointer(address), size_bytes, protection) != 0) throw_host_errno("mprotect", errno);
+}
+
+// Backs a fresh parked range with memory now, as cuMemCreate does on a GPU:
+// huge pages where the kernel allows them, faulted in by this one thread (two
+// threads first-writing fresh huge pages were seen to stall for milliseconds
+// on a 2-vCPU VM), and a machine out of memory is a DeviceOutOfMemory here,
+// not the OOM killer at some later first write. The range ends PROT_NONE.
+void populate(VirtualAddress parked, std::size_t size_bytes) {
+  protect(parked, size_bytes, PROT_READ | PROT_WRITE);
+  // Both advisory: huge pages if possible; a child process of fork() does not
+  // share (and copy on write) KV memory.
+  madvise(pointer(parked), size_bytes, MADV_HUGEPAGE);
+  madvise(pointer(parked), size_bytes, MADV_DONTFORK);
+  if (madvise(pointer(parked), size_bytes, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
+    throw_host_errno("madvise(MADV_POPULATE_WRITE)", errno);  // EINVAL: before Linux 5.14, faults on first write
+  }
+  protect(parked, size_bytes, PROT_NONE);
+}
+
+}  // namespace
+
+[[noreturn]] void throw_host_errno(const char* call, int error) {
+  if (error == ENOMEM) throw DeviceOutOfMemory("host", call, error, std::strerror(error));
+  throw DriverError("host", call, error, std::strerror(error));
+}
+
+VirtualAddress reserve_host_range(std::size_t size_bytes, std::size_t alignment_bytes) {
+  // Over-reserve, then trim both ends so the base is aligned.
+  const std::size_t padded = size_bytes + alignment_bytes;
+  void* raw = mmap(nullptr, padded, PROT_NONE, kReservationFlags, -1, 0);
+  if (raw == MAP_FAILED) throw_host_errno("mmap(PROT_NONE)", errno);
+  const auto start = reinterpret_cast<VirtualAddress>(raw);
+  const VirtualAddress base = (start + alignment_bytes - 1) / alignment_bytes * alignment_bytes;
+  if (base > start) munmap(raw, base - start);
+  const VirtualAddress end = start + padded;
+  if (end > base + size_bytes) munmap(pointer(base + size_bytes), end - (base + size_bytes));
+  return base;
+}
+
+void rereserve_host_range(VirtualAddress address, std::size_t size_bytes) {
+  void* result = mmap(pointer(address), size_bytes, PROT_NONE, kReservationFlags | MAP_FIXED, -1, 0);
+  if (result == MAP_FAILED) throw_host_errno("mmap(PROT_NONE)", errno);
+}
+
+HostAllocations::HostAllocations(bool shared_files) : moves_pages_(!shared_files && dontunmap_works()) {}
+
+HostAllocations::~HostAllocations() {
+  for (auto& [handle, allocation] : allocations_) {
+    if (allocation.parked != 0) munmap(pointer(allocation.parked), allocation.size_bytes);
+    if (allocation.fd >= 0) close(allocation.fd);
+  }
+}
+
+HostAllocations::Allocation& HostAllocations::find_locked(PhysicalHandle handle) {
+  auto found = allocations_.find(handle);
+  if (found == allocations_.end()) throw InvalidArgument("host: unknown allocation handle");
+  return found->second;
+}
+
+PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
+  Allocation allocation;
+  allocation.size_bytes = size_bytes;
+  if (moves_pages_) {
+    allocation.parked = reserve_host_range(size_bytes, kHugePageBytes);
+    try {
+      populate(allocation.parked, size_bytes);
+    } catch (...) {
+      munmap(pointer(allocation.parked), size_bytes);
+      throw;
+    }
+  } else {
+    allocation.fd = memfd_create("kvcached", MFD_CLOEXEC);
+    if (allocation.fd < 0) throw_host_errno("memfd_create", errno);
+    if (ftruncate(allocation.fd, static_cast<off_t>(size_bytes)) != 0) {
+      const int error = errno;
+      close(allocation.fd);
+      throw_host_errno("ftruncate", error);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  const PhysicalHandle handle = next_handle_++;
+  allocations_.emplace(handle, allocation);
+  return handle;
+}
+
+std::size_t HostAllocations::release(PhysicalHandle handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Allocation& allocation = find_locked(handle);
+  if (allocation.live != 0) throw InvalidArgument("host: release of a mapped allocation");
+  if (allocation.parked != 0 && munmap(pointer(allocation.parked), allocation.size_bytes) != 0) {
+    throw_host_errno("munmap", errno);
+  }
+  if (allocation.fd >= 0) close(allocation.fd);
+  const std::size_t size_bytes = allocation.size_bytes;
+  allocations_.erase(handle);
+  return size_bytes;
+}
+
+void HostAllocations::share_locked(Allocation& allocation) {
+  // The live mapping's bytes go into a memfd file, which then replaces it in
+  // place with the same access; from here on every mapping maps the file.
+  const int fd = memfd_create("kvcached", MFD_CLOEXEC);
+  if (fd < 0) throw_host_errno("memfd_create", errno);
+  const std::size_t size = allocation.size_bytes;
+  void* copy = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
+    copy = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  if (copy == MAP_FAILED) {
+    const int error = errno;
+    close(fd);
+    throw_host_errno("memfd mmap", error);
+  }
+  protect(allocation.live, size, PROT_READ);  // a fresh mapping is PROT_NONE
+  std::memcpy(copy, pointer(allocation.live), size);
+  munmap(copy, size);
+  void* result = mmap(pointer(allocation.live), size, allocation.accessible ? PROT_READ | PROT_WRITE : PROT_NONE,
+                      MAP_SHARED | MAP_FIXED, fd, 0);
+  if (result == MAP_FAILED) {
+    const int error = errno;
+    close(fd);
+    protect(allocation.live, size, allocation.accessible ? PROT_READ | PROT_WRITE : PROT_NONE);
+    throw_host_errno("mmap(MAP_FIXED)", error);
+  }
+  allocation.fd = fd;
+  allocation.live = 0;
+}
+
+void HostAllocations::map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Allocation& allocation = find_locked(handle);
+  if (allocation.live != 0) share_locked(allocation);
+  if (allocation.fd >= 0) {
+    void* result = mmap(pointer(address), size_bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, allocation.fd, 0);
+    if (result == MAP_FAILED) throw_host_errno("mmap(MAP_FIXED)", errno);
+  } else {
+    // Replaces the reservation at `address` in one step; the parked range
+    // (PROT_NONE) becomes free address space.
+    void* result = mremap(pointer(allocation.parked), size_bytes, size_bytes, MREMAP_MAYMOVE | MREMAP_FIXED,
+                          pointer(address));
+    if (result == MAP_FAILED) throw_host_errno("mremap", errno);
+    allocation.live = address;
+    allocation.parked = 0;
+    allocation.accessible = false;
+  }
+  mapped_[address] = handle;
+}
+
+void HostAllocations::unmap(VirtualAddress address, std::size_t size_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto first = mapped_.lower_bound(address);
+  auto last = first;
+  std::vector<std::pair<Allocation*, VirtualAddress>> to_park;  // (allocation, its new parking address)
+  try {
+    for (; last != mapped_.end() && last->first < address + size_bytes; ++last) {
+      Allocation& allocation = find_locked(last->second);
+      if (allocation.live == last->first) {
+        to_park.emplace_back(&allocation, reserve_host_range(allocation.size_bytes, kHugePageBytes));
+      }
+    }
+  } catch (...) {  // out of address space before anything moved
+    for (auto& [allocation, parking] : to_park) munmap(pointer(parking), allocation->size_bytes);
+    throw;
+  }
+  std::size_t moved = 0;
+  for (; moved < to_park.size(); ++moved) {
+    auto& [allocation, parking] = to_park[moved];
+    void* result = mremap(pointer(allocation->live), allocation->size_bytes, allocation->size_bytes,
+                          MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, pointer(parking));
+    if (result == MAP_FAILED) break;
+  }
+  const int error = errno;
+  const bool rereserved = moved == to_park.size() &&
+      mmap(pointer(address), size_bytes, PROT_NONE, kReservationFlags | MAP_FIXED, -1, 0) != MAP_FAILED;
+  if (!rereserved) {  // move back what was parked: nothing changed
+    const int failure = moved < to_park.size() ? error : errno;
+    for (std::size_t i = 0; i < to_park.size(); ++i) {
+      auto& [allocation, parking] = to_park[i];
+      if (i < moved) {
+        mremap(pointer(parking), allocation->size_bytes, allocation->size_bytes, MREMAP_MAYMOVE | MREMAP_FIXED,
+               pointer(allocation->live));
+      } else {
+        munmap(pointer(parking), allocation->size_bytes);
+      }
+    }
+    throw_host_errno(moved < to_park.size() ? "mremap" : "mmap(PROT_NONE)", failure);
+  }
+  for (auto& [allocation, parking] : to_park) {
+    mprotect(pointer(parking), allocation->size_bytes, PROT_NONE);  // inaccessible until mapped again
+    allocation->parked = parking;
+    allocation->live = 0;
+    allocation->accessible = false;
+  }
+  mapped_.erase(first, last);
+}
+
+void HostAllocations::set_access(VirtualAddress address, std::size_t size_bytes) {
+  protect(address, size_bytes, PROT_READ | PROT_WRITE);
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = mapped_.upper_bound(address);
+  if (it != mapped_.begin()) --it;  // a mapping that starts before the range may reach into it
+  for (; it != mapped_.end() && it->first < address + size_bytes; ++it) {
+    auto found = allocations_.find(it->second);
+    if (found != allocations_.end() && found->second.live == it->first) found->second.accessible = true;
+  }
+}
+
+}  // namespace kvcached

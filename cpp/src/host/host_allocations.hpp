@@ -1,0 +1,72 @@
+// The host backend's physical allocations and where each one is mapped.
+//
+// An allocation is private anonymous memory that moves with mremap: parked at
+// an address of its own while unmapped, moved (not copied) to the address it
+// is mapped at. Its memory is allocated at create, as cuMemCreate does on a
+// GPU, in transparent huge pages where the kernel allows them (MADV_HUGEPAGE):
+// a page kvcached maps is ready to write, running out of memory is an
+// exception at create, and release frees the memory at once. Shared memory
+// (memfd) gets no huge pages on most kernels and costs ~20x more per page op
+// (bench/host_page_cost.py). Mapping an allocation a second time while it is
+// mapped (the contract allows it; kvcached's pools never do) turns it into a
+// memfd file mapped shared at both addresses, as on a GPU. Kernels without
+// MREMAP_DONTUNMAP (before Linux 5.7), and KVCACHED_HOST_SHARED_FILES=1, get
+// memfd files from the start.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "kvcached/device/backend.hpp"
+
+namespace kvcached {
+
+class HostAllocations {
+ public:
+  // shared_files: every allocation a memfd file from the start.
+  explicit HostAllocations(bool shared_files);
+  ~HostAllocations();
+  HostAllocations(const HostAllocations&) = delete;
+  HostAllocations& operator=(const HostAllocations&) = delete;
+
+  PhysicalHandle create(std::size_t size_bytes);
+  // Frees it; returns its size. Never while mapped (Device checks).
+  std::size_t release(PhysicalHandle handle);
+  // Maps the whole allocation at `address`, inaccessible until set_access.
+  void map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle);
+  // Unmaps every mapping inside [address, address+size) (each whole), leaving
+  // the range reserved.
+  void unmap(VirtualAddress address, std::size_t size_bytes);
+  void set_access(VirtualAddress address, std::size_t size_bytes);
+  bool moves_pages() const { return moves_pages_; }
+
+ private:
+  struct Allocation {
+    std::size_t size_bytes = 0;
+    VirtualAddress parked = 0;  // where its pages wait while unmapped (anonymous)
+    VirtualAddress live = 0;    // where it is mapped (anonymous, at most one place)
+    bool accessible = false;    // set_access done on the live mapping
+    int fd = -1;                // memfd once shared by two mappings
+  };
+  void share_locked(Allocation& allocation);
+  Allocation& find_locked(PhysicalHandle handle);
+
+  const bool moves_pages_;  // anonymous memory (MREMAP_DONTUNMAP works, no memfd asked for)
+  std::mutex mutex_;
+  std::unordered_map<PhysicalHandle, Allocation> allocations_;
+  std::map<VirtualAddress, PhysicalHandle> mapped_;  // mapping start -> allocation
+  PhysicalHandle next_handle_ = 1;
+};
+
+// A PROT_NONE range of `size_bytes` at an `alignment_bytes`-aligned address
+// that nothing else can be placed in (the host form of a VA reservation).
+VirtualAddress reserve_host_range(std::size_t size_bytes, std::size_t alignment_bytes);
+
+// Replaces [address, +size) with a PROT_NONE reservation in one step.
+void rereserve_host_range(VirtualAddress address, std::size_t size_bytes);
+
+[[noreturn]] void throw_host_errno(const char* call, int error);
+
+}  // namespace kvcached
