@@ -371,8 +371,8 @@ def _resident_bytes() -> int:
 
 
 ANONYMOUS_HOST_MEMORY = pytest.mark.skipif(
-    os.environ.get("KVCACHED_HOST_SHARED_FILES", "").strip().lower() in ("1", "true", "yes", "on"),
-    reason="KVCACHED_HOST_SHARED_FILES: allocations are memfd files here")
+    os.environ.get("KVCACHED_HOST_MEMORY") == "shared_files",
+    reason="KVCACHED_HOST_MEMORY=shared_files: allocations are memfd files here")
 
 
 @ANONYMOUS_HOST_MEMORY
@@ -417,26 +417,57 @@ def _anon_huge_kib(address: int) -> int:
     return 0
 
 
-@ANONYMOUS_HOST_MEMORY
 @pytest.mark.skipif(_huge_page_setting() not in ("always", "madvise"),
                     reason="transparent huge pages are off or absent on this kernel")
-def test_host_pages_are_huge_pages_where_the_kernel_allows(host_device):
-    # One fault per 2 MiB instead of 512: the first write to a page kvcached maps
-    # costs ~25x less than with shared memory (bench/host_page_cost.py).
+def test_host_huge_pages_are_huge_pages_allocated_at_create(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "huge_pages")
+    device = _core.open_host_device(64 * 2**20)
     size = 8 * 2**20
-    r = host_device.reserve(size, 2 * 2**20)
-    a = host_device.create(size)
-    host_device.map(r.address, a)
-    host_device.set_access(r.address, size)
+    r = device.reserve(size, 2 * 2**20)
     fallbacks = _vmstat("thp_fault_fallback")
+    a = device.create(size)
+    device.map(r.address, a)
+    device.set_access(r.address, size)
+    huge_kib = _anon_huge_kib(r.address)  # before any write: allocated at create
     ctypes.memset(r.address, 1, size)
-    huge_kib = _anon_huge_kib(r.address)
-    host_device.unmap(r.address, size)
+    assert ctypes.string_at(r.address + size - 3, 3) == b"\x01\x01\x01"
+    device.unmap(r.address, size)
     a.release()
     r.free()
     if huge_kib == 0 and _vmstat("thp_fault_fallback") > fallbacks:
         pytest.skip("the kernel had no free huge page (thp_fault_fallback rose)")
     assert huge_kib >= 2048
+
+
+@pytest.mark.parametrize("kind", ["anonymous", "huge_pages", "shared_files"])
+def test_every_host_memory_kind_keeps_the_contract(monkeypatch, kind):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", kind)
+    device = _core.open_host_device(64 * 2**20)
+    p = page(device)
+    r = device.reserve(6 * p)
+    a = device.create(p)
+    device.map(r.address, a)
+    device.set_access(r.address, p)
+    ctypes.memmove(r.address + 5, b"kept", 4)
+    device.unmap(r.address, p)
+    device.map(r.address + 2 * p, a)
+    device.map(r.address + 4 * p, a)  # two live mappings share bytes
+    device.set_access(r.address + 2 * p, p)
+    device.set_access(r.address + 4 * p, p)
+    assert ctypes.string_at(r.address + 2 * p + 5, 4) == b"kept"
+    ctypes.memmove(r.address + 4 * p, b"both", 4)
+    assert ctypes.string_at(r.address + 2 * p, 4) == b"both"
+    device.unmap(r.address + 2 * p, p)
+    device.unmap(r.address + 4 * p, p)
+    a.release()
+    r.free()
+    assert device.memory_info()[0] == 64 * 2**20
+
+
+def test_an_unknown_host_memory_kind_is_refused(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "hugepages")
+    with pytest.raises(ValueError, match="KVCACHED_HOST_MEMORY='hugepages'.*anonymous, huge_pages or shared_files"):
+        _core.open_host_device(64 * 2**20)
 
 
 def test_host_capacity_is_enforced_as_memory_error():

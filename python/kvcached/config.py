@@ -81,6 +81,15 @@ def _parse_layout(text: str) -> str:
     return value
 
 
+HOST_MEMORY_KINDS = ("anonymous", "huge_pages", "shared_files")
+
+
+def _parse_host_memory(text: str) -> str:
+    if text not in HOST_MEMORY_KINDS:
+        raise ValueError(f"expected one of {', '.join(HOST_MEMORY_KINDS)}, got {text!r}")
+    return text
+
+
 def _parse_count(text: str) -> int:
     try:
         value = int(text)
@@ -167,10 +176,10 @@ OPTIONS: dict[str, Option] = {
         "KVCACHED_HOST_CAPACITY_BYTES", None, _parse_positive_size,
         "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
     ),
-    "host_shared_files": Option(
-        "KVCACHED_HOST_SHARED_FILES", False, _parse_bool,
-        "Host backend allocations as memfd files mapped shared instead of anonymous memory moved by "
-        "mremap (no huge pages; child processes of fork() share them).",
+    "host_memory": Option(
+        "KVCACHED_HOST_MEMORY", "anonymous", _parse_host_memory,
+        "What host backend allocations are: anonymous (4 KiB pages, faulted in by first writes), "
+        "huge_pages (2 MiB pages allocated at create) or shared_files (memfd files mapped shared).",
     ),
     "registry_dir": Option(
         "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,

@@ -38,17 +38,15 @@ void protect(VirtualAddress address, std::size_t size_bytes, int protection) {
   if (mprotect(pointer(address), size_bytes, protection) != 0) throw_host_errno("mprotect", errno);
 }
 
-// Backs a fresh parked range with memory now, as cuMemCreate does on a GPU:
-// huge pages where the kernel allows them, faulted in by this one thread (two
-// threads first-writing fresh huge pages were seen to stall for milliseconds
-// on a 2-vCPU VM), and a machine out of memory is a DeviceOutOfMemory here,
-// not the OOM killer at some later first write. The range ends PROT_NONE.
-void populate(VirtualAddress parked, std::size_t size_bytes) {
+// Advice for a fresh parked range (it ends PROT_NONE). A child process of
+// fork() never shares (and copies on write) KV memory. Huge pages are
+// allocated here, by this one thread, as cuMemCreate does on a GPU: two
+// threads first-writing fresh huge pages were seen to stall for milliseconds.
+void advise(VirtualAddress parked, std::size_t size_bytes, bool huge_pages) {
+  madvise(pointer(parked), size_bytes, MADV_DONTFORK);  // advisory
+  if (!huge_pages) return;
   protect(parked, size_bytes, PROT_READ | PROT_WRITE);
-  // Both advisory: huge pages if possible; a child process of fork() does not
-  // share (and copy on write) KV memory.
-  madvise(pointer(parked), size_bytes, MADV_HUGEPAGE);
-  madvise(pointer(parked), size_bytes, MADV_DONTFORK);
+  madvise(pointer(parked), size_bytes, MADV_HUGEPAGE);  // advisory: the kernel may not have them
   if (madvise(pointer(parked), size_bytes, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
     throw_host_errno("madvise(MADV_POPULATE_WRITE)", errno);  // EINVAL: before Linux 5.14, faults on first write
   }
@@ -80,7 +78,9 @@ void rereserve_host_range(VirtualAddress address, std::size_t size_bytes) {
   if (result == MAP_FAILED) throw_host_errno("mmap(PROT_NONE)", errno);
 }
 
-HostAllocations::HostAllocations(bool shared_files) : moves_pages_(!shared_files && dontunmap_works()) {}
+HostAllocations::HostAllocations(HostMemory memory)
+    : moves_pages_(memory != HostMemory::kSharedFiles && dontunmap_works()),
+      huge_pages_(memory == HostMemory::kHugePages) {}
 
 HostAllocations::~HostAllocations() {
   for (auto& [handle, allocation] : allocations_) {
@@ -101,7 +101,7 @@ PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
   if (moves_pages_) {
     allocation.parked = reserve_host_range(size_bytes, kHugePageBytes);
     try {
-      populate(allocation.parked, size_bytes);
+      advise(allocation.parked, size_bytes, huge_pages_);
     } catch (...) {
       munmap(pointer(allocation.parked), size_bytes);
       throw;

@@ -2,16 +2,13 @@
 //
 // An allocation is private anonymous memory that moves with mremap: parked at
 // an address of its own while unmapped, moved (not copied) to the address it
-// is mapped at. Its memory is allocated at create, as cuMemCreate does on a
-// GPU, in transparent huge pages where the kernel allows them (MADV_HUGEPAGE):
-// a page kvcached maps is ready to write, running out of memory is an
-// exception at create, and release frees the memory at once. Shared memory
-// (memfd) gets no huge pages on most kernels and costs ~20x more per page op
-// (bench/host_page_cost.py). Mapping an allocation a second time while it is
-// mapped (the contract allows it; kvcached's pools never do) turns it into a
-// memfd file mapped shared at both addresses, as on a GPU. Kernels without
-// MREMAP_DONTUNMAP (before Linux 5.7), and KVCACHED_HOST_SHARED_FILES=1, get
-// memfd files from the start.
+// is mapped at, freed at once by release. Unmapping costs a few µs instead of
+// the ~2.4 ms a 12 MiB memfd file takes to free its 4 KiB pages, and
+// anonymous memory can use transparent huge pages (HostMemory::kHugePages).
+// Mapping an allocation a second time while it is mapped (the contract allows
+// it; kvcached's pools never do) turns it into a memfd file mapped shared at
+// both addresses, as on a GPU. Kernels without MREMAP_DONTUNMAP (before Linux
+// 5.7), and HostMemory::kSharedFiles, get memfd files from the start.
 #pragma once
 
 #include <cstddef>
@@ -23,10 +20,16 @@
 
 namespace kvcached {
 
+// KVCACHED_HOST_MEMORY (docs/configuration.md).
+enum class HostMemory {
+  kAnonymous,   // 4 KiB pages, each faulted in by its first write
+  kHugePages,   // 2 MiB pages where the kernel allows them, allocated at create
+  kSharedFiles  // memfd files mapped shared
+};
+
 class HostAllocations {
  public:
-  // shared_files: every allocation a memfd file from the start.
-  explicit HostAllocations(bool shared_files);
+  explicit HostAllocations(HostMemory memory);
   ~HostAllocations();
   HostAllocations(const HostAllocations&) = delete;
   HostAllocations& operator=(const HostAllocations&) = delete;
@@ -54,6 +57,7 @@ class HostAllocations {
   Allocation& find_locked(PhysicalHandle handle);
 
   const bool moves_pages_;  // anonymous memory (MREMAP_DONTUNMAP works, no memfd asked for)
+  const bool huge_pages_;
   std::mutex mutex_;
   std::unordered_map<PhysicalHandle, Allocation> allocations_;
   std::map<VirtualAddress, PhysicalHandle> mapped_;  // mapping start -> allocation

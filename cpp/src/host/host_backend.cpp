@@ -12,7 +12,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -50,10 +49,10 @@ std::size_t machine_memory_limit_bytes() {
 
 class HostBackend final : public VmmBackend {
  public:
-  HostBackend(std::size_t capacity_bytes, bool shared_files)
+  HostBackend(std::size_t capacity_bytes, HostMemory memory)
       : capacity_bytes_(capacity_bytes),
         page_bytes_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))),
-        allocations_(shared_files) {}
+        allocations_(memory) {}
 
   std::string name() const override { return "host"; }
   int device_ordinal() const override { return 0; }
@@ -147,23 +146,21 @@ std::size_t default_host_capacity_bytes() {
   return static_cast<std::size_t>(value);
 }
 
-bool host_shared_files_requested() {
-  constexpr const char* kSharedFilesEnv = "KVCACHED_HOST_SHARED_FILES";
-  const char* text = std::getenv(kSharedFilesEnv);
-  if (text == nullptr) return false;
-  std::string value(text);
-  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  value.erase(0, value.find_first_not_of(" \t"));
-  value.erase(value.find_last_not_of(" \t") + 1);
-  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
-  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
-  throw InvalidArgument(std::string(kSharedFilesEnv) + "='" + text +
-                        "' is not a boolean: expected 1/0, true/false, yes/no or on/off");
+HostMemory host_memory_requested() {
+  constexpr const char* kMemoryEnv = "KVCACHED_HOST_MEMORY";
+  const char* text = std::getenv(kMemoryEnv);
+  if (text == nullptr || *text == '\0') return HostMemory::kAnonymous;
+  const std::string value(text);
+  if (value == "anonymous") return HostMemory::kAnonymous;
+  if (value == "huge_pages") return HostMemory::kHugePages;
+  if (value == "shared_files") return HostMemory::kSharedFiles;
+  throw InvalidArgument(std::string(kMemoryEnv) + "='" + text +
+                        "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
 }
 
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {
   if (capacity_bytes == 0) capacity_bytes = default_host_capacity_bytes();
-  return std::make_shared<HostBackend>(capacity_bytes, host_shared_files_requested());
+  return std::make_shared<HostBackend>(capacity_bytes, host_memory_requested());
 }
 
 }  // namespace kvcached

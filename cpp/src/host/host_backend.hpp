@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 
+#include "host_allocations.hpp"
 #include "kvcached/device/backend.hpp"
 
 namespace kvcached {
@@ -15,9 +16,9 @@ namespace kvcached {
 // killer would step in.
 std::size_t default_host_capacity_bytes();
 
-// KVCACHED_HOST_SHARED_FILES: allocations as memfd files (host_allocations.hpp);
-// anything but a boolean is an InvalidArgument naming the variable.
-bool host_shared_files_requested();
+// KVCACHED_HOST_MEMORY: what the host backend's allocations are
+// (host_allocations.hpp); an unknown kind is an InvalidArgument naming it.
+HostMemory host_memory_requested();
 
 // capacity_bytes 0 means default_host_capacity_bytes().
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes = 0);
