@@ -144,6 +144,46 @@ class StepTimer:
                     page_ops=self.page_ops if self.kvcached else None)
 
 
+def session_processes() -> dict[str, dict[str, float]]:
+    """CPU seconds, context switches and threads of every process of this engine (its session), by name.
+
+    In multi-process mode that is the front end (this process), the EngineCore and the
+    worker: where kvcached's time goes there, compared with a run without it."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    sid, found = os.getsid(0), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) != sid:  # fields[3]: session id
+            continue
+        switches = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "Threads"))}
+        found[f"{name}[{pid}]"] = dict(cpu_s=(int(fields[11]) + int(fields[12])) / ticks,  # utime + stime
+                                       voluntary=switches.get("voluntary_ctxt_switches", 0),
+                                       involuntary=switches.get("nonvoluntary_ctxt_switches", 0),
+                                       threads=switches.get("Threads", 0))
+        for tid in os.listdir(f"/proc/{pid}/task"):  # per thread, by name: which threads the CPU went to
+            try:
+                tstat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            tfields = tstat[tstat.rindex(")") + 2:].split()
+            found[f"{name}[{pid}]"][f"thread {tstat[tstat.index('(') + 1:tstat.rindex(')')]}[{tid}]"] = (
+                (int(tfields[11]) + int(tfields[12])) / ticks)
+    return found
+
+
+def timed_window(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """What each process did between two ``session_processes()`` snapshots."""
+    return {name: {k: round(v - before.get(name, {}).get(k, 0), 3) if k != "threads" else v for k, v in figures.items()
+                   if not k.startswith("thread ") or v - before.get(name, {}).get(k, 0) >= 0.02}
+            for name, figures in after.items()}
+
+
 def child(spec_path: str, out_path: str) -> None:
     """One engine: warm-up, then the timed workload (and, with ``profile``, cProfile of it)."""
     spec = json.loads(Path(spec_path).read_text())
@@ -168,6 +208,7 @@ def child(spec_path: str, out_path: str) -> None:
     prompts = make_prompts(**WORKLOAD)
     load_before = os.getloadavg()
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    processes_before = session_processes()
     if timer:
         timer.reset()
     if spec.get("profile"):
@@ -181,6 +222,7 @@ def child(spec_path: str, out_path: str) -> None:
     else:
         result = run_workload(engine, prompts, WORKLOAD["new_tokens"], "r")
     # In-process engines (--sched-timing, --profile): the forward pass's page faults are counted here too.
+    result.update(processes=timed_window(processes_before, session_processes()))
     result.update(init_s=init_s, load_before=load_before, load_after=os.getloadavg(),
                   timed_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     if timer:
