@@ -93,7 +93,8 @@ class KVCACHED_EXPORT DeviceRegistry {
   // Takes effect at once: a lower budget refuses new pages until enough are
   // unmapped, and instances are told to shrink (external_limit_bytes).
   void set_budget_bytes(std::size_t budget_bytes);
-  // Sum of every entry's mapped bytes, dead ones included until reclaimed.
+  // Sum of every entry's mapped bytes at one instant (read under the lock),
+  // dead ones included until reclaimed.
   std::size_t mapped_bytes() const;
   std::size_t available_bytes() const;
 

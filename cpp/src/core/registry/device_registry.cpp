@@ -49,8 +49,13 @@ void DeviceRegistry::set_budget_bytes(std::size_t budget_bytes) {
 }
 
 std::size_t DeviceRegistry::mapped_bytes() const {
-  segment_->check_attached();
-  return registry_detail::total_mapped_bytes(segment_->layout());
+  // Summed under the lock: read lock-free, one entry's bytes from before a
+  // release could be added to another's from after the acquire they paid for,
+  // a total above the budget that never existed.
+  RegistryLock lock(*segment_);
+  const std::size_t total = registry_detail::total_mapped_bytes(segment_->layout());
+  lock.confirm();
+  return total;
 }
 
 std::size_t DeviceRegistry::available_bytes() const {
