@@ -1,9 +1,9 @@
 """What a page costs on the host backend: map, first write, later write, unmap.
 
-Memory mapped fresh is given to the process by the kernel on first touch (a
-fault, and the memory zeroed): one fault per 4 KiB for anonymous memory and
-memfd files, one per 2 MiB with huge pages (allocated at create); unmapping a
-page whose allocation is released frees that memory at once. A static KV cache
+The kernel gives a process memory by faults (and zeroes it): for memfd files
+on the first write, one fault per 4 KiB; for anonymous memory and huge pages
+when the allocation is created (the cost shows under "map"); unmapping a page
+whose allocation is released frees that memory at once. A static KV cache
 pays the first touches once at start-up; kvcached pays them whenever it maps
 memory it gave back. On a virtual machine whose host takes back the guest's
 free 2 MiB blocks (free page reporting), a huge page the guest has not used
@@ -14,8 +14,8 @@ block per layer, 2 MiB pages: a page id is 12 MiB), medians over ``--repeats``
 pages.
 
 Each case runs in fresh processes, rounds interleaved, for each kind of host
-allocation (``KVCACHED_HOST_MEMORY``): anonymous memory (the default), anonymous
-memory in huge pages allocated at create, and memfd files mapped shared.
+allocation (``KVCACHED_HOST_MEMORY``): anonymous memory allocated at create,
+the same in huge pages, and memfd files mapped shared (the default).
 
     python bench/host_page_cost.py [--repeats 8] [--layers 6] [--rounds 3]
 """

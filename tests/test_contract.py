@@ -104,8 +104,8 @@ def test_two_mappings_of_one_allocation_share_bytes(device, access):
 
 
 def test_a_second_mapping_sees_what_was_written_before_it(device, access):
-    # The host backend keeps an allocation as anonymous memory until a second
-    # mapping appears, then moves its bytes into a shared file: nothing is lost.
+    # The host backend's anonymous memory moves its bytes into a shared file when a
+    # second mapping appears (test_every_host_memory_kind_keeps_the_contract): nothing is lost.
     p = page(device)
     r = device.reserve(6 * p)
     a = device.create(p)
@@ -370,25 +370,34 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-ANONYMOUS_HOST_MEMORY = pytest.mark.skipif(
-    os.environ.get("KVCACHED_HOST_MEMORY") == "shared_files",
-    reason="KVCACHED_HOST_MEMORY=shared_files: allocations are memfd files here")
-
-
-@ANONYMOUS_HOST_MEMORY
-def test_host_release_gives_the_memory_back(host_device):
+def test_host_anonymous_release_gives_the_memory_back(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "anonymous")
+    device = _core.open_host_device(256 * 2**20)
     size = 64 * 2**20
-    r = host_device.reserve(size)
-    a = host_device.create(size)
-    host_device.map(r.address, a)
-    host_device.set_access(r.address, size)
+    r = device.reserve(size)
+    a = device.create(size)
+    device.map(r.address, a)
+    device.set_access(r.address, size)
     ctypes.memset(r.address, 1, size)
     written = _resident_bytes()
-    host_device.unmap(r.address, size)
+    device.unmap(r.address, size)
     assert _resident_bytes() > written - size // 2, "unmapping keeps the allocation (and its bytes)"
     a.release()
     assert _resident_bytes() < written - size // 2
     r.free()
+
+
+@pytest.mark.parametrize("kind", ["anonymous", "huge_pages"])
+def test_host_anonymous_memory_is_allocated_at_create(monkeypatch, kind):
+    # As cuMemCreate on a GPU: no page fault left for the engine's forward pass.
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", kind)
+    device = _core.open_host_device(256 * 2**20)
+    size = 64 * 2**20
+    before = _resident_bytes()
+    a = device.create(size)
+    assert _resident_bytes() >= before + size * 3 // 4
+    a.release()
+    assert _resident_bytes() < before + size // 4
 
 
 def _huge_page_setting() -> str:

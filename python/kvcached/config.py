@@ -177,9 +177,9 @@ OPTIONS: dict[str, Option] = {
         "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
     ),
     "host_memory": Option(
-        "KVCACHED_HOST_MEMORY", "anonymous", _parse_host_memory,
-        "What host backend allocations are: anonymous (4 KiB pages, faulted in by first writes), "
-        "huge_pages (2 MiB pages allocated at create) or shared_files (memfd files mapped shared).",
+        "KVCACHED_HOST_MEMORY", "shared_files", _parse_host_memory,
+        "What host backend allocations are: shared_files (memfd files mapped shared, faulted in by first "
+        "use), anonymous (4 KiB pages allocated at create) or huge_pages (2 MiB pages allocated at create).",
     ),
     "registry_dir": Option(
         "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,

@@ -38,15 +38,14 @@ void protect(VirtualAddress address, std::size_t size_bytes, int protection) {
   if (mprotect(pointer(address), size_bytes, protection) != 0) throw_host_errno("mprotect", errno);
 }
 
-// Advice for a fresh parked range (it ends PROT_NONE). A child process of
-// fork() never shares (and copies on write) KV memory. Huge pages are
-// allocated here, by this one thread, as cuMemCreate does on a GPU: two
-// threads first-writing fresh huge pages were seen to stall for milliseconds.
+// Allocates the memory of a fresh parked range now, on this one thread (two
+// threads first-writing fresh huge pages were seen to stall for milliseconds),
+// and advises it; the range ends PROT_NONE. A child process of fork() never
+// shares (and copies on write) KV memory.
 void advise(VirtualAddress parked, std::size_t size_bytes, bool huge_pages) {
   madvise(pointer(parked), size_bytes, MADV_DONTFORK);  // advisory
-  if (!huge_pages) return;
   protect(parked, size_bytes, PROT_READ | PROT_WRITE);
-  madvise(pointer(parked), size_bytes, MADV_HUGEPAGE);  // advisory: the kernel may not have them
+  if (huge_pages) madvise(pointer(parked), size_bytes, MADV_HUGEPAGE);  // advisory: the kernel may not have them
   if (madvise(pointer(parked), size_bytes, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
     throw_host_errno("madvise(MADV_POPULATE_WRITE)", errno);  // EINVAL: before Linux 5.14, faults on first write
   }

@@ -149,7 +149,7 @@ std::size_t default_host_capacity_bytes() {
 HostMemory host_memory_requested() {
   constexpr const char* kMemoryEnv = "KVCACHED_HOST_MEMORY";
   const char* text = std::getenv(kMemoryEnv);
-  if (text == nullptr || *text == '\0') return HostMemory::kAnonymous;
+  if (text == nullptr || *text == '\0') return HostMemory::kSharedFiles;
   const std::string value(text);
   if (value == "anonymous") return HostMemory::kAnonymous;
   if (value == "huge_pages") return HostMemory::kHugePages;
