@@ -42,7 +42,7 @@ void protect(VirtualAddress address, std::size_t size_bytes, int protection) {
 // threads first-writing fresh huge pages were seen to stall for milliseconds),
 // and advises it; the range ends PROT_NONE. A child process of fork() never
 // shares (and copies on write) KV memory.
-void advise(VirtualAddress parked, std::size_t size_bytes, bool huge_pages) {
+void allocate_parked(VirtualAddress parked, std::size_t size_bytes, bool huge_pages) {
   madvise(pointer(parked), size_bytes, MADV_DONTFORK);  // advisory
   protect(parked, size_bytes, PROT_READ | PROT_WRITE);
   if (huge_pages) madvise(pointer(parked), size_bytes, MADV_HUGEPAGE);  // advisory: the kernel may not have them
@@ -100,7 +100,7 @@ PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
   if (moves_pages_) {
     allocation.parked = reserve_host_range(size_bytes, kHugePageBytes);
     try {
-      advise(allocation.parked, size_bytes, huge_pages_);
+      allocate_parked(allocation.parked, size_bytes, huge_pages_);
     } catch (...) {
       munmap(pointer(allocation.parked), size_bytes);
       throw;

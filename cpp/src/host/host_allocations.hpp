@@ -1,16 +1,17 @@
 // The host backend's physical allocations and where each one is mapped.
 //
-// An allocation is private anonymous memory, allocated when it is created (as
-// cuMemCreate does on a GPU) and parked at an address of its own; map moves it
-// (not copies) to the address it is mapped at, release frees it at once. A
-// page kvcached maps is ready to use: no fault lands in the engine's forward
-// pass (where SGLang's CPU engine ran at 0.72x with pages faulted in there),
-// and a machine out of memory is an exception at create. Anonymous memory can
-// also use transparent huge pages (HostMemory::kHugePages). Mapping an
-// allocation a second time while it is mapped (the contract allows it;
-// kvcached's pools never do) turns it into a memfd file mapped shared at both
-// addresses, as on a GPU. Kernels without MREMAP_DONTUNMAP (before Linux 5.7),
-// and HostMemory::kSharedFiles, get memfd files from the start.
+// An allocation is a memfd file mapped shared (HostMemory::kSharedFiles, the
+// default: its pages are faulted in by their first use) or private anonymous
+// memory allocated when it is created, as cuMemCreate does on a GPU, and parked
+// at an address of its own; map moves it (not copies) to the address it is
+// mapped at, release frees it at once. Allocated at create, no fault lands in
+// the engine's forward pass (SGLang's CPU engine ran at 0.72x with anonymous
+// pages faulted in there) and a machine out of memory is an exception at
+// create; anonymous memory can also use transparent huge pages. Mapping an
+// anonymous allocation a second time while it is mapped (the contract allows
+// it; kvcached's pools never do) turns it into a memfd file mapped shared at
+// both addresses, as on a GPU. Kernels without MREMAP_DONTUNMAP (before Linux
+// 5.7) get memfd files whatever was asked.
 #pragma once
 
 #include <cstddef>
@@ -45,7 +46,6 @@ class HostAllocations {
   // the range reserved.
   void unmap(VirtualAddress address, std::size_t size_bytes);
   void set_access(VirtualAddress address, std::size_t size_bytes);
-  bool moves_pages() const { return moves_pages_; }
 
  private:
   struct Allocation {
