@@ -17,7 +17,6 @@ namespace kvcached {
 
 namespace {
 
-constexpr int kReservationFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
 constexpr std::size_t kHugePageBytes = 2u << 20;
 
 void* pointer(VirtualAddress address) { return reinterpret_cast<void*>(address); }
@@ -26,7 +25,7 @@ void* pointer(VirtualAddress address) { return reinterpret_cast<void*>(address);
 // (empty) rather than as a hole another thread's mmap could land in.
 bool dontunmap_works() {
   const long page = sysconf(_SC_PAGESIZE);
-  void* source = mmap(nullptr, 2 * page, PROT_NONE, kReservationFlags, -1, 0);
+  void* source = mmap(nullptr, 2 * page, PROT_NONE, kHostReservationFlags, -1, 0);
   if (source == MAP_FAILED) return false;
   void* target = static_cast<char*>(source) + page;
   const bool moved = mremap(source, page, page, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) == target;
@@ -62,7 +61,7 @@ void allocate_parked(VirtualAddress parked, std::size_t size_bytes, bool huge_pa
 VirtualAddress reserve_host_range(std::size_t size_bytes, std::size_t alignment_bytes) {
   // Over-reserve, then trim both ends so the base is aligned.
   const std::size_t padded = size_bytes + alignment_bytes;
-  void* raw = mmap(nullptr, padded, PROT_NONE, kReservationFlags, -1, 0);
+  void* raw = mmap(nullptr, padded, PROT_NONE, kHostReservationFlags, -1, 0);
   if (raw == MAP_FAILED) throw_host_errno("mmap(PROT_NONE)", errno);
   const auto start = reinterpret_cast<VirtualAddress>(raw);
   const VirtualAddress base = (start + alignment_bytes - 1) / alignment_bytes * alignment_bytes;
@@ -70,11 +69,6 @@ VirtualAddress reserve_host_range(std::size_t size_bytes, std::size_t alignment_
   const VirtualAddress end = start + padded;
   if (end > base + size_bytes) munmap(pointer(base + size_bytes), end - (base + size_bytes));
   return base;
-}
-
-void rereserve_host_range(VirtualAddress address, std::size_t size_bytes) {
-  void* result = mmap(pointer(address), size_bytes, PROT_NONE, kReservationFlags | MAP_FIXED, -1, 0);
-  if (result == MAP_FAILED) throw_host_errno("mmap(PROT_NONE)", errno);
 }
 
 HostAllocations::HostAllocations(HostMemory memory)
@@ -208,7 +202,7 @@ void HostAllocations::unmap(VirtualAddress address, std::size_t size_bytes) {
   }
   const int error = errno;
   const bool rereserved = moved == to_park.size() &&
-      mmap(pointer(address), size_bytes, PROT_NONE, kReservationFlags | MAP_FIXED, -1, 0) != MAP_FAILED;
+      mmap(pointer(address), size_bytes, PROT_NONE, kHostReservationFlags | MAP_FIXED, -1, 0) != MAP_FAILED;
   if (!rereserved) {  // move back what was parked: nothing changed
     const int failure = moved < to_park.size() ? error : errno;
     for (std::size_t i = 0; i < to_park.size(); ++i) {

@@ -14,6 +14,8 @@
 // 5.7) get memfd files whatever was asked.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <cstddef>
 #include <map>
 #include <mutex>
@@ -66,12 +68,12 @@ class HostAllocations {
   PhysicalHandle next_handle_ = 1;
 };
 
+// How the host backend reserves address space: nothing committed, nothing shared.
+inline constexpr int kHostReservationFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+
 // A PROT_NONE range of `size_bytes` at an `alignment_bytes`-aligned address
 // that nothing else can be placed in (the host form of a VA reservation).
 VirtualAddress reserve_host_range(std::size_t size_bytes, std::size_t alignment_bytes);
-
-// Replaces [address, +size) with a PROT_NONE reservation in one step.
-void rereserve_host_range(VirtualAddress address, std::size_t size_bytes);
 
 [[noreturn]] void throw_host_errno(const char* call, int error);
 

@@ -1,6 +1,6 @@
 // Host backend: reservations are PROT_NONE anonymous mappings; physical
-// allocations are anonymous memory moved into place by mremap, or memfd files
-// when two mappings must share bytes (host_allocations.hpp).
+// allocations are memfd files mapped shared (the default) or anonymous memory
+// moved into place by mremap (KVCACHED_HOST_MEMORY, host_allocations.hpp).
 #include "host_backend.hpp"
 
 #include "host_allocations.hpp"
@@ -25,7 +25,6 @@ namespace kvcached {
 namespace {
 
 constexpr std::size_t kRecommendedGranularityBytes = 2u << 20;  // matches CUDA's 2 MiB pages
-constexpr int kReservationFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
 
 // Smallest of the cgroup v2 / v1 memory limit and MemTotal, in bytes.
 std::size_t machine_memory_limit_bytes() {
@@ -120,7 +119,7 @@ class HostBackend final : public VmmBackend {
     // Reads of a private anonymous read-only mapping hit the kernel's shared
     // zero page: zeros at no physical cost and no per-page bookkeeping.
     void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_READ,
-                        kReservationFlags | MAP_FIXED, -1, 0);
+                        kHostReservationFlags | MAP_FIXED, -1, 0);
     if (result == MAP_FAILED) throw_host_errno("mmap(PROT_READ)", errno);
     return true;
   }
