@@ -89,12 +89,17 @@ def child(spec_path: str, out_path: str) -> None:
     llm.shutdown()
 
 
-def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, cpu: bool) -> dict:
+def engine_env(kvcached_on: bool) -> dict[str, str]:
+    """An engine's environment: its own registry (its own budget), kvcached switched on or off."""
     env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=tempfile.mkdtemp(prefix="kvcached-e2e-"),
                                       KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30), PYTHONUNBUFFERED="1"))
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
-    return run_child(__file__, out, label, dict(model=model, cpu=cpu), env, timeout_s, kvcached_on)
+    return env
+
+
+def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, cpu: bool) -> dict:
+    return run_child(__file__, out, label, dict(model=model, cpu=cpu), engine_env(kvcached_on), timeout_s, kvcached_on)
 
 
 def main() -> None:

@@ -184,19 +184,23 @@ def timed_window(before: dict, after: dict) -> dict[str, dict[str, float]]:
             for name, figures in after.items()}
 
 
+def build_engine(model: str, kv_cache_bytes: int):
+    """The benchmark's vLLM engine (``LLMEngine``) for ``model``, with or without kvcached as the environment says."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=ENGINE["max_model_len"],
+        max_num_seqs=ENGINE["max_num_seqs"], max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        enable_prefix_caching=True, kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, seed=0,
+    )
+    return llm.llm_engine
+
+
 def child(spec_path: str, out_path: str) -> None:
     """One engine: warm-up, then the timed workload (and, with ``profile``, cProfile of it)."""
     spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM
-
     t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=ENGINE["max_model_len"],
-        max_num_seqs=ENGINE["max_num_seqs"], max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-        enable_prefix_caching=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", ENGINE["kv_cache_bytes"]),
-        enforce_eager=True, seed=0,
-    )
-    engine = llm.llm_engine
+    engine = build_engine(spec["model"], spec.get("kv_cache_bytes", ENGINE["kv_cache_bytes"]))
     init_s = time.perf_counter() - t0
     timer = StepTimer(engine.engine_core.engine_core) if spec.get("sched_timing") else None
     warm = make_prompts(WARMUP_REQUESTS, 32, 128, seed=1)
@@ -238,9 +242,10 @@ def child(spec_path: str, out_path: str) -> None:
 # ----------------------------------------------------------------------------- the runs
 
 
-def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, steady_kv_bytes: int = 0) -> dict:
+def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, steady_kv_bytes: int = 0,
+               omp_bind: str = "auto") -> dict:
     env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=registry_dir, KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
-                                      VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONUNBUFFERED="1"))
+                                      VLLM_CPU_OMP_THREADS_BIND=omp_bind, PYTHONUNBUFFERED="1"))
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
         if steady_kv_bytes:
@@ -251,11 +256,12 @@ def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, s
 
 
 def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, profile: bool = False,
-               kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False, steady: bool = False) -> dict:
+               kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False, steady: bool = False,
+               omp_bind: str = "auto") -> dict:
     spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None, kv_cache_bytes=kv_cache_bytes,
                 sched_timing=sched_timing, steady=steady)
     env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=profile or sched_timing,
-                     steady_kv_bytes=kv_cache_bytes if steady else 0)
+                     steady_kv_bytes=kv_cache_bytes if steady else 0, omp_bind=omp_bind)
     return run_child(__file__, out, label, spec, env, timeout_s, kvcached_on)
 
 
@@ -278,6 +284,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=ENGINE["kv_cache_bytes"] >> 20,
                         help="vLLM's kv_cache_memory_bytes (kvcached: the engine's limit); lower it to make "
                              "prefix-cache eviction part of the run")
+    parser.add_argument("--omp-bind", default="auto",
+                        help="VLLM_CPU_OMP_THREADS_BIND for the worker: vLLM's default 'auto' binds its OpenMP threads "
+                             "and leaves one core per rank to the EngineCore; 'nobind' lets all of them share every core")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -289,7 +298,7 @@ def main() -> None:
     else:
         run_rounds(out, args.rounds, lambda label, on: run_engine(
             out, label, model, on, args.timeout_s, kv_cache_bytes=args.kv_cache_mib << 20,
-            sched_timing=args.sched_timing, steady=args.steady), "vllm_e2e")
+            sched_timing=args.sched_timing, steady=args.steady, omp_bind=args.omp_bind), "vllm_e2e")
 
 
 if __name__ == "__main__":

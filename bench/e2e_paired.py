@@ -1,0 +1,171 @@
+"""Two long-lived engines, one without kvcached and one with it, taking turns pass by pass.
+
+The per-run benchmarks (``vllm_e2e.py``, ``sglang_e2e.py``) start a fresh engine
+for every run, so an on/off pair is about a minute apart; on a shared VM the same
+run moves by 15-40 % from one minute to the next, more than the effect being
+measured. Here both engines start once and take turns: pass k runs the seeded
+workload of ``e2e_common.py`` with prompt seed ``SEED + k`` on one engine and
+then on the other (ABBA across passes), so a pair is seconds apart. Only one
+engine works at a time; before each pass the harness waits ``gap_s`` so the other
+engine is quiet (its queues parked, kvcached's idle flush done). Between passes
+the engines are idle, as a server between bursts: with kvcached the memory goes
+back to the budget and the next pass maps it again.
+
+The engine scripts provide the child (:func:`serve_passes` with their own
+``run_pass``) and call :func:`run_paired` in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from e2e_common import WORKLOAD, make_prompts, report
+
+# ----------------------------------------------------------------------------- the child: one engine
+
+
+def pass_prompts(k: int) -> list[list[int]]:
+    """Pass ``k``'s prompts: the benchmark workload with seed ``SEED + k`` (no prefix shared between passes)."""
+    return make_prompts(**dict(WORKLOAD, seed=WORKLOAD["seed"] + k))
+
+
+def serve_passes(result_fd: int, run_pass: Callable[[int], dict]) -> None:
+    """Answers ``run k`` lines on stdin with ``run_pass(k)``, one JSON line each on ``result_fd``.
+
+    The engine is built and warmed up before this is called; a first line says it is
+    ready. Results go to their own pipe because the engine's processes log to stdout.
+    Any other line (or the end of stdin) ends the loop."""
+    with os.fdopen(result_fd, "w") as results:
+        results.write(json.dumps({"ready": True}) + "\n")
+        results.flush()
+        for line in sys.stdin:
+            words = line.split()
+            if words[:1] != ["run"]:
+                break
+            load_before = os.getloadavg()
+            result = run_pass(int(words[1]))
+            result.update(load_before=load_before, load_after=os.getloadavg())
+            results.write(json.dumps(result) + "\n")
+            results.flush()
+
+
+# ----------------------------------------------------------------------------- the parent: two engines
+
+
+class EngineProcess:
+    """One engine (``script --serve SPEC FD``) in its own session, and the pipe its results come back on."""
+
+    def __init__(self, script: str, out: Path, spec: dict, env: dict[str, str], kvcached_on: bool) -> None:
+        self.kvcached = kvcached_on
+        self.label = "on" if kvcached_on else "off"
+        spec_path = out / f"engine-{self.label}.spec.json"
+        spec_path.write_text(json.dumps(dict(spec, kvcached=kvcached_on)))
+        read_fd, write_fd = os.pipe()
+        self.log = open(out / f"engine-{self.label}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--serve", str(spec_path), str(write_fd)], env=env, stdin=subprocess.PIPE,
+            stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True, text=True)
+        os.close(write_fd)
+        self.results = os.fdopen(read_fd)
+
+    def next_result(self, timeout_s: float) -> dict:
+        ready, _, _ = select.select([self.results], [], [], timeout_s)
+        line = self.results.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"the {self.label} engine sent nothing within {timeout_s:.0f} s "
+                               f"(exit code {self.proc.poll()}); see engine-{self.label}.log")
+        return json.loads(line)
+
+    def run(self, k: int, timeout_s: float) -> dict:
+        self.proc.stdin.write(f"run {k}\n")
+        self.proc.stdin.flush()
+        return self.next_result(timeout_s)
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the engine is left
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProcess], passes: int, gap_s: float,
+               timeout_s: float) -> list[dict]:
+    """Starts both engines (one after the other), runs ``passes`` ABBA passes, writes runs.json and NAME.md."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the engines are stopped too
+    engines: dict[bool, EngineProcess] = {}
+    runs: list[dict] = []
+    try:
+        for on in (False, True):  # one at a time: two start-ups would only slow each other
+            engines[on] = start_engine(on)
+            engines[on].next_result(timeout_s)
+        for k in range(passes):
+            for on in ((False, True) if k % 2 == 0 else (True, False)):  # ABBA: drift cancels
+                time.sleep(gap_s)
+                uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+                result = engines[on].run(k, timeout_s)
+                entry = dict(label=f"p{k}-{engines[on].label}", kvcached=on, round=k, uptime_before=uptime, **result)
+                runs.append(entry)
+                print(json.dumps({key: entry.get(key) for key in ("label", "tokens_per_s", "tpot_p99_ms", "ttft_p50_ms",
+                                                                   "wall_s")}), flush=True)
+                (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    text = summary(runs) + "\n" + report(runs)
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    return runs
+
+
+# ----------------------------------------------------------------------------- the figures
+
+
+def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap 95 % interval of the median of ``ratios`` (passes resampled with replacement)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def summary(runs: list[dict]) -> str:
+    """Per-pass ratios on ÷ off: their medians with a bootstrap interval, and the pooled throughput."""
+    by_pass: dict[int, dict[bool, dict]] = {}
+    for run in runs:
+        by_pass.setdefault(run["round"], {})[run["kvcached"]] = run
+    pairs = [pair for _, pair in sorted(by_pass.items()) if len(pair) == 2]
+    if not pairs:
+        return "no complete pass\n"
+    lines = [f"{len(pairs)} passes, each on both engines; ratios kvcached on ÷ off:"]
+    for key, name, target in (("tokens_per_s", "output tokens/s", "target ≥ 0.97"),
+                              ("tpot_p99_ms", "TPOT p99", "target ≤ 1.05"),
+                              ("ttft_p50_ms", "TTFT p50", None), ("ttft_p99_ms", "TTFT p99", None)):
+        ratios = [pair[True][key] / pair[False][key] for pair in pairs]
+        low, high = median_interval(ratios)
+        lines.append(f"- {name}: median **{statistics.median(ratios):.3f}** (bootstrap 95 % interval "
+                     f"{low:.3f}–{high:.3f})" + (f"; {target}" if target else ""))
+    pooled = {on: sum(pair[on]["output_tokens"] for pair in pairs) / sum(pair[on]["wall_s"] for pair in pairs)
+              for on in (False, True)}
+    lines.append(f"- pooled output tokens/s (all tokens ÷ all timed seconds): off {pooled[False]:.1f}, "
+                 f"on {pooled[True]:.1f}, on ÷ off **{pooled[True] / pooled[False]:.3f}**")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["EngineProcess", "median_interval", "pass_prompts", "run_paired", "serve_passes", "summary"]

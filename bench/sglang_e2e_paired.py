@@ -1,0 +1,85 @@
+"""kvcached on and off in SGLang: two long-lived engines taking turns, pass by pass.
+
+The engines are ``sglang_e2e.py``'s (``sglang.Engine``, at most 32 running
+requests, 40 000 KV slots, page size 1, the radix cache on; on a machine without
+a GPU SGLang's CPU engine with the test suite's import shims), each told to sleep
+when idle (``sleep_on_idle``) so the waiting one stays quiet; pass k streams the
+96-request workload with prompt seed ``SEED + k`` through one, then the other,
+ABBA across passes (``e2e_paired.py`` says why and how). Every pass is reported,
+with the per-pass ratios on ÷ off, their medians and bootstrap 95 % intervals,
+and the ratio of the pooled throughput.
+
+    python bench/sglang_e2e_paired.py --out DIR [--passes 30]
+
+Needs SGLang 0.5.23 and transformers in the interpreter (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
+from e2e_paired import EngineProcess, pass_prompts, run_paired, serve_passes
+from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, stream_all, use_sglang_cpu
+
+
+def serve(spec_path: str, result_fd: int) -> None:
+    """The child: one engine, warmed up, serving passes until told to stop."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["cpu"]:
+        use_sglang_cpu()
+    import sglang as sgl
+
+    llm = sgl.Engine(model_path=spec["model"], sleep_on_idle=True, **ENGINE,
+                     **(CPU_ENGINE if spec["cpu"] else {"dtype": "bfloat16"}))
+    llm.loop.run_until_complete(stream_all(llm, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8))
+
+    def run_pass(k: int) -> dict:
+        result = llm.loop.run_until_complete(stream_all(llm, pass_prompts(k), WORKLOAD["new_tokens"]))
+        states = llm.get_server_info().get("internal_states") or [{}]
+        if states[0].get("kvcached"):
+            result["kvcached_stats"] = states[0]["kvcached"]
+        return result
+
+    serve_passes(result_fd, run_pass)
+    llm.shutdown()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        try:
+            serve(sys.argv[2], int(sys.argv[3]))
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)  # closes the result pipe: the benchmark stops at once, naming the log
+        os._exit(0)  # the engine's processes are stopped; do not wait for leftover threads
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--passes", type=int, default=30)
+    parser.add_argument("--gap-s", type=float, default=2.0, help="idle time before each pass")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for an engine's start or one pass")
+    args = parser.parse_args()
+    if args.passes < 1:
+        parser.error("--passes must be at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        use_sglang_cpu()  # transformers, which writes the model, imports torchvision
+    model = make_model(out.parent / "e2e-model")
+
+    def start_engine(on: bool) -> EngineProcess:
+        return EngineProcess(__file__, out, dict(model=model, cpu=cpu), engine_env(on), on)
+
+    run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s)
+
+
+if __name__ == "__main__":
+    main()

