@@ -68,6 +68,18 @@ def page16(sglang_workdir):
     return runs
 
 
+@pytest.fixture(scope="module")
+def sleeping(sglang_workdir):
+    """kvcached with SGLang's ``sleep_on_idle``: the idle scheduler blocks until
+    the next request (or 1 s). The load is probed 0.4 s after it finished, from
+    the registry, before anything is sent that would wake the scheduler."""
+    registry = sglang_workdir / "registry-sleep"
+    registry.mkdir()
+    spec = {"page_size": 1, "engine": {**ENGINE, "sleep_on_idle": True}, "phases": [{**LOAD, "settle_s": 0.4}]}
+    return finish(sglang_workdir, "kv_sleep", *start(sglang_workdir, "kv_sleep", spec,
+                                                    engine_env(True, registry, KVCACHED_NAME="kv-sleep")))
+
+
 # --------------------------------------------------------------------------- #
 
 
@@ -99,6 +111,11 @@ def test_kv_memory_grows_with_load_and_returns_when_idle(sglang_page1):
     done = probe(result, "phase1_done")
     assert done["mapped_bytes"] == PAGE_ID_BYTES
     assert done["kvcached"]["engine_used_blocks"] == 0 and done["kvcached"]["secured_blocks"] == 0
+
+
+def test_memory_returns_when_idle_before_sglang_sleeps(sleeping):
+    assert sleeping["peak_mapped_bytes"][0] >= 3 * PAGE_ID_BYTES
+    assert probe(sleeping, "phase0_done")["mapped_bytes"] == PAGE_ID_BYTES
 
 
 def test_tight_limit_set_by_kvctl_while_running_makes_requests_wait(page16):

@@ -44,7 +44,8 @@ Approach
   scheduler, frees of step N happen while step N+1 runs on the GPU; a freed
   block is reused only by later kernels of the same stream, and its page is
   unmapped only after a device synchronisation.
-* Idle: ``Scheduler.on_idle`` evicts the radix cache down to
+* Idle: at the end of ``Scheduler.on_idle``, before SGLang's optional idle
+  sleep (``--sleep-on-idle``), kvcached evicts the radix cache down to
   ``KVCACHED_IDLE_CACHE_BYTES`` (default 0) and trims, so an idle engine holds
   only its padding page; SGLang's own accounting (``PoolStatsObserver``) counts
   slots, whatever memory allows.
@@ -146,7 +147,10 @@ def _hook_after_get_next_batch_to_run(result: Any, scheduler: Any, *args: Any, *
         allocator.end_step()  # this step's allocations are done: unused secured memory goes back
 
 
-def _hook_after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def _hook_before_sleep_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    # The last step of Scheduler.on_idle, reached only when the scheduler is
+    # fully idle. With --sleep-on-idle it blocks until the next request (or
+    # 1 s): give memory back before it, not when the next burst wakes it up.
     allocator = _allocator_of(scheduler)
     if allocator is not None and scheduler.is_fully_idle():
         allocator.release_when_idle(scheduler.tree_cache, _plan_module.settings().idle_cache_bytes)
@@ -176,7 +180,7 @@ HOOKS: list[tuple[str, Any, str]] = [
     (f"{_CONFIGURATOR}._resolve_kv_pool_class", _hook_resolve_kv_pool_class, "AROUND"),
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", _hook_build_allocator, "AROUND"),
     (f"{_SCHEDULER}.get_next_batch_to_run", _hook_after_get_next_batch_to_run, "AFTER"),
-    (f"{_SCHEDULER}.on_idle", _hook_after_on_idle, "AFTER"),
+    (f"{_SCHEDULER}.maybe_sleep_on_idle", _hook_before_sleep_on_idle, "BEFORE"),
     (f"{_SCHEDULER}.get_internal_state", _hook_after_get_internal_state, "AFTER"),
     (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),
 ]
