@@ -40,6 +40,8 @@ def serve(spec_path: str, result_fd: int) -> None:
     llm.loop.run_until_complete(stream_all(llm, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8))
 
     def run_pass(k: int) -> dict:
+        if spec["flush_cache"]:
+            llm.flush_cache()  # both engines start every pass with an empty radix cache
         result = llm.loop.run_until_complete(stream_all(llm, pass_prompts(k), WORKLOAD["new_tokens"]))
         states = llm.get_server_info().get("internal_states") or [{}]
         if states[0].get("kvcached"):
@@ -63,6 +65,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=30)
     parser.add_argument("--gap-s", type=float, default=2.0, help="idle time before each pass")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for an engine's start or one pass")
+    parser.add_argument("--flush-cache", action="store_true",
+                        help="empty both engines' radix caches before every pass (without it the engine without "
+                             "kvcached keeps every pass's prefixes, while kvcached's idle release evicts them)")
     args = parser.parse_args()
     if args.passes < 1:
         parser.error("--passes must be at least 1")
@@ -76,7 +81,7 @@ def main() -> None:
     model = make_model(out.parent / "e2e-model")
 
     def start_engine(on: bool) -> EngineProcess:
-        return EngineProcess(__file__, out, dict(model=model, cpu=cpu), engine_env(on), on)
+        return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), engine_env(on), on)
 
     run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s)
 
