@@ -1,0 +1,40 @@
+"""The paired end-to-end benchmarks' figures (bench/e2e_paired.py): ratios, interval, pooled throughput."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from e2e_paired import median_interval, summary  # noqa: E402
+
+
+def _run(k: int, on: bool, tokens_per_s: float, wall_s: float = 2.0) -> dict:
+    return dict(round=k, kvcached=on, tokens_per_s=tokens_per_s, output_tokens=tokens_per_s * wall_s, wall_s=wall_s,
+                tpot_p99_ms=10.0 * (1.1 if on else 1.0), ttft_p50_ms=100.0, ttft_p99_ms=200.0)
+
+
+def test_interval_holds_the_median_and_narrows_with_more_passes():
+    few = [0.90, 0.95, 1.00, 0.93, 0.97]
+    many = few * 8
+    low, high = median_interval(few)
+    assert low <= statistics.median(few) <= high
+    low_many, high_many = median_interval(many)
+    assert high_many - low_many <= high - low
+    assert median_interval([0.9] * 6) == (0.9, 0.9)
+
+
+def test_summary_pairs_passes_and_pools_throughput():
+    runs = [_run(0, False, 100.0), _run(0, True, 90.0), _run(1, True, 50.0), _run(1, False, 50.0),
+            _run(2, False, 80.0)]  # pass 2 has no partner: left out
+    text = summary(runs)
+    assert text.startswith("2 passes")
+    assert "output tokens/s: median **0.950**" in text  # ratios 0.9 and 1.0
+    assert "TPOT p99: median **1.100**" in text
+    # pooled: (180 + 100) / 4 s on, (200 + 100) / 4 s off
+    assert "on ÷ off **0.933**" in text
+
+
+def test_summary_without_a_complete_pass():
+    assert summary([_run(0, False, 100.0)]) == "no complete pass\n"
