@@ -17,6 +17,7 @@ The engine scripts provide the child (:func:`serve_passes` with their own
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +61,39 @@ def serve_passes(result_fd: int, run_pass: Callable[[int], dict]) -> None:
             results.flush()
 
 
+def serve_if_child(serve: Callable[[str, int], None]) -> None:
+    """In an engine's process (``SCRIPT --serve SPEC FD``) runs ``serve(SPEC, FD)`` and exits; else returns."""
+    if len(sys.argv) < 2 or sys.argv[1] != "--serve":
+        return
+    try:
+        serve(sys.argv[2], int(sys.argv[3]))
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)  # closes the result pipe: the benchmark stops at once, naming the log
+    os._exit(0)  # the engines leave non-daemon threads behind: do not wait for them
+
+
 # ----------------------------------------------------------------------------- the parent: two engines
+
+
+def paired_parser(description: str, *, passes: int, timeout_s: float, gap_help: str) -> argparse.ArgumentParser:
+    """The options every paired benchmark has: --out, --passes, --gap-s, --timeout-s."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--passes", type=int, default=passes)
+    parser.add_argument("--gap-s", type=float, default=2.0, help=gap_help)
+    parser.add_argument("--timeout-s", type=float, default=timeout_s, help="limit for an engine's start or one pass")
+    return parser
+
+
+def parse_paired(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
+    """The parsed options (at least one pass) and the output directory, created."""
+    args = parser.parse_args()
+    if args.passes < 1:
+        parser.error("--passes must be at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, out
 
 
 class EngineProcess:
@@ -168,4 +202,5 @@ def summary(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineProcess", "median_interval", "pass_prompts", "run_paired", "serve_passes", "summary"]
+__all__ = ["EngineProcess", "median_interval", "paired_parser", "parse_paired", "pass_prompts", "run_paired",
+           "serve_if_child", "serve_passes", "summary"]

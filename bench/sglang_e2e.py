@@ -89,6 +89,16 @@ def child(spec_path: str, out_path: str) -> None:
     llm.shutdown()
 
 
+def prepare_model(out: Path) -> tuple[str, bool]:
+    """The benchmark model (written next to ``out`` once) and whether SGLang runs its CPU engine here."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        use_sglang_cpu()  # transformers, which writes the model, imports torchvision
+    return make_model(out.parent / "e2e-model"), cpu
+
+
 def engine_env(kvcached_on: bool) -> dict[str, str]:
     """An engine's environment: its own registry (its own budget), kvcached switched on or off."""
     env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=tempfile.mkdtemp(prefix="kvcached-e2e-"),
@@ -114,12 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    cpu = not torch.cuda.is_available()
-    if cpu:
-        use_sglang_cpu()  # transformers, which writes the model, imports torchvision
-    model = make_model(out.parent / "e2e-model")
+    model, cpu = prepare_model(out)
     run_rounds(out, args.rounds, lambda label, on: run_engine(out, label, model, on, args.timeout_s, cpu),
                "sglang_e2e")
 

@@ -16,16 +16,12 @@ Needs SGLang 0.5.23 and transformers in the interpreter (see bench/README.md).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
-import traceback
 from pathlib import Path
 
-from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
-from e2e_paired import EngineProcess, pass_prompts, run_paired, serve_passes
-from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, stream_all, use_sglang_cpu
+from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_prompts
+from e2e_paired import EngineProcess, paired_parser, parse_paired, pass_prompts, run_paired, serve_if_child, serve_passes
+from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, prepare_model, stream_all, use_sglang_cpu
 
 
 def serve(spec_path: str, result_fd: int) -> None:
@@ -53,32 +49,13 @@ def serve(spec_path: str, result_fd: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        try:
-            serve(sys.argv[2], int(sys.argv[3]))
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)  # closes the result pipe: the benchmark stops at once, naming the log
-        os._exit(0)  # the engine's processes are stopped; do not wait for leftover threads
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--passes", type=int, default=30)
-    parser.add_argument("--gap-s", type=float, default=2.0, help="idle time before each pass")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for an engine's start or one pass")
+    serve_if_child(serve)
+    parser = paired_parser(__doc__, passes=30, timeout_s=600.0, gap_help="idle time before each pass")
     parser.add_argument("--flush-cache", action="store_true",
                         help="empty both engines' radix caches before every pass (without it the engine without "
                              "kvcached keeps every pass's prefixes, while kvcached's idle release evicts them)")
-    args = parser.parse_args()
-    if args.passes < 1:
-        parser.error("--passes must be at least 1")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    cpu = not torch.cuda.is_available()
-    if cpu:
-        use_sglang_cpu()  # transformers, which writes the model, imports torchvision
-    model = make_model(out.parent / "e2e-model")
+    args, out = parse_paired(parser)
+    model, cpu = prepare_model(out)
 
     def start_engine(on: bool) -> EngineProcess:
         return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), engine_env(on), on)

