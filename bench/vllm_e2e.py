@@ -196,6 +196,13 @@ def build_engine(model: str, kv_cache_bytes: int):
     return llm.llm_engine
 
 
+def kvcached_counters(engine) -> dict:
+    """kvcached's counters from the engine's EngineCore (in its own process or in this one)."""
+    client = engine.engine_core
+    stats = client.call_utility("kvcached_stats") if hasattr(client, "call_utility") else client.engine_core.kvcached_stats()
+    return {key: stats.get(key) for key in ("num_preempted", "num_exhausted", "slow_allocs", "mapped_pages")}
+
+
 def child(spec_path: str, out_path: str) -> None:
     """One engine: warm-up, then the timed workload (and, with ``profile``, cProfile of it)."""
     spec = json.loads(Path(spec_path).read_text())
@@ -232,9 +239,7 @@ def child(spec_path: str, out_path: str) -> None:
     if timer:
         result.update(timer.result())
     if os.environ.get("KVCACHED_ENABLE") == "1":
-        client = engine.engine_core
-        stats = client.call_utility("kvcached_stats") if hasattr(client, "call_utility") else client.engine_core.kvcached_stats()
-        result["kvcached_stats"] = {k: stats.get(k) for k in ("num_preempted", "num_exhausted", "slow_allocs", "mapped_pages")}
+        result["kvcached_stats"] = kvcached_counters(engine)
     Path(out_path).write_text(json.dumps(result))
     engine.engine_core.shutdown()
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
 from e2e_paired import EngineProcess, paired_parser, parse_paired, pass_prompts, run_paired, serve_if_child, serve_passes
-from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, run_workload, session_processes, timed_window
+from vllm_e2e import (ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload, session_processes,
+                      timed_window)
 
 
 def serve(spec_path: str, result_fd: int) -> None:
@@ -40,10 +41,7 @@ def serve(spec_path: str, result_fd: int) -> None:
         if timer:
             result.update(timer.result())
         if spec["kvcached"]:
-            client = engine.engine_core
-            stats = (client.call_utility("kvcached_stats") if hasattr(client, "call_utility")
-                     else client.engine_core.kvcached_stats())  # in-process
-            result["kvcached_stats"] = {key: stats.get(key) for key in ("num_preempted", "num_exhausted", "slow_allocs")}
+            result["kvcached_stats"] = kvcached_counters(engine)
         return result
 
     serve_passes(result_fd, run_pass)
