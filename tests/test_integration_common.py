@@ -212,6 +212,19 @@ def test_an_unmap_is_released_on_a_rank_only_after_that_rank_acknowledged_it(two
     assert engine.stats()["pending_pages"] == 0 and engine.available() == 99
 
 
+def test_a_rank_keeps_no_memory_its_budget_was_given_back(two_ranks):
+    """The unmapped allocations are released in the rank's process, not kept as spares the budget no longer counts."""
+    engine, ranks, name = two_ranks
+    engine.free(engine.alloc(40))
+    _send(engine, ranks)
+    engine.trim()
+    _send(engine, ranks)
+    engine.poll_acknowledgements()
+    assert [rank.stats()["mapped_pages"] for rank in ranks] == [1, 1]  # the null block's page
+    assert [rank.stats()["spare_pages"] for rank in ranks] == [0, 0]
+    assert _entry(name, "rank0-cpu")["mapped_bytes"] == PAGE_ID_BYTES
+
+
 def test_a_dead_rank_gives_its_budget_back_and_stops_holding_the_others(two_ranks, caplog):
     engine, ranks, name = two_ranks
     ids = engine.alloc(40)

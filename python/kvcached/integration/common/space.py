@@ -7,7 +7,10 @@ laid out by that rank's :class:`kvcached.KVLayout` (a pipeline stage: only its
 layers), applying the deciding side's page-op batches in order, and
 acknowledging each on the :class:`~kvcached.integration.common.acks.AckBoard`.
 Applying a batch synchronises the device before it unmaps (the core's fence),
-so pages a kernel may still read are never unmapped under it.
+so pages a kernel may still read are never unmapped under it. An unmap
+releases its memory at once (no spare allocations kept): the deciding side
+gives a page back to this rank's budget once the rank acknowledges the unmap,
+so memory kept here would be memory the budget no longer counts.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class WorkerSpace:
 
         self.rank = rank
         self.board = board
-        self.space = KVSpace(layout, device, space_options(zero_backing=zero_backing))
+        self.space = KVSpace(layout, device, space_options(zero_backing=zero_backing, max_spare_pages=0))
 
     def flat_bytes(self) -> Any:
         """The whole reservation as a flat torch uint8 tensor (keeps it alive)."""
@@ -59,6 +62,7 @@ class WorkerSpace:
             "device": self.space.device.name,
             "mapped_pages": mapped_pages,
             "mapped_bytes": mapped_pages * self.space.page_id_bytes,
+            "spare_pages": int(self.space.spare_pages),  # always 0: unmapped memory is released at once
             "applied_seq": int(self.space.applied_seq),
         }
 
