@@ -78,6 +78,31 @@ def summarize(start: float, end: float, first: dict, finish: dict, tokens: dict,
     )
 
 
+CHECKOUT_PACKAGE = Path(__file__).resolve().parent.parent / "python" / "kvcached"
+
+
+def installed_kvcached() -> str:
+    """A line on the kvcached the engines import: where, its host memory setting, and whether it is this checkout's.
+
+    The engines run the *installed* package: one installed from an older tree
+    measures old code. Its Python files are compared with the checkout's (the
+    compiled core cannot be); any difference is named in the report."""
+    import filecmp
+
+    import kvcached
+    from kvcached import config
+
+    installed = Path(kvcached.__file__).resolve().parent
+    differing = [str(path.relative_to(CHECKOUT_PACKAGE)) for path in sorted(CHECKOUT_PACKAGE.rglob("*.py"))
+                 if not (installed / path.relative_to(CHECKOUT_PACKAGE)).is_file()
+                 or not filecmp.cmp(path, installed / path.relative_to(CHECKOUT_PACKAGE), shallow=False)]
+    line = f"kvcached imported from {installed} (KVCACHED_HOST_MEMORY in effect: {config.get('host_memory')})"
+    if installed != CHECKOUT_PACKAGE and differing:
+        line += (f"; **its Python files differ from this checkout's ({', '.join(differing[:5])}"
+                 f"{' ...' if len(differing) > 5 else ''}): reinstall before measuring**")
+    return line
+
+
 def without_kvcached_flags(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment without kvcached's switches, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")}
@@ -133,7 +158,7 @@ def run_rounds(out: Path, rounds: int, run_one: Callable[[str, bool], dict], nam
 
 
 def write_report(out: Path, runs: list[dict], name: str) -> None:
-    text = report(runs)
+    text = installed_kvcached() + "\n\n" + report(runs)
     (out / f"{name}.md").write_text(text)
     print(text)
 
@@ -168,6 +193,20 @@ def report(runs: list[dict]) -> str:
             f"{_optional(r, 'steps', 'd')} | {_optional(r, 'scheduler_cpu_us_per_step', '.0f')} | {_worker(r)} | "
             f"{r.get('cpu_s', '—')} | {r.get('timed_minor_faults', r.get('minor_faults', '—'))} | "
             f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | {r['uptime_before']} |")
+    timed = [r for r in runs if r.get("engine_step_ms_per_step") is not None]
+    if timed:
+        lines += ["", "Per step (each engine process timing its own part): the EngineCore's step (wall), the worker's "
+                  "execute_model + sample_tokens (wall, its thread's CPU, minor faults), kvcached's page-op apply "
+                  "inside it, the scheduler's CPU in schedule / update_from_output.", "",
+                  "| run | EngineCore step (ms) | worker (ms) | worker CPU (ms) | worker faults | apply (ms) | "
+                  "schedule CPU (µs) | update CPU (µs) | pages mapped / unmapped |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in timed:
+            ops = r.get("page_ops") or {}
+            lines.append(f"| {r['label']} | {r['engine_step_ms_per_step']:.2f} | {r['worker_ms_per_step']:.2f} | "
+                         f"{r['worker_cpu_ms_per_step']:.2f} | {r['worker_faults_per_step']:.0f} | "
+                         f"{_optional(r, 'apply_ms_per_step', '.3f')} | {r['schedule_cpu_us_per_step']:.0f} | "
+                         f"{r['update_from_output_cpu_us_per_step']:.0f} | "
+                         f"{ops.get('mapped', '—')} / {ops.get('unmapped', '—')} |")
     ratios = []
     for i in sorted({r["round"] for r in runs}):
         pair = {r["kvcached"]: r for r in runs if r["round"] == i and "tokens_per_s" in r}

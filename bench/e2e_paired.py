@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from e2e_common import WORKLOAD, make_prompts, report
+from e2e_common import WORKLOAD, installed_kvcached, make_prompts, report
 
 # ----------------------------------------------------------------------------- the child: one engine
 
@@ -141,9 +141,13 @@ class EngineProcess:
 
 
 def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProcess], passes: int, gap_s: float,
-               timeout_s: float) -> list[dict]:
-    """Starts both engines (one after the other), runs ``passes`` ABBA passes, writes runs.json and NAME.md."""
+               timeout_s: float, on_env: list[str] = ()) -> list[dict]:
+    """Starts both engines (one after the other), runs ``passes`` ABBA passes, writes runs.json and NAME.md.
+
+    ``on_env``: the NAME=VALUE settings only the engine with kvcached has, named in the report."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the engines are stopped too
+    installed = installed_kvcached() + (f"; the engine with kvcached also has {', '.join(on_env)}" if on_env else "")
+    print(installed, flush=True)
     engines: dict[bool, EngineProcess] = {}
     runs: list[dict] = []
     try:
@@ -163,7 +167,7 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
     finally:
         for engine in engines.values():
             engine.stop()
-    text = summary(runs) + "\n" + report(runs)
+    text = installed + "\n\n" + summary(runs) + "\n" + report(runs)
     (out / f"{name}.md").write_text(text)
     print(text)
     return runs
@@ -199,6 +203,16 @@ def summary(runs: list[dict]) -> str:
               for on in (False, True)}
     lines.append(f"- pooled output tokens/s (all tokens ÷ all timed seconds): off {pooled[False]:.1f}, "
                  f"on {pooled[True]:.1f}, on ÷ off **{pooled[True] / pooled[False]:.3f}**")
+    if all(pair[on].get("engine_step_ms_per_step") is not None for pair in pairs for on in (False, True)):
+        def added(key: str) -> float:
+            return statistics.median(pair[True][key] - pair[False][key] for pair in pairs)
+
+        apply_ms = statistics.median(pair[True]["apply_ms_per_step"] or 0.0 for pair in pairs)
+        lines.append(
+            f"- per step, on − off (medians over the passes): EngineCore step {added('engine_step_ms_per_step'):+.3f} ms "
+            f"(off {statistics.median(p[False]['engine_step_ms_per_step'] for p in pairs):.2f} ms), worker "
+            f"{added('worker_ms_per_step'):+.3f} ms, of which kvcached's page-op apply {apply_ms:.3f} ms; worker "
+            f"page faults {added('worker_faults_per_step'):+.0f}; scheduler CPU {added('scheduler_cpu_us_per_step'):+.0f} µs")
     return "\n".join(lines) + "\n"
 
 

@@ -66,82 +66,138 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str)
 
 
 class StepTimer:
-    """Where an in-process engine's steps spend their time (``--sched-timing``).
+    """Where an engine's steps spend their time, in whichever process each part runs.
+
+    Installed on vLLM's and kvcached's classes before the engine is built, so the
+    EngineCore and worker processes (forked from this one, vLLM's default) carry it:
 
     * the scheduler's own work: the calling thread's CPU clock around the
       Scheduler's ``schedule`` and ``update_from_output`` (outside kvcached's
-      wrappers), so other processes on a busy machine barely move it;
-    * the worker: wall time of the executor's ``execute_model`` + ``sample_tokens``
-      (in-process they run synchronously: the forward pass, and with kvcached the
-      step's page-op batch applied before it);
+      wrappers), so other processes on a busy machine barely move it; and the
+      wall time of each EngineCore step (scheduling, the worker's turn, the output);
+    * the worker: wall time of ``execute_model`` + ``sample_tokens`` (with kvcached
+      the step's page-op batch is applied inside it, before the forward pass), the
+      CPU time of the worker's thread in them and its minor page faults;
     * kvcached's part of the worker's time: wall time of the page-op ``apply``,
       with the pages it mapped and unmapped and its slowest call.
+
+    Each process keeps its own totals; :meth:`collect` reads and resets them all
+    (an EngineCore utility call and a worker RPC, or direct calls in-process).
+    vLLM's CPU build starts its EngineCore and workers with ``spawn``, which
+    imports the benchmark script in each of them first: the script calls
+    :meth:`install_if_asked` at import, and ``E2E_STEP_TIMING=1`` in the engine's
+    environment asks for it.
     """
 
-    def __init__(self, engine_core) -> None:
-        self.cpu_s = {"schedule": 0.0, "update_from_output": 0.0}
-        self.worker_s = 0.0
-        self.apply_s = 0.0
-        self.steps = 0
-        scheduler = engine_core.scheduler
-        for name in self.cpu_s:
-            setattr(scheduler, name, self._timed_cpu(name, getattr(scheduler, name)))
-        executor = engine_core.model_executor
-        for name in ("execute_model", "sample_tokens"):
-            setattr(executor, name, self._timed_wall("worker_s", getattr(executor, name)))
-        self.kvcached = os.environ.get("KVCACHED_ENABLE") == "1"
-        self.page_ops = {"mapped": 0, "unmapped": 0, "slowest_ms": 0.0}
-        if self.kvcached:
+    ENV = "E2E_STEP_TIMING"
+    _totals: dict[str, float] = {}
+    _installed = False
+
+    @classmethod
+    def active(cls) -> bool:
+        """Whether this process times its engine's steps."""
+        return cls._installed
+
+    @classmethod
+    def install_if_asked(cls) -> None:
+        if os.environ.get(cls.ENV) == "1" and not cls._installed:
+            cls._installed = True
+            cls.install()
+
+    @classmethod
+    def install(cls) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.worker import gpu_worker, worker_base
+
+        for name in ("schedule", "update_from_output"):
+            setattr(Scheduler, name, cls._timed(getattr(Scheduler, name), f"{name}_cpu_s", cpu=True))
+        for name in ("step", "step_with_batch_queue"):
+            setattr(EngineCore, name, cls._timed(getattr(EngineCore, name), "engine_step_s", count="engine_steps"))
+        wrapper = worker_base.WorkerWrapperBase
+        wrapper.execute_model = cls._timed_worker(wrapper.execute_model, count="worker_calls")
+        gpu_worker.Worker.sample_tokens = cls._timed_worker(gpu_worker.Worker.sample_tokens)
+        EngineCore.bench_step_timing = gpu_worker.Worker.bench_step_timing = cls._take
+        if os.environ.get("KVCACHED_ENABLE") == "1":
             from kvcached.integration.common.space import WorkerSpace
 
-            WorkerSpace.apply = self._timed_apply(WorkerSpace.apply)
+            WorkerSpace.apply = cls._timed_apply(WorkerSpace.apply)
 
-    def _timed_cpu(self, name: str, method):
+    @classmethod
+    def _add(cls, key: str, value: float) -> None:
+        cls._totals[key] = cls._totals.get(key, 0.0) + value
+
+    @classmethod
+    def _timed(cls, method, key: str, cpu: bool = False, count: str | None = None):
+        clock = time.thread_time if cpu else time.perf_counter
+
         def timed(*args, **kwargs):
-            start = time.thread_time()
+            start = clock()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.cpu_s[name] += time.thread_time() - start
-                self.steps += name == "schedule"
+                cls._add(key, clock() - start)
+                if count:
+                    cls._add(count, 1)
         return timed
 
-    def _timed_wall(self, attr: str, method):
+    @classmethod
+    def _timed_worker(cls, method, count: str | None = None):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             try:
                 return method(*args, **kwargs)
             finally:
-                setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
+                cls._add("worker_s", time.perf_counter() - wall)
+                cls._add("worker_cpu_s", time.thread_time() - cpu)
+                cls._add("worker_faults", resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults)
+                if count:
+                    cls._add(count, 1)
         return timed
 
-    def _timed_apply(self, apply):
+    @classmethod
+    def _timed_apply(cls, apply):
         def timed(space, ops):
             start = time.perf_counter()
             try:
                 return apply(space, ops)
             finally:
                 elapsed = time.perf_counter() - start
-                self.apply_s += elapsed
-                self.page_ops["mapped"] += len(ops.map_pages)
-                self.page_ops["unmapped"] += len(ops.unmap_pages)
-                self.page_ops["slowest_ms"] = max(self.page_ops["slowest_ms"], elapsed * 1e3)
+                cls._add("apply_s", elapsed)
+                cls._add("mapped", len(ops.map_pages))
+                cls._add("unmapped", len(ops.unmap_pages))
+                cls._totals["slowest_apply_ms"] = max(cls._totals.get("slowest_apply_ms", 0.0), elapsed * 1e3)
         return timed
 
-    def reset(self) -> None:
-        self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)
-        self.worker_s = self.apply_s = 0.0
-        self.page_ops = {"mapped": 0, "unmapped": 0, "slowest_ms": 0.0}
-        self.steps = 0
+    @staticmethod
+    def _take(_owner=None) -> dict[str, float]:
+        """This process's totals since the last call (an EngineCore utility and a worker RPC)."""
+        totals, StepTimer._totals = StepTimer._totals, {}
+        return totals
 
-    def result(self) -> dict:
-        steps = max(self.steps, 1)
-        per_step = {f"{k}_cpu_us_per_step": v / steps * 1e6 for k, v in self.cpu_s.items()}
-        return dict(sched_steps=self.steps, **per_step,
-                    scheduler_cpu_us_per_step=sum(self.cpu_s.values()) / steps * 1e6,
-                    worker_ms_per_step=self.worker_s / steps * 1e3,
-                    apply_ms_per_step=self.apply_s / steps * 1e3 if self.kvcached else None,
-                    page_ops=self.page_ops if self.kvcached else None)
+    @staticmethod
+    def collect(engine) -> dict:
+        """Every process's totals since the last call, as per-step figures."""
+        client = engine.engine_core
+        totals: dict[str, float] = {}
+        core = client.call_utility("bench_step_timing") if hasattr(client, "call_utility") else (
+            client.engine_core.bench_step_timing())
+        for part in [core, *engine.collective_rpc("bench_step_timing")]:
+            for key, value in part.items():
+                totals[key] = max(totals.get(key, 0.0), value) if key == "slowest_apply_ms" else (
+                    totals.get(key, 0.0) + value)
+        steps = max(totals.get("engine_steps", 0), 1)
+        kvcached = os.environ.get("KVCACHED_ENABLE") == "1"
+        cpu = {f"{k}_cpu_us_per_step": totals.get(f"{k}_cpu_s", 0.0) / steps * 1e6 for k in ("schedule", "update_from_output")}
+        return dict(sched_steps=int(steps), **cpu, scheduler_cpu_us_per_step=sum(cpu.values()),
+                    engine_step_ms_per_step=totals.get("engine_step_s", 0.0) / steps * 1e3,
+                    worker_ms_per_step=totals.get("worker_s", 0.0) / steps * 1e3,
+                    worker_cpu_ms_per_step=totals.get("worker_cpu_s", 0.0) / steps * 1e3,
+                    worker_faults_per_step=totals.get("worker_faults", 0.0) / steps,
+                    apply_ms_per_step=totals.get("apply_s", 0.0) / steps * 1e3 if kvcached else None,
+                    page_ops=dict(mapped=int(totals.get("mapped", 0)), unmapped=int(totals.get("unmapped", 0)),
+                                  slowest_ms=totals.get("slowest_apply_ms", 0.0)) if kvcached else None)
 
 
 def session_processes() -> dict[str, dict[str, float]]:
@@ -209,7 +265,6 @@ def child(spec_path: str, out_path: str) -> None:
     t0 = time.perf_counter()
     engine = build_engine(spec["model"], spec.get("kv_cache_bytes", ENGINE["kv_cache_bytes"]))
     init_s = time.perf_counter() - t0
-    timer = StepTimer(engine.engine_core.engine_core) if spec.get("sched_timing") else None
     warm = make_prompts(WARMUP_REQUESTS, 32, 128, seed=1)
     run_workload(engine, warm, 8, "warm")
     if spec.get("steady"):
@@ -220,8 +275,8 @@ def child(spec_path: str, out_path: str) -> None:
     load_before = os.getloadavg()
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     processes_before = session_processes()
-    if timer:
-        timer.reset()
+    if StepTimer.active():
+        StepTimer.collect(engine)  # the warm-up's
     if spec.get("profile"):
         import cProfile
 
@@ -236,8 +291,8 @@ def child(spec_path: str, out_path: str) -> None:
     result.update(processes=timed_window(processes_before, session_processes()))
     result.update(init_s=init_s, load_before=load_before, load_after=os.getloadavg(),
                   timed_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
-    if timer:
-        result.update(timer.result())
+    if StepTimer.active():
+        result.update(StepTimer.collect(engine))
     if os.environ.get("KVCACHED_ENABLE") == "1":
         result["kvcached_stats"] = kvcached_counters(engine)
     Path(out_path).write_text(json.dumps(result))
@@ -248,7 +303,7 @@ def child(spec_path: str, out_path: str) -> None:
 
 
 def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, steady_kv_bytes: int = 0,
-               omp_bind: str = "auto") -> dict:
+               omp_bind: str = "auto", step_timing: bool = False) -> dict:
     env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=registry_dir, KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
                                       VLLM_CPU_OMP_THREADS_BIND=omp_bind, PYTHONUNBUFFERED="1"))
     if kvcached_on:
@@ -257,6 +312,8 @@ def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, s
             env["KVCACHED_IDLE_CACHE_BYTES"] = str(steady_kv_bytes)  # idle between warm-up and run: keep it mapped
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore in this process: cProfile sees it
+    if step_timing:
+        env[StepTimer.ENV] = "1"
     return env
 
 
@@ -266,8 +323,11 @@ def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: 
     spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None, kv_cache_bytes=kv_cache_bytes,
                 sched_timing=sched_timing, steady=steady)
     env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=profile or sched_timing,
-                     steady_kv_bytes=kv_cache_bytes if steady else 0, omp_bind=omp_bind)
+                     steady_kv_bytes=kv_cache_bytes if steady else 0, omp_bind=omp_bind, step_timing=sched_timing)
     return run_child(__file__, out, label, spec, env, timeout_s, kvcached_on)
+
+
+StepTimer.install_if_asked()  # in every process of a timed engine (see StepTimer)
 
 
 def main() -> None:

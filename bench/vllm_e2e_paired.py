@@ -28,24 +28,27 @@ from vllm_e2e import (ENGINE, StepTimer, build_engine, engine_env, kvcached_coun
 def serve(spec_path: str, result_fd: int) -> None:
     """The child: one engine, warmed up, serving passes until told to stop."""
     spec = json.loads(Path(spec_path).read_text())
+    timing = StepTimer.active()
     engine = build_engine(spec["model"], ENGINE["kv_cache_bytes"])
-    timer = StepTimer(engine.engine_core.engine_core) if spec["in_process"] else None
     run_workload(engine, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8, "warm")
 
     def run_pass(k: int) -> dict:
         before = session_processes()
-        if timer:
-            timer.reset()
+        if timing:
+            StepTimer.collect(engine)  # what ran since the last pass (the idle flush) is not this pass's
         result = run_workload(engine, pass_prompts(k), WORKLOAD["new_tokens"], f"p{k}-")
         result["processes"] = timed_window(before, session_processes())
-        if timer:
-            result.update(timer.result())
-        if spec["kvcached"]:
+        if timing:
+            result.update(StepTimer.collect(engine))
+        if spec["kvcached"] and not spec["control"]:
             result["kvcached_stats"] = kvcached_counters(engine)
         return result
 
     serve_passes(result_fd, run_pass)
     engine.engine_core.shutdown()
+
+
+StepTimer.install_if_asked()  # in every process of a timed engine (see StepTimer)
 
 
 def main() -> None:
@@ -56,21 +59,28 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="both engines in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with the scheduler's CPU, "
                              "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)")
+    parser.add_argument("--step-timing", action="store_true",
+                        help="the same per-step figures from multi-process engines (each process times its part)")
     parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra environment variable for the engine with kvcached (a setting to compare)")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A control: the second engine runs without kvcached too (its --on-env still "
+                             "applies), so what the harness itself gives one side shows")
     args, out = parse_paired(parser)
     if any("=" not in item for item in args.on_env):
         parser.error("--on-env takes NAME=VALUE")
     model = make_model(out.parent / "e2e-model")
 
     def start_engine(on: bool) -> EngineProcess:
-        env = engine_env(on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=args.in_process,
-                         omp_bind=args.omp_bind)
+        env = engine_env(on and not args.control, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=args.in_process,
+                         omp_bind=args.omp_bind, step_timing=args.in_process or args.step_timing)
         if on:
             env.update(item.split("=", 1) for item in args.on_env)
-        return EngineProcess(__file__, out, dict(model=model, in_process=args.in_process), env, on)
+        return EngineProcess(__file__, out, dict(model=model, in_process=args.in_process, control=args.control), env,
+                             on)
 
-    run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s)
+    on_env = args.on_env + (["no kvcached (--control: an A/A run)"] if args.control else [])
+    run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s, on_env=on_env)
 
 
 if __name__ == "__main__":

@@ -38,3 +38,34 @@ def test_summary_pairs_passes_and_pools_throughput():
 
 def test_summary_without_a_complete_pass():
     assert summary([_run(0, False, 100.0)]) == "no complete pass\n"
+
+
+def test_summary_adds_the_per_step_differences_when_the_steps_were_timed():
+    def timed(k: int, on: bool, step_ms: float, worker_ms: float, apply_ms: float | None) -> dict:
+        return dict(_run(k, on, 100.0), engine_step_ms_per_step=step_ms, worker_ms_per_step=worker_ms,
+                    apply_ms_per_step=apply_ms, worker_faults_per_step=100.0 + 50.0 * on,
+                    scheduler_cpu_us_per_step=700.0 + 100.0 * on)
+
+    runs = [timed(0, False, 10.0, 9.0, None), timed(0, True, 11.0, 9.5, 0.25),
+            timed(1, True, 12.0, 10.5, 0.75), timed(1, False, 10.0, 9.0, None)]
+    text = summary(runs)
+    assert ("EngineCore step +1.500 ms (off 10.00 ms), worker +1.000 ms, of which kvcached's page-op apply 0.500 ms; "
+            "worker page faults +50; scheduler CPU +100 µs") in text
+    assert "EngineCore step" not in summary([_run(0, False, 100.0), _run(0, True, 90.0)])
+
+
+def test_the_report_warns_when_the_installed_kvcached_is_not_this_checkouts(tmp_path, monkeypatch):
+    import shutil
+
+    import e2e_common
+    import kvcached
+
+    checkout = tmp_path / "kvcached"
+    shutil.copytree(Path(kvcached.__file__).resolve().parent, checkout,
+                    ignore=shutil.ignore_patterns("*.so", "*.pyi", "__pycache__"))
+    monkeypatch.setattr(e2e_common, "CHECKOUT_PACKAGE", checkout)
+    line = e2e_common.installed_kvcached()
+    assert "KVCACHED_HOST_MEMORY in effect: " in line and "reinstall" not in line
+    (checkout / "config.py").write_text((checkout / "config.py").read_text() + "\n# changed\n")
+    line = e2e_common.installed_kvcached()
+    assert "differ from this checkout's (config.py)" in line and "reinstall" in line
