@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 from kvcached import config
+from kvcached.errors import ConfigurationError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
@@ -110,6 +112,22 @@ def test_invalid_values_raise_a_clear_value_error(monkeypatch, name, text):
     with pytest.raises(ValueError, match=env) as info:
         config.get(name)
     assert repr(text) in str(info.value)
+    assert isinstance(info.value, ConfigurationError)  # a KvcachedError that is also a ValueError
+
+
+@pytest.mark.parametrize("env, text", [("KVCACHED_HOST_MEMORY", "bogus"), ("KVCACHED_HOST_CAPACITY_BYTES", "12x")])
+def test_a_bad_host_setting_is_one_clear_line_from_the_command_line(env, text):
+    import subprocess
+    import sys
+
+    env_vars = dict(os.environ, **{env: text})
+    info = subprocess.run([sys.executable, "-m", "kvcached", "info"], capture_output=True, text=True, env=env_vars)
+    assert f"cpu: cannot be used: {env}={text!r}" in info.stdout  # the host shows why; the others are still listed
+    demo = subprocess.run([sys.executable, "-m", "kvcached", "demo"], capture_output=True, text=True,
+                          env=env_vars, timeout=120)
+    assert demo.returncode == 1
+    assert demo.stderr.splitlines()[-1].startswith(f"kvcached: error: {env}={text!r}")
+    assert "Traceback" not in info.stderr + demo.stderr
 
 
 def test_an_invalid_variable_stops_pool_creation(monkeypatch):

@@ -11,6 +11,7 @@ from kvcached import geometry
 from kvcached.devices import BackendStatus, backends, default_device, open_device, parse_device
 from kvcached.errors import (
     BackendUnavailableError,
+    ConfigurationError,
     DeviceOutOfMemoryError,
     DriverError,
     KvcachedError,
@@ -28,6 +29,7 @@ __all__ = [
     "BackendUnavailableError",
     "BlockManager",
     "BlockManagerOptions",
+    "ConfigurationError",
     "DeviceOutOfMemoryError",
     "DriverError",
     "KVCacheManager",

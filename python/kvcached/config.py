@@ -11,6 +11,7 @@ import dataclasses
 import os
 from typing import Callable, Generic, Optional, TypeVar
 
+from kvcached.errors import ConfigurationError
 from kvcached.sizes import parse_bytes
 
 T = TypeVar("T")
@@ -121,8 +122,8 @@ class Option(Generic[T]):
         except ValueError as exc:
             reason = str(exc)
             if reason.startswith(f"{text!r} "):  # the size parser quotes the text itself
-                raise ValueError(f"{env}={reason}") from None
-            raise ValueError(f"{env}={text!r} is invalid: {reason}") from None
+                raise ConfigurationError(f"{env}={reason}") from None
+            raise ConfigurationError(f"{env}={text!r} is invalid: {reason}") from None
 
 
 OPTIONS: dict[str, Option] = {

@@ -38,6 +38,10 @@ class DeviceOutOfMemoryError(DriverError, OutOfMemoryError):
     """The device itself (or the host backend's capacity) has no memory left."""
 
 
+class ConfigurationError(KvcachedError, ValueError):
+    """A ``KVCACHED_*`` setting cannot be used; the message names the variable, its value and what is expected."""
+
+
 class BackendUnavailableError(KvcachedError, RuntimeError):
     """The requested backend or device cannot be used here; the message says why."""
 
