@@ -86,11 +86,39 @@ def paired_parser(description: str, *, passes: int, timeout_s: float, gap_help: 
     return parser
 
 
+def add_setting_options(parser: argparse.ArgumentParser) -> None:
+    """--on-env, --off-env and --control: how the two engines differ besides kvcached (see :func:`engine_settings`)."""
+    parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra environment variable for the engine with kvcached (a setting to compare)")
+    parser.add_argument("--off-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra environment variable for the engine without kvcached (with KVCACHED_ENABLE=1 "
+                             "it runs kvcached too: two settings compared)")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A control: the second engine runs without kvcached too (its --on-env still "
+                             "applies), so what the harness itself gives one side shows")
+
+
+def engine_settings(args: argparse.Namespace, on: bool) -> tuple[bool, dict[str, str]]:
+    """For the engine in the kvcached position (``on``) or not: whether kvcached is switched on, and the extra
+    environment (applied after the engine's own)."""
+    extra = dict(item.split("=", 1) for item in (args.on_env if on else args.off_env))
+    return on and not args.control, extra
+
+
+def settings_note(args: argparse.Namespace) -> str:
+    """The report's words for :func:`engine_settings` ("" when the engines differ only by kvcached)."""
+    on_env = args.on_env + (["no kvcached (--control: an A/A run)"] if args.control else [])
+    return "; ".join([f"the engine with kvcached also has {', '.join(on_env)}"] * bool(on_env) +
+                     [f"the engine without it has {', '.join(args.off_env)}"] * bool(args.off_env))
+
+
 def parse_paired(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
     """The parsed options (at least one pass) and the output directory, created."""
     args = parser.parse_args()
     if args.passes < 1:
         parser.error("--passes must be at least 1")
+    if any("=" not in item for item in getattr(args, "on_env", []) + getattr(args, "off_env", [])):
+        parser.error("--on-env and --off-env take NAME=VALUE")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return args, out
@@ -141,12 +169,12 @@ class EngineProcess:
 
 
 def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProcess], passes: int, gap_s: float,
-               timeout_s: float, on_env: list[str] = ()) -> list[dict]:
+               timeout_s: float, note: str = "") -> list[dict]:
     """Starts both engines (one after the other), runs ``passes`` ABBA passes, writes runs.json and NAME.md.
 
-    ``on_env``: the NAME=VALUE settings only the engine with kvcached has, named in the report."""
+    ``note``: how the engines differ beyond kvcached on and off, for the report's first line."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the engines are stopped too
-    installed = installed_kvcached() + (f"; the engine with kvcached also has {', '.join(on_env)}" if on_env else "")
+    installed = installed_kvcached() + (f"; {note}" if note else "")
     print(installed, flush=True)
     engines: dict[bool, EngineProcess] = {}
     runs: list[dict] = []
@@ -216,5 +244,5 @@ def summary(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineProcess", "median_interval", "paired_parser", "parse_paired", "pass_prompts", "run_paired",
-           "serve_if_child", "serve_passes", "summary"]
+__all__ = ["EngineProcess", "add_setting_options", "engine_settings", "median_interval", "paired_parser",
+           "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes", "settings_note", "summary"]

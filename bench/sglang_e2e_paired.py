@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 
 from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_prompts
-from e2e_paired import EngineProcess, paired_parser, parse_paired, pass_prompts, run_paired, serve_if_child, serve_passes
+from e2e_paired import (EngineProcess, add_setting_options, engine_settings, paired_parser, parse_paired, pass_prompts,
+                        run_paired, serve_if_child, serve_passes, settings_note)
 from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, prepare_model, stream_all, use_sglang_cpu
 
 
@@ -54,13 +55,17 @@ def main() -> None:
     parser.add_argument("--flush-cache", action="store_true",
                         help="empty both engines' radix caches before every pass (without it the engine without "
                              "kvcached keeps every pass's prefixes, while kvcached's idle release evicts them)")
+    add_setting_options(parser)
     args, out = parse_paired(parser)
     model, cpu = prepare_model(out)
 
     def start_engine(on: bool) -> EngineProcess:
-        return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), engine_env(on), on)
+        kvcached_on, extra = engine_settings(args, on)
+        env = dict(engine_env(kvcached_on), **extra)
+        return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), env, on)
 
-    run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s)
+    run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
+               note=settings_note(args))
 
 
 if __name__ == "__main__":

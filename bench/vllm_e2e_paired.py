@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
-from e2e_paired import EngineProcess, paired_parser, parse_paired, pass_prompts, run_paired, serve_if_child, serve_passes
+from e2e_paired import (EngineProcess, add_setting_options, engine_settings, paired_parser, parse_paired, pass_prompts,
+                        run_paired, serve_if_child, serve_passes, settings_note)
 from vllm_e2e import (ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload, session_processes,
                       timed_window)
 
@@ -61,26 +62,20 @@ def main() -> None:
                              "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)")
     parser.add_argument("--step-timing", action="store_true",
                         help="the same per-step figures from multi-process engines (each process times its part)")
-    parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="an extra environment variable for the engine with kvcached (a setting to compare)")
-    parser.add_argument("--control", action="store_true",
-                        help="an A/A control: the second engine runs without kvcached too (its --on-env still "
-                             "applies), so what the harness itself gives one side shows")
+    add_setting_options(parser)
     args, out = parse_paired(parser)
-    if any("=" not in item for item in args.on_env):
-        parser.error("--on-env takes NAME=VALUE")
     model = make_model(out.parent / "e2e-model")
 
     def start_engine(on: bool) -> EngineProcess:
-        env = engine_env(on and not args.control, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=args.in_process,
+        kvcached_on, extra = engine_settings(args, on)
+        env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=args.in_process,
                          omp_bind=args.omp_bind, step_timing=args.in_process or args.step_timing)
-        if on:
-            env.update(item.split("=", 1) for item in args.on_env)
+        env.update(extra)
         return EngineProcess(__file__, out, dict(model=model, in_process=args.in_process, control=args.control), env,
                              on)
 
-    on_env = args.on_env + (["no kvcached (--control: an A/A run)"] if args.control else [])
-    run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s, on_env=on_env)
+    run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
+               note=settings_note(args))
 
 
 if __name__ == "__main__":

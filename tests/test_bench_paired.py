@@ -69,3 +69,21 @@ def test_the_report_warns_when_the_installed_kvcached_is_not_this_checkouts(tmp_
     (checkout / "config.py").write_text((checkout / "config.py").read_text() + "\n# changed\n")
     line = e2e_common.installed_kvcached()
     assert "differ from this checkout's (config.py)" in line and "reinstall" in line
+
+
+def test_the_setting_options_say_what_each_engine_gets():
+    import argparse
+
+    from e2e_paired import add_setting_options, engine_settings, settings_note
+
+    parser = argparse.ArgumentParser()
+    add_setting_options(parser)
+    args = parser.parse_args(["--on-env", "KVCACHED_HOST_MEMORY=anonymous", "--off-env", "KVCACHED_ENABLE=1"])
+    assert engine_settings(args, True) == (True, {"KVCACHED_HOST_MEMORY": "anonymous"})
+    assert engine_settings(args, False) == (False, {"KVCACHED_ENABLE": "1"})  # kvcached on there too, by the variable
+    assert settings_note(args) == ("the engine with kvcached also has KVCACHED_HOST_MEMORY=anonymous; "
+                                   "the engine without it has KVCACHED_ENABLE=1")
+    control = parser.parse_args(["--control"])
+    assert engine_settings(control, True) == (False, {})
+    assert settings_note(control) == "the engine with kvcached also has no kvcached (--control: an A/A run)"
+    assert settings_note(parser.parse_args([])) == ""
