@@ -68,8 +68,8 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str)
 class StepTimer:
     """Where an engine's steps spend their time, in whichever process each part runs.
 
-    Installed on vLLM's and kvcached's classes before the engine is built, so the
-    EngineCore and worker processes (forked from this one, vLLM's default) carry it:
+    Installed on vLLM's and kvcached's classes in every process of the engine
+    (this one, the EngineCore and each worker; see below how it gets there):
 
     * the scheduler's own work: the calling thread's CPU clock around the
       Scheduler's ``schedule`` and ``update_from_output`` (outside kvcached's
@@ -115,7 +115,7 @@ class StepTimer:
         for name in ("step", "step_with_batch_queue"):
             setattr(EngineCore, name, cls._timed(getattr(EngineCore, name), "engine_step_s", count="engine_steps"))
         wrapper = worker_base.WorkerWrapperBase
-        wrapper.execute_model = cls._timed_worker(wrapper.execute_model, count="worker_calls")
+        wrapper.execute_model = cls._timed_worker(wrapper.execute_model)
         gpu_worker.Worker.sample_tokens = cls._timed_worker(gpu_worker.Worker.sample_tokens)
         EngineCore.bench_step_timing = gpu_worker.Worker.bench_step_timing = cls._take
         if os.environ.get("KVCACHED_ENABLE") == "1":
@@ -142,7 +142,7 @@ class StepTimer:
         return timed
 
     @classmethod
-    def _timed_worker(cls, method, count: str | None = None):
+    def _timed_worker(cls, method):
         def timed(*args, **kwargs):
             wall, cpu = time.perf_counter(), time.thread_time()
             faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -152,8 +152,6 @@ class StepTimer:
                 cls._add("worker_s", time.perf_counter() - wall)
                 cls._add("worker_cpu_s", time.thread_time() - cpu)
                 cls._add("worker_faults", resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults)
-                if count:
-                    cls._add(count, 1)
         return timed
 
     @classmethod
