@@ -93,9 +93,9 @@ def installed_kvcached() -> str:
     from kvcached import config
 
     installed = Path(kvcached.__file__).resolve().parent
-    differing = [str(path.relative_to(CHECKOUT_PACKAGE)) for path in sorted(CHECKOUT_PACKAGE.rglob("*.py"))
-                 if not (installed / path.relative_to(CHECKOUT_PACKAGE)).is_file()
-                 or not filecmp.cmp(path, installed / path.relative_to(CHECKOUT_PACKAGE), shallow=False)]
+    names = [path.relative_to(CHECKOUT_PACKAGE) for path in sorted(CHECKOUT_PACKAGE.rglob("*.py"))]
+    differing = [str(name) for name in names if not (installed / name).is_file()
+                 or not filecmp.cmp(CHECKOUT_PACKAGE / name, installed / name, shallow=False)]
     line = f"kvcached imported from {installed} (KVCACHED_HOST_MEMORY in effect: {config.get('host_memory')})"
     if installed != CHECKOUT_PACKAGE and differing:
         line += (f"; **its Python files differ from this checkout's ({', '.join(differing[:5])}"

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvcached.integration.common.settings import is_enabled
+
 from e2e_common import (WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts, run_child, run_rounds, summarize,
                         without_kvcached_flags, write_report)
 
@@ -118,7 +120,7 @@ class StepTimer:
         wrapper.execute_model = cls._timed_worker(wrapper.execute_model)
         gpu_worker.Worker.sample_tokens = cls._timed_worker(gpu_worker.Worker.sample_tokens)
         EngineCore.bench_step_timing = gpu_worker.Worker.bench_step_timing = cls._take
-        if os.environ.get("KVCACHED_ENABLE") == "1":
+        if is_enabled():
             from kvcached.integration.common.space import WorkerSpace
 
             WorkerSpace.apply = cls._timed_apply(WorkerSpace.apply)
@@ -186,7 +188,7 @@ class StepTimer:
                 totals[key] = max(totals.get(key, 0.0), value) if key == "slowest_apply_ms" else (
                     totals.get(key, 0.0) + value)
         steps = max(totals.get("engine_steps", 0), 1)
-        kvcached = os.environ.get("KVCACHED_ENABLE") == "1"
+        kvcached = is_enabled()
         cpu = {f"{k}_cpu_us_per_step": totals.get(f"{k}_cpu_s", 0.0) / steps * 1e6 for k in ("schedule", "update_from_output")}
         return dict(sched_steps=int(steps), **cpu, scheduler_cpu_us_per_step=sum(cpu.values()),
                     engine_step_ms_per_step=totals.get("engine_step_s", 0.0) / steps * 1e3,
@@ -291,7 +293,7 @@ def child(spec_path: str, out_path: str) -> None:
                   timed_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     if StepTimer.active():
         result.update(StepTimer.collect(engine))
-    if os.environ.get("KVCACHED_ENABLE") == "1":
+    if is_enabled():
         result["kvcached_stats"] = kvcached_counters(engine)
     Path(out_path).write_text(json.dumps(result))
     engine.engine_core.shutdown()
