@@ -196,14 +196,16 @@ def report(runs: list[dict]) -> str:
     timed = [r for r in runs if r.get("engine_step_ms_per_step") is not None]
     if timed:
         lines += ["", "Per step (each engine process timing its own part): the EngineCore's step (wall), the worker's "
-                  "execute_model + sample_tokens (wall, its thread's CPU, minor faults), kvcached's page-op apply "
+                  "execute_model + sample_tokens (wall, its thread's CPU and the kernel's part of it, minor faults), kvcached's page-op apply "
                   "inside it, the scheduler's CPU in schedule / update_from_output.", "",
-                  "| run | EngineCore step (ms) | worker (ms) | worker CPU (ms) | worker faults | apply (ms) | "
-                  "schedule CPU (µs) | update CPU (µs) | pages mapped / unmapped |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| run | EngineCore step (ms) | worker (ms) | worker CPU (ms) | of which kernel (ms) | worker faults | "
+                  "apply (ms) | schedule CPU (µs) | update CPU (µs) | pages mapped / unmapped |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in timed:
             ops = r.get("page_ops") or {}
             lines.append(f"| {r['label']} | {r['engine_step_ms_per_step']:.2f} | {r['worker_ms_per_step']:.2f} | "
-                         f"{r['worker_cpu_ms_per_step']:.2f} | {r['worker_faults_per_step']:.0f} | "
+                         f"{r['worker_cpu_ms_per_step']:.2f} | {_optional(r, 'worker_sys_ms_per_step', '.2f')} | "
+                         f"{r['worker_faults_per_step']:.0f} | "
                          f"{_optional(r, 'apply_ms_per_step', '.3f')} | {r['schedule_cpu_us_per_step']:.0f} | "
                          f"{r['update_from_output_cpu_us_per_step']:.0f} | "
                          f"{ops.get('mapped', '—')} / {ops.get('unmapped', '—')} |")

@@ -235,12 +235,21 @@ def summary(runs: list[dict]) -> str:
         def added(key: str) -> float:
             return statistics.median(pair[True][key] - pair[False][key] for pair in pairs)
 
+        def timed_on_both(key: str) -> bool:
+            return all(pair[on].get(key) is not None for pair in pairs for on in (False, True))
+
         apply_ms = statistics.median(pair[True]["apply_ms_per_step"] or 0.0 for pair in pairs)
+        worker_cpu = ""
+        if timed_on_both("worker_cpu_ms_per_step"):
+            worker_cpu = f"; worker thread CPU {added('worker_cpu_ms_per_step'):+.3f} ms"
+            if timed_on_both("worker_sys_ms_per_step"):
+                worker_cpu += f" (in the kernel {added('worker_sys_ms_per_step'):+.3f} ms)"
         lines.append(
             f"- per step, on − off (medians over the passes): EngineCore step {added('engine_step_ms_per_step'):+.3f} ms "
             f"(off {statistics.median(p[False]['engine_step_ms_per_step'] for p in pairs):.2f} ms), worker "
-            f"{added('worker_ms_per_step'):+.3f} ms, of which kvcached's page-op apply {apply_ms:.3f} ms; worker "
-            f"page faults {added('worker_faults_per_step'):+.0f}; scheduler CPU {added('scheduler_cpu_us_per_step'):+.0f} µs")
+            f"{added('worker_ms_per_step'):+.3f} ms, of which kvcached's page-op apply {apply_ms:.3f} ms{worker_cpu}; "
+            f"worker page faults {added('worker_faults_per_step'):+.0f}; scheduler CPU "
+            f"{added('scheduler_cpu_us_per_step'):+.0f} µs")
     return "\n".join(lines) + "\n"
 
 

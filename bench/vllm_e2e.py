@@ -79,7 +79,8 @@ class StepTimer:
       wall time of each EngineCore step (scheduling, the worker's turn, the output);
     * the worker: wall time of ``execute_model`` + ``sample_tokens`` (with kvcached
       the step's page-op batch is applied inside it, before the forward pass), the
-      CPU time of the worker's thread in them and its minor page faults;
+      CPU time of the worker's thread in them (and the kernel's part of it: page
+      faults, mapping calls) and its minor page faults;
     * kvcached's part of the worker's time: wall time of the page-op ``apply``,
       with the pages it mapped and unmapped and its slowest call.
 
@@ -147,13 +148,17 @@ class StepTimer:
     def _timed_worker(cls, method):
         def timed(*args, **kwargs):
             wall, cpu = time.perf_counter(), time.thread_time()
-            faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            before = resource.getrusage(resource.RUSAGE_THREAD)
             try:
                 return method(*args, **kwargs)
             finally:
+                after = resource.getrusage(resource.RUSAGE_THREAD)
                 cls._add("worker_s", time.perf_counter() - wall)
                 cls._add("worker_cpu_s", time.thread_time() - cpu)
-                cls._add("worker_faults", resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults)
+                # The kernel's share (page faults, mapping calls) apart from the
+                # thread's own computation.
+                cls._add("worker_sys_s", after.ru_stime - before.ru_stime)
+                cls._add("worker_faults", after.ru_minflt - before.ru_minflt)
         return timed
 
     @classmethod
@@ -194,6 +199,7 @@ class StepTimer:
                     engine_step_ms_per_step=totals.get("engine_step_s", 0.0) / steps * 1e3,
                     worker_ms_per_step=totals.get("worker_s", 0.0) / steps * 1e3,
                     worker_cpu_ms_per_step=totals.get("worker_cpu_s", 0.0) / steps * 1e3,
+                    worker_sys_ms_per_step=totals.get("worker_sys_s", 0.0) / steps * 1e3,
                     worker_faults_per_step=totals.get("worker_faults", 0.0) / steps,
                     apply_ms_per_step=totals.get("apply_s", 0.0) / steps * 1e3 if kvcached else None,
                     page_ops=dict(mapped=int(totals.get("mapped", 0)), unmapped=int(totals.get("unmapped", 0)),

@@ -44,13 +44,17 @@ def test_summary_adds_the_per_step_differences_when_the_steps_were_timed():
     def timed(k: int, on: bool, step_ms: float, worker_ms: float, apply_ms: float | None) -> dict:
         return dict(_run(k, on, 100.0), engine_step_ms_per_step=step_ms, worker_ms_per_step=worker_ms,
                     apply_ms_per_step=apply_ms, worker_faults_per_step=100.0 + 50.0 * on,
+                    worker_cpu_ms_per_step=worker_ms - 0.5, worker_sys_ms_per_step=1.0 + 0.25 * on,
                     scheduler_cpu_us_per_step=700.0 + 100.0 * on)
 
     runs = [timed(0, False, 10.0, 9.0, None), timed(0, True, 11.0, 9.5, 0.25),
             timed(1, True, 12.0, 10.5, 0.75), timed(1, False, 10.0, 9.0, None)]
     text = summary(runs)
     assert ("EngineCore step +1.500 ms (off 10.00 ms), worker +1.000 ms, of which kvcached's page-op apply 0.500 ms; "
-            "worker page faults +50; scheduler CPU +100 µs") in text
+            "worker thread CPU +1.000 ms (in the kernel +0.250 ms); worker page faults +50; scheduler CPU +100 µs") in text
+    for run in runs:  # an engine whose worker's CPU was not timed
+        del run["worker_cpu_ms_per_step"], run["worker_sys_ms_per_step"]
+    assert "apply 0.500 ms; worker page faults +50" in summary(runs)
     assert "EngineCore step" not in summary([_run(0, False, 100.0), _run(0, True, 90.0)])
 
 
