@@ -479,6 +479,63 @@ def test_an_unknown_host_memory_kind_is_refused(monkeypatch):
         _core.open_host_device(64 * 2**20)
 
 
+def _resident_pages(address: int, size: int) -> int:
+    """How many of the range's 4 KiB pages have memory behind them (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vector = ctypes.create_string_buffer(size // os.sysconf("SC_PAGESIZE"))
+    assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+    return sum(byte & 1 for byte in vector.raw)
+
+
+@pytest.mark.parametrize("populate", ["background", "on_touch"])
+def test_shared_files_pages_are_populated_when_mapped_unless_asked_otherwise(monkeypatch, populate):
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
+    monkeypatch.setenv("KVCACHED_HOST_POPULATE", populate)
+    device = _core.open_host_device(64 * 2**20)
+    p = page(device)
+    r = device.reserve(2 * p)
+    a = device.create(p)
+    device.map(r.address, a)
+    assert _resident_pages(r.address, p) == 0  # nothing before access is granted
+    device.set_access(r.address, p)
+    _core.wait_for_host_population()
+    assert _resident_pages(r.address, p) == (p // os.sysconf("SC_PAGESIZE") if populate == "background" else 0)
+    assert ctypes.string_at(r.address, 4) == b"\0" * 4  # populated pages read zeros
+    device.unmap(r.address, p)
+    a.release()
+    r.free()
+
+
+def test_background_population_keeps_up_with_pages_moving_under_it(monkeypatch):
+    # Ranges unmapped, released or mapped to other memory before the populating
+    # thread reaches them: it must neither fail the caller nor touch the data.
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
+    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "background")
+    device = _core.open_host_device(64 * 2**20)
+    p = page(device)
+    r = device.reserve(4 * p)
+    for round_index in range(50):
+        slot = r.address + (round_index % 4) * p
+        a = device.create(p)
+        device.map(slot, a)
+        device.set_access(slot, p)
+        marker = round_index.to_bytes(4, "little")
+        ctypes.memmove(slot + p - 4, marker, 4)
+        assert ctypes.string_at(slot + p - 4, 4) == marker
+        device.unmap(slot, p)
+        a.release()
+    _core.wait_for_host_population()
+    r.free()
+    assert device.memory_info()[0] == 64 * 2**20
+
+
+def test_an_unknown_host_populate_way_is_refused(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "eager")
+    with pytest.raises(ValueError, match="KVCACHED_HOST_POPULATE='eager'.*background or on_touch"):
+        _core.open_host_device(64 * 2**20)
+
+
 def test_host_capacity_is_enforced_as_memory_error():
     device = _core.open_host_device(8 * 2**20)
     assert device.memory_info() == (8 * 2**20, 8 * 2**20)

@@ -91,6 +91,15 @@ def _parse_host_memory(text: str) -> str:
     return text
 
 
+HOST_POPULATE_WAYS = ("background", "on_touch")
+
+
+def _parse_host_populate(text: str) -> str:
+    if text not in HOST_POPULATE_WAYS:
+        raise ValueError(f"expected one of {', '.join(HOST_POPULATE_WAYS)}, got {text!r}")
+    return text
+
+
 def _parse_count(text: str) -> int:
     try:
         value = int(text)
@@ -181,6 +190,11 @@ OPTIONS: dict[str, Option] = {
         "KVCACHED_HOST_MEMORY", "shared_files", _parse_host_memory,
         "What host backend allocations are: shared_files (memfd files mapped shared, faulted in by first "
         "use), anonymous (4 KiB pages allocated at create) or huge_pages (2 MiB pages allocated at create).",
+    ),
+    "host_populate": Option(
+        "KVCACHED_HOST_POPULATE", "background", _parse_host_populate,
+        "When shared_files host pages are allocated: background (as soon as they are mapped, on a thread of "
+        "their own off the mapping thread's CPUs) or on_touch (by the first write's page faults).",
     ),
     "registry_dir": Option(
         "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,

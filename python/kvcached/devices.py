@@ -171,6 +171,7 @@ def open_device(spec: Any = "cpu") -> _core.Device:
     if backend == "host":
         # The core reads these too; checked here first, a bad value is a ConfigurationError naming it.
         config.get("host_memory")
+        config.get("host_populate")
         config.get("host_capacity_bytes")
         device = _core.open_host_device()
     else:

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "../../src/host/host_backend.hpp"
+#include "../../src/host/host_populator.hpp"
 #include "bindings.hpp"
 #include "kvcached/device/device.hpp"
 
@@ -128,6 +129,11 @@ void bind_device(nb::module_& m) {
         "Wrap a backend handed over by a GPU backend module (kvcached._cuda / kvcached._hip).");
   m.def("default_host_capacity_bytes", &default_host_capacity_bytes,
         "The host backend's default capacity in bytes.");
+  m.def("wait_for_host_population", [] {
+          nb::gil_scoped_release release;
+          wait_for_population();
+        },
+        "Block until the host pages mapped so far are populated (KVCACHED_HOST_POPULATE=background).");
 }
 
 }  // namespace kvcached::bindings

@@ -4,6 +4,7 @@
 #include "host_backend.hpp"
 
 #include "host_allocations.hpp"
+#include "host_populator.hpp"
 
 #include "kvcached/device/device_identity.hpp"
 
@@ -48,9 +49,11 @@ std::size_t machine_memory_limit_bytes() {
 
 class HostBackend final : public VmmBackend {
  public:
-  HostBackend(std::size_t capacity_bytes, HostMemory memory)
+  HostBackend(std::size_t capacity_bytes, HostMemory memory, HostPopulate populate)
       : capacity_bytes_(capacity_bytes),
         page_bytes_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))),
+        // Anonymous memory is allocated (populated) when created: nothing left to do.
+        populate_in_background_(populate == HostPopulate::kBackground && memory == HostMemory::kSharedFiles),
         allocations_(memory) {}
 
   std::string name() const override { return "host"; }
@@ -107,6 +110,7 @@ class HostBackend final : public VmmBackend {
 
   void set_access(VirtualAddress address, std::size_t size_bytes) override {
     allocations_.set_access(address, size_bytes);
+    if (populate_in_background_) populate_in_background(address, size_bytes);
   }
 
   void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
@@ -127,6 +131,7 @@ class HostBackend final : public VmmBackend {
  private:
   const std::size_t capacity_bytes_;
   const std::size_t page_bytes_;
+  const bool populate_in_background_;
   std::atomic<std::size_t> created_bytes_{0};
   HostAllocations allocations_;
 };
@@ -157,9 +162,20 @@ HostMemory host_memory_requested() {
                         "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
 }
 
+HostPopulate host_populate_requested() {
+  constexpr const char* kPopulateEnv = "KVCACHED_HOST_POPULATE";
+  const char* text = std::getenv(kPopulateEnv);
+  if (text == nullptr || *text == '\0') return HostPopulate::kBackground;
+  const std::string value(text);
+  if (value == "background") return HostPopulate::kBackground;
+  if (value == "on_touch") return HostPopulate::kOnTouch;
+  throw InvalidArgument(std::string(kPopulateEnv) + "='" + text +
+                        "' is not a way to populate host pages: expected background or on_touch");
+}
+
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {
   if (capacity_bytes == 0) capacity_bytes = default_host_capacity_bytes();
-  return std::make_shared<HostBackend>(capacity_bytes, host_memory_requested());
+  return std::make_shared<HostBackend>(capacity_bytes, host_memory_requested(), host_populate_requested());
 }
 
 }  // namespace kvcached

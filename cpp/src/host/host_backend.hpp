@@ -20,6 +20,12 @@ std::size_t default_host_capacity_bytes();
 // (host_allocations.hpp); an unknown kind is an InvalidArgument naming it.
 HostMemory host_memory_requested();
 
+// KVCACHED_HOST_POPULATE: when memfd pages are allocated. `background` (the
+// default): as soon as they are mapped, on a thread of their own
+// (host_populator.hpp); `on_touch`: by the first write's faults.
+enum class HostPopulate { kBackground, kOnTouch };
+HostPopulate host_populate_requested();
+
 // capacity_bytes 0 means default_host_capacity_bytes().
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes = 0);
 
