@@ -15,7 +15,12 @@ pages.
 
 Each case runs in fresh processes, rounds interleaved, for each kind of host
 allocation (``KVCACHED_HOST_MEMORY``): anonymous memory allocated at create,
-the same in huge pages, and memfd files mapped shared (the default).
+the same in huge pages, and memfd files mapped shared (the default), those
+populated in the background as soon as they are mapped (the default,
+``KVCACHED_HOST_POPULATE=background``: "populated" is the wait for that
+thread after the map, work the caller does not do) or faulted in by the first
+write (``on_touch``). Each process binds itself to one CPU first, as vLLM's
+CPU worker is bound (the populating thread runs on the others).
 
     python bench/host_page_cost.py [--repeats 8] [--layers 6] [--rounds 3]
 """
@@ -36,6 +41,9 @@ import kvcached
 def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str, float]:
     """mode: ``recycled`` (page by page: map, write, unmap, release, so the next page reuses the memory),
     ``fresh`` (every page mapped first: memory the process never had) or ``spare`` (unmapped allocations kept)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, {min(cpus)})  # as a CPU engine's worker: the other CPUs are spare
     layout = kvcached.KVLayout(layers, 128 << 10, kind=layout_kind, num_buffers=1, capacity_bytes=4 << 30,
                                device="cpu")
     space = kvcached.KVSpace(layout, "cpu",
@@ -44,7 +52,7 @@ def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str,
 
     flat = torch.from_dlpack(space.tensor())
     page_bytes = space.page_id_bytes
-    times: dict[str, list[float]] = {"map": [], "first write": [], "second write": [], "unmap": []}
+    times: dict[str, list[float]] = {"map": [], "populated": [], "first write": [], "second write": [], "unmap": []}
 
     def timed(name: str, call, *args) -> None:
         start = time.perf_counter()
@@ -60,9 +68,11 @@ def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str,
     pages = range(1, repeats + 1)
     for page in pages if mode == "fresh" else ():
         timed("map", space.map_pages, [page])
+        timed("populated", kvcached._core.wait_for_host_population)
     for page in pages:
         if mode != "fresh":
             timed("map", space.map_pages, [page])
+            timed("populated", kvcached._core.wait_for_host_population)
         timed("first write", lambda: [t.fill_(1) for t in targets(page)])
         timed("second write", lambda: [t.fill_(2) for t in targets(page)])
         if mode != "fresh":
@@ -73,7 +83,12 @@ def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str,
     return {name: statistics.median(values) for name, values in times.items()} | {"page_mib": page_bytes / 2**20}
 
 
-MEMORIES = ("anonymous", "huge_pages", "shared_files")  # KVCACHED_HOST_MEMORY
+MEMORIES = {  # name: (KVCACHED_HOST_MEMORY, KVCACHED_HOST_POPULATE)
+    "anonymous": ("anonymous", "background"),
+    "huge_pages": ("huge_pages", "background"),
+    "shared_files": ("shared_files", "background"),
+    "shared_files, on_touch": ("shared_files", "on_touch"),
+}
 MODES = {"fresh": "fresh memory", "recycled": "released and created again", "spare": "kept as spares"}
 
 
@@ -91,7 +106,7 @@ def main() -> None:
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
     for round_index in range(args.rounds):
         for kind, mode, memory in cases if round_index % 2 == 0 else cases[::-1]:
-            env = dict(os.environ, KVCACHED_HOST_MEMORY=memory)
+            env = dict(os.environ, KVCACHED_HOST_MEMORY=MEMORIES[memory][0], KVCACHED_HOST_POPULATE=MEMORIES[memory][1])
             out = subprocess.run([sys.executable, __file__, "--one", kind, mode, "--repeats",
                                   str(args.repeats), "--layers", str(args.layers)],
                                  env=env, check=True, capture_output=True, text=True).stdout
@@ -99,9 +114,9 @@ def main() -> None:
     print(f"host backend, {args.rounds} fresh processes per row (medians over {args.repeats} pages each); "
           "median of the processes in bold, then every process")
     print()
-    print("| layout | page id (MiB) | pages | memory | map (ms) | first write (ms) | second write (ms) "
-          "| unmap (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layout | page id (MiB) | pages | memory | map (ms) | populated, after the map (ms) | first write (ms) "
+          "| second write (ms) | unmap (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind, mode, memory in cases:
         rows = runs[(kind, mode, memory)]
 
@@ -110,7 +125,8 @@ def main() -> None:
             return f"**{statistics.median(values):.{digits}f}** ({', '.join(f'{v:.{digits}f}' for v in values)})"
 
         print(f"| {kind} | {rows[0]['page_mib']:.0f} | {MODES[mode]} | {memory} | "
-              f"{cell('map', 3)} | {cell('first write')} | {cell('second write')} | {cell('unmap')} |")
+              f"{cell('map', 3)} | {cell('populated', 3)} | {cell('first write')} | {cell('second write')} | "
+              f"{cell('unmap')} |")
 
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ OPTIONS: dict[str, Option] = {
     "host_populate": Option(
         "KVCACHED_HOST_POPULATE", "background", _parse_host_populate,
         "When shared_files host pages are allocated: background (as soon as they are mapped, on a thread of "
-        "their own off the mapping thread's CPUs) or on_touch (by the first write's page faults).",
+        "their own on CPUs the mapping thread is not bound to; if it is bound to none, as on_touch) or "
+        "on_touch (by the first write's page faults).",
     ),
     "registry_dir": Option(
         "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,

@@ -36,8 +36,7 @@ cpu_set_t cpus_beside_caller() {
 
 class Populator {
  public:
-  Populator() : pid_(getpid()) {
-    const cpu_set_t cpus = cpus_beside_caller();
+  explicit Populator(const cpu_set_t& cpus) : pid_(getpid()) {
     thread_ = std::thread([this, cpus] { run(cpus); });
     thread_.detach();  // lives as long as the process; its state is never freed
   }
@@ -61,9 +60,8 @@ class Populator {
 
  private:
   void run(cpu_set_t cpus) {
-    // Off the mapping thread's CPUs when it is bound to some (a CPU engine's
-    // worker); if that leaves none, wherever the scheduler puts it.
-    if (CPU_COUNT(&cpus) > 0) pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
+    // Off the mapping thread's CPUs (a CPU engine's worker is bound to its own).
+    pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
     for (;;) {
       std::pair<VirtualAddress, std::size_t> range;
       {
@@ -97,9 +95,10 @@ Populator* populator = nullptr;  // leaked: in use until the process ends
 
 // This process's populator; a forked child starts its own (the parent's
 // thread does not exist there, and its lock may have been held at the fork).
-Populator* current_populator() {
+// `cpus`: where a new one runs (the first caller's spare CPUs).
+Populator* current_populator(const cpu_set_t& cpus) {
   std::lock_guard<std::mutex> lock(populator_mutex);
-  if (populator == nullptr || populator->pid() != getpid()) populator = new Populator();
+  if (populator == nullptr || populator->pid() != getpid()) populator = new Populator(cpus);
   return populator;
 }
 
@@ -107,15 +106,26 @@ Populator* current_populator() {
 
 void populate_in_background(VirtualAddress address, std::size_t size_bytes) noexcept {
   try {
-    current_populator()->enqueue(address, size_bytes);
+    // A thread that may run anywhere has no idle CPU to hand the work to: a
+    // populating thread would take CPU time from the engine's own threads
+    // (SGLang's CPU engine ran slower so). Its pages fault in on first write.
+    const cpu_set_t others = cpus_beside_caller();
+    if (CPU_COUNT(&others) == 0) return;
+    current_populator(others)->enqueue(address, size_bytes);
   } catch (...) {
     // No thread (or no memory for the queue): the pages fault in on first write.
   }
 }
 
 void wait_for_population() noexcept {
+  Populator* current = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(populator_mutex);
+    if (populator != nullptr && populator->pid() == getpid()) current = populator;
+  }
+  if (current == nullptr) return;  // nothing was queued in this process
   try {
-    current_populator()->wait();
+    current->wait();
   } catch (...) {
   }
 }

@@ -6,7 +6,10 @@
 // CPU worker: 0.44 ms of kernel time per 13 ms step with kvcached's memory
 // moving, bench/RESULTS.md). Populating a range as soon as it becomes
 // accessible, on a thread of its own that stays off the CPUs the mapping
-// thread is bound to, takes that work off the engine's critical path.
+// thread is bound to, takes that work off the engine's critical path. A
+// mapping thread that may run on every CPU gets nothing queued: there is no
+// spare CPU to hand the work to, and a populating thread would compete with
+// the engine's compute threads (SGLang's CPU engine ran slower so).
 //
 // Population is advisory: a range unmapped (or remapped) before its turn
 // fails or populates whatever kvcached mapped there since, and errors are
@@ -22,7 +25,9 @@ namespace kvcached {
 
 // Queues [address, address + size_bytes) for MADV_POPULATE_WRITE on this
 // process's populating thread (started on first use, again in a forked
-// child). Never throws: without a thread the pages fault in on first write.
+// child) if the calling thread is bound to some of the online CPUs; the
+// populating thread runs on the others. Never throws: pages not populated
+// fault in on first write.
 void populate_in_background(VirtualAddress address, std::size_t size_bytes) noexcept;
 
 // Blocks until every range queued so far has been populated (tests, benchmarks).
