@@ -110,6 +110,7 @@ class HostBackend final : public VmmBackend {
 
   void set_access(VirtualAddress address, std::size_t size_bytes) override {
     allocations_.set_access(address, size_bytes);
+    // A spare mapped again too: its pages exist, but each would still take a fault to be mapped.
     if (populate_in_background_) populate_in_background(address, size_bytes);
   }
 
