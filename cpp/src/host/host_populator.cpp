@@ -4,6 +4,8 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -71,8 +73,11 @@ class Populator {
 
  private:
   void run(cpu_set_t cpus) {
-    // Off the mapping thread's CPUs (a CPU engine's worker is bound to its own).
+    // Off the mapping thread's CPUs (a CPU engine's worker is bound to its own),
+    // and at the lowest priority: it takes what those CPUs' other work (vLLM's
+    // EngineCore) leaves, never a step's turn from it.
     pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
+    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
     for (;;) {
       std::pair<VirtualAddress, std::size_t> range;
       {
