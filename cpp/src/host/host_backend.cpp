@@ -17,7 +17,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "kvcached/sizes.hpp"
 
@@ -151,27 +153,38 @@ std::size_t default_host_capacity_bytes() {
   return static_cast<std::size_t>(value);
 }
 
+namespace {
+
+// The choice named by environment variable `env` (`fallback` when unset or
+// empty); any other value is an InvalidArgument listing the choices.
+template <typename Choice>
+Choice choice_from_environment(const char* env, Choice fallback, const char* what,
+                               std::initializer_list<std::pair<const char*, Choice>> choices) {
+  const char* text = std::getenv(env);
+  if (text == nullptr || *text == '\0') return fallback;
+  std::string expected;
+  std::size_t index = 0;
+  for (const auto& [name, choice] : choices) {
+    if (std::strcmp(text, name) == 0) return choice;
+    expected += (index == 0 ? "" : index + 1 == choices.size() ? " or " : ", ") + std::string(name);
+    ++index;
+  }
+  throw InvalidArgument(std::string(env) + "='" + text + "' is not " + what + ": expected " + expected);
+}
+
+}  // namespace
+
 HostMemory host_memory_requested() {
-  constexpr const char* kMemoryEnv = "KVCACHED_HOST_MEMORY";
-  const char* text = std::getenv(kMemoryEnv);
-  if (text == nullptr || *text == '\0') return HostMemory::kSharedFiles;
-  const std::string value(text);
-  if (value == "anonymous") return HostMemory::kAnonymous;
-  if (value == "huge_pages") return HostMemory::kHugePages;
-  if (value == "shared_files") return HostMemory::kSharedFiles;
-  throw InvalidArgument(std::string(kMemoryEnv) + "='" + text +
-                        "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
+  return choice_from_environment("KVCACHED_HOST_MEMORY", HostMemory::kSharedFiles, "a host memory kind",
+                                 {{"anonymous", HostMemory::kAnonymous},
+                                  {"huge_pages", HostMemory::kHugePages},
+                                  {"shared_files", HostMemory::kSharedFiles}});
 }
 
 HostPopulate host_populate_requested() {
-  constexpr const char* kPopulateEnv = "KVCACHED_HOST_POPULATE";
-  const char* text = std::getenv(kPopulateEnv);
-  if (text == nullptr || *text == '\0') return HostPopulate::kBackground;
-  const std::string value(text);
-  if (value == "background") return HostPopulate::kBackground;
-  if (value == "on_touch") return HostPopulate::kOnTouch;
-  throw InvalidArgument(std::string(kPopulateEnv) + "='" + text +
-                        "' is not a way to populate host pages: expected background or on_touch");
+  return choice_from_environment("KVCACHED_HOST_POPULATE", HostPopulate::kBackground,
+                                 "a way to populate host pages",
+                                 {{"background", HostPopulate::kBackground}, {"on_touch", HostPopulate::kOnTouch}});
 }
 
 std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {

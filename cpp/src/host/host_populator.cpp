@@ -142,8 +142,9 @@ Populator* current_populator(const cpu_set_t& cpus) {
 void populate_in_background(VirtualAddress address, std::size_t size_bytes) noexcept {
   try {
     // A thread that may run anywhere has no idle CPU to hand the work to: a
-    // populating thread would take CPU time from the engine's own threads
-    // (SGLang's CPU engine ran slower so). Its pages fault in on first write.
+    // populating thread would take CPU time from the engine's own compute
+    // threads (SGLang's CPU engine leaves its threads unbound). Its pages
+    // fault in on first write.
     const cpu_set_t others = cpus_beside_caller();
     if (CPU_COUNT(&others) == 0) return;
     current_populator(others)->enqueue(address, size_bytes);

@@ -2,14 +2,13 @@
 //
 // A memfd page is allocated and zeroed by the kernel on its first write: one
 // fault per 4 KiB, taken by whoever writes first. In an engine that is the
-// forward pass, which then also runs with caches the zeroing evicted (vLLM's
-// CPU worker: 0.44 ms of kernel time per 13 ms step with kvcached's memory
-// moving, bench/RESULTS.md). Populating a range as soon as it becomes
+// forward pass (vLLM's CPU worker: 0.44 ms of kernel time per 13.5 ms step
+// with kvcached's memory moving between bursts, bench/RESULTS.md). Populating a range as soon as it becomes
 // accessible, on a thread of its own that stays off the CPUs the mapping
 // thread is bound to, takes that work off the engine's critical path. A
 // mapping thread that may run on every CPU gets nothing queued: there is no
 // spare CPU to hand the work to, and a populating thread would compete with
-// the engine's compute threads (SGLang's CPU engine ran slower so).
+// the engine's compute threads.
 //
 // Population is advisory: a range unmapped (or remapped) before its turn
 // fails or populates whatever kvcached mapped there since, and errors are
