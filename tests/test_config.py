@@ -115,7 +115,8 @@ def test_invalid_values_raise_a_clear_value_error(monkeypatch, name, text):
     assert isinstance(info.value, ConfigurationError)  # a KvcachedError that is also a ValueError
 
 
-@pytest.mark.parametrize("env, text", [("KVCACHED_HOST_MEMORY", "bogus"), ("KVCACHED_HOST_CAPACITY_BYTES", "12x")])
+@pytest.mark.parametrize("env, text", [("KVCACHED_HOST_MEMORY", "bogus"), ("KVCACHED_HOST_POPULATE", "eager"),
+                                       ("KVCACHED_HOST_CAPACITY_BYTES", "12x")])
 def test_a_bad_host_setting_is_one_clear_line_from_the_command_line(env, text):
     import subprocess
     import sys
