@@ -83,21 +83,16 @@ def _parse_layout(text: str) -> str:
 
 
 HOST_MEMORY_KINDS = ("anonymous", "huge_pages", "shared_files")
-
-
-def _parse_host_memory(text: str) -> str:
-    if text not in HOST_MEMORY_KINDS:
-        raise ValueError(f"expected one of {', '.join(HOST_MEMORY_KINDS)}, got {text!r}")
-    return text
-
-
 HOST_POPULATE_WAYS = ("background", "on_touch")
 
 
-def _parse_host_populate(text: str) -> str:
-    if text not in HOST_POPULATE_WAYS:
-        raise ValueError(f"expected one of {', '.join(HOST_POPULATE_WAYS)}, got {text!r}")
-    return text
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A parser accepting exactly one of ``choices``."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+    return parse
 
 
 def _parse_count(text: str) -> int:
@@ -187,12 +182,12 @@ OPTIONS: dict[str, Option] = {
         "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
     ),
     "host_memory": Option(
-        "KVCACHED_HOST_MEMORY", "shared_files", _parse_host_memory,
+        "KVCACHED_HOST_MEMORY", "shared_files", _one_of(HOST_MEMORY_KINDS),
         "What host backend allocations are: shared_files (memfd files mapped shared, faulted in by first "
         "use), anonymous (4 KiB pages allocated at create) or huge_pages (2 MiB pages allocated at create).",
     ),
     "host_populate": Option(
-        "KVCACHED_HOST_POPULATE", "background", _parse_host_populate,
+        "KVCACHED_HOST_POPULATE", "background", _one_of(HOST_POPULATE_WAYS),
         "When shared_files host pages are allocated: background (as soon as they are mapped, on a thread of "
         "their own on CPUs the mapping thread is not bound to; if it is bound to none, as on_touch) or "
         "on_touch (by the first write's page faults).",
