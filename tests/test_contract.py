@@ -526,6 +526,30 @@ def test_shared_files_pages_are_populated_when_mapped_unless_asked_otherwise(mon
     assert _populated_after_access(device) == expected
 
 
+def _threads_with_policy(policy: int) -> dict[int, set[int]]:
+    """This process's threads scheduled under ``policy``: tid -> the CPUs it may run on."""
+    found = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            if os.sched_getscheduler(tid) == policy:
+                found[tid] = os.sched_getaffinity(tid)
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # a thread that ended meanwhile
+    return found
+
+
+def test_the_populating_thread_runs_only_when_the_other_cpus_are_idle(monkeypatch, bound_to_one_cpu):
+    # SCHED_IDLE: the engine's own threads on those CPUs (vLLM's EngineCore)
+    # preempt it at once; and never on the mapping thread's CPU.
+    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
+    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "background")
+    assert _populated_after_access(_core.open_host_device(64 * 2**20)) > 0
+    populating = _threads_with_policy(os.SCHED_IDLE)
+    assert len(populating) == 1, populating
+    (cpus,) = populating.values()
+    assert cpus and not cpus & os.sched_getaffinity(0)
+
+
 def test_a_mapping_thread_free_to_run_anywhere_leaves_its_pages_to_their_first_write(monkeypatch):
     # No CPU to spare: a populating thread would only compete with the engine's own.
     monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")

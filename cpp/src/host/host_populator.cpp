@@ -74,10 +74,14 @@ class Populator {
  private:
   void run(cpu_set_t cpus) {
     // Off the mapping thread's CPUs (a CPU engine's worker is bound to its own),
-    // and at the lowest priority: it takes what those CPUs' other work (vLLM's
-    // EngineCore) leaves, never a step's turn from it.
+    // and only when those CPUs have nothing else to run (SCHED_IDLE): any
+    // other thread that wakes there (vLLM's EngineCore) takes the CPU at once,
+    // where a thread at nice 19 may keep it for the rest of its time slice.
     pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
-    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+    sched_param no_priority{};
+    if (sched_setscheduler(0, SCHED_IDLE, &no_priority) != 0) {
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);  // the next lowest
+    }
     for (;;) {
       std::pair<VirtualAddress, std::size_t> range;
       {
@@ -105,6 +109,9 @@ class Populator {
             errno == EINVAL) {
           break;
         }
+        // A thread that waits by yielding (vLLM's EngineCore polls its queues
+        // so) gets the CPU back after each piece instead of after a time slice.
+        sched_yield();
       }
       {
         std::lock_guard<std::mutex> lock(mutex_);
