@@ -76,7 +76,8 @@ def samples_by(data: Path, pids: dict[str, int]) -> dict[str, dict[str, collecti
         pid, tid, symbol, dso = int(match.group(1)), int(match.group(2)), match.group(3), match.group(4)
         thread = "" if tid == pid else "(other threads) "
         tag = by_pid[pid]
-        counts[tag]["dso"][thread + os.path.basename(dso)] += 1
+        dso = re.sub(r"perf-\d+\.map$", "perf-PID.map (JIT code)", os.path.basename(dso))  # one name for both
+        counts[tag]["dso"][thread + dso] += 1
         counts[tag]["sym"][thread + symbol] += 1
     return counts
 
@@ -108,10 +109,11 @@ def table(counts: dict[str, collections.Counter], steps: dict[str, int], per_sam
         off = counts["off"][key] * per_sample / steps["off"]
         rows.append((on - off, on, off, key))
     rows.sort(key=lambda row: -abs(row[0]))
-    total_on = sum(counts["on"].values()) * per_sample / steps["on"]
-    total_off = sum(counts["off"].values()) * per_sample / steps["off"]
-    lines = [f"| on − off ({unit}) | kvcached | vLLM's own | {what} |", "|---|---|---|---|",
-             f"| {total_on - total_off:+.4f} | {total_on:.4f} | {total_off:.4f} | **all** |"]
+    lines = [f"| on − off ({unit}) | kvcached | vLLM's own | {what} |", "|---|---|---|---|"]
+    for label, main_only in (("**all threads**", False), ("**the main thread**", True)):
+        on, off = (sum(n for k, n in counts[tag].items() if not (main_only and k.startswith("(other threads)")))
+                   * per_sample / steps[tag] for tag in ("on", "off"))
+        lines.append(f"| {on - off:+.4f} | {on:.4f} | {off:.4f} | {label} |")
     lines += [f"| {d:+.4f} | {a:.4f} | {b:.4f} | `{k[:120]}` |" for d, a, b, k in rows[:top]]
     return "\n".join(lines)
 
