@@ -63,10 +63,16 @@ def steps_in_window(runs_json: Path) -> dict[str, int]:
     return steps
 
 
-def samples_by(data: Path, pids: dict[str, int]) -> dict[str, dict[str, collections.Counter]]:
-    """Sample counts per worker ("on"/"off"), by "dso" and by "sym"; threads other than the main one apart."""
-    script = subprocess.run(["perf", "script", "-i", str(data), "-F", "pid,tid,ip,sym,dso"],
-                            capture_output=True, text=True, check=True).stdout
+def perf_script(data: Path, *fields: str) -> str:
+    command = ["perf", "script", "-i", str(data)] + (["-F", ",".join(fields)] if fields else [])
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def samples_by(script: str, pids: dict[str, int]) -> dict[str, dict[str, collections.Counter]]:
+    """Sample counts per worker ("on"/"off"), by "dso" and by "sym"; threads other than the main one apart.
+
+    ``script``: ``perf script -F pid,tid,ip,sym,dso`` output.
+    """
     by_pid = {pid: tag for tag, pid in pids.items()}
     counts = {tag: {"dso": collections.Counter(), "sym": collections.Counter()} for tag in pids}
     for line in script.splitlines():
@@ -85,9 +91,11 @@ def samples_by(data: Path, pids: dict[str, int]) -> dict[str, dict[str, collecti
 WAIT_NOISE = ("__schedule", "schedule", "__traceiter", "__perf", "perf_", "trace_", "preempt_schedule")
 
 
-def waits_by_reason(data: Path, pids: dict[str, int]) -> dict[str, collections.Counter]:
-    """Times each worker's main thread went off the CPU to wait, by the first kernel functions it waited in."""
-    script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True, check=True).stdout
+def waits_by_reason(script: str, pids: dict[str, int]) -> dict[str, collections.Counter]:
+    """Times each worker's main thread went off the CPU to wait, by the first kernel functions it waited in.
+
+    ``script``: ``perf script`` output of ``sched:sched_switch`` recorded with call graphs.
+    """
     by_pid = {str(pid): tag for tag, pid in pids.items()}
     counts: dict[str, collections.Counter] = {tag: collections.Counter() for tag in pids}
     for event in script.split("\n\n"):
@@ -105,8 +113,8 @@ def table(counts: dict[str, collections.Counter], steps: dict[str, int], per_sam
           top: int, what: str) -> str:
     rows = []
     for key in set(counts["on"]) | set(counts["off"]):
-        on = counts["on"][key] * per_sample / steps["on"]
-        off = counts["off"][key] * per_sample / steps["off"]
+        on = counts["on"].get(key, 0) * per_sample / steps["on"]
+        off = counts["off"].get(key, 0) * per_sample / steps["off"]
         rows.append((on - off, on, off, key))
     rows.sort(key=lambda row: -abs(row[0]))
     lines = [f"| on − off ({unit}) | kvcached | vLLM's own | {what} |", "|---|---|---|---|"]
@@ -153,9 +161,9 @@ def main() -> None:
           f"event {args.event}\n")
     if args.event == "sched-switch":
         print("### waits of the main thread (D: uninterruptible, S: interruptible), by where it waited\n")
-        print(table(waits_by_reason(data, pids), steps, 1.0, "per step", args.top, "waited in"))
+        print(table(waits_by_reason(perf_script(data), pids), steps, 1.0, "per step", args.top, "waited in"))
         return
-    counts = samples_by(data, pids)
+    counts = samples_by(perf_script(data, "pid", "tid", "ip", "sym", "dso"), pids)
     for sort, what in (("dso", "shared object"), ("sym", "symbol")):
         print(f"### by {what} (the main thread; other threads apart)\n")
         print(table({tag: counts[tag][sort] for tag in counts}, steps, per_sample, unit, args.top, what))
