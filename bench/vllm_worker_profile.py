@@ -14,7 +14,8 @@ waited in: a lock another thread of the process held, a futex, a poll.
     python bench/vllm_worker_profile.py --out DIR [--event cpu-clock|page-faults|sched-switch] [--top 30] -- --passes 16
 
 Needs ``perf`` (software events are enough: a VM without a PMU will do) and the
-rights to attach it to one's own processes (``perf_event_paranoid`` ≤ 2).
+right to record kernel samples and tracepoints of one's own processes (root or
+``CAP_PERFMON``; the figures in bench/RESULTS.md were taken as root).
 Sampling perturbs both engines: read the differences, not the throughput of
 that run.
 """
