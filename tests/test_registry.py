@@ -96,6 +96,22 @@ def test_refused_request_is_pressure_on_the_others_but_own_limit_is_not():
     assert [entry["wanted_bytes"] for entry in registry.entries()] == [0, PAGE_BYTES]
 
 
+def test_memory_wanted_without_asking_is_pressure_only_when_the_device_is_full():
+    """An engine that checks free memory before it allocates says it waits with want()."""
+    registry = make_registry(2)
+    holder, waiting = registry.register("holder"), registry.register("waiting", limit_bytes=2 * PAGE_BYTES)
+    waiting.want(PAGE_BYTES)  # the device has room: nobody needs to give back
+    assert holder.pressure_bytes == 0
+    assert holder.try_acquire(2 * PAGE_BYTES)
+    waiting.want(3 * PAGE_BYTES)  # beyond its own limit: nobody else can help
+    assert holder.pressure_bytes == 0
+    waiting.want(PAGE_BYTES)  # the device is full
+    assert holder.pressure_bytes == PAGE_BYTES and waiting.pressure_bytes == 0
+    assert waiting.mapped_bytes == 0  # nothing was taken
+    with pytest.raises(ValueError):
+        waiting.want(-1)
+
+
 def test_a_partial_grant_leaves_the_rest_wanted():
     """A pool that waits takes memory as it comes back: what it still lacks stays pressure."""
     registry = make_registry(4)

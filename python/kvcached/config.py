@@ -75,6 +75,16 @@ def _parse_seconds(text: str) -> float:
     return value
 
 
+def _parse_seconds_or_zero(text: str) -> float:
+    """Like _parse_seconds, with 0 allowed (meaning "at once")."""
+    try:
+        if float(text) == 0.0:
+            return 0.0
+    except ValueError:
+        pass
+    return _parse_seconds(text)
+
+
 def _parse_layout(text: str) -> str:
     value = text.strip().lower()
     if value not in ("per_layer", "contiguous"):
@@ -216,6 +226,11 @@ OPTIONS: dict[str, Option] = {
     "idle_cache_bytes": Option(
         "KVCACHED_IDLE_CACHE_BYTES", 0, _parse_size,
         "Prefix-cache memory an idle engine keeps (0: an engine with no requests returns all its KV memory).",
+    ),
+    "idle_release_s": Option(
+        "KVCACHED_IDLE_RELEASE_S", 5.0, _parse_seconds_or_zero,
+        "Seconds an idle vLLM engine keeps its KV memory before giving it back; at once when another "
+        "instance on the device is refused memory or the engine is over its limit (0: as soon as idle).",
     ),
     "rank_ack_timeout_s": Option(
         "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, _parse_seconds,

@@ -41,9 +41,12 @@ def prefix_on(vllm_workdir):
     registry = vllm_workdir / "registry-on"
     registry.mkdir()
     spec = {"prefix_caching": True, "phases": PHASES}
+    # The idle hold: a load, a look 0.3 s after it, another once the 2 s hold has passed.
+    hold = {"prefix_caching": True, "phases": [{**PHASES[2], "settle_s": 0.3}, {"settle_s": 3.0}]}
     return run_side_by_side(
         vllm_workdir,
-        {"base_on": (spec, engine_env(False, registry)), "kv_on": (spec, engine_env(True, registry))},
+        {"base_on": (spec, engine_env(False, registry)), "kv_on": (spec, engine_env(True, registry)),
+         "kv_hold": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2"))},
     )
 
 
@@ -107,6 +110,22 @@ def test_kv_memory_grows_with_load_and_returns_when_idle(prefix_on):
     assert done["workers"][0]["applied_seq"] == done["engine"]["sent_seq"]
 
 
+def test_an_idle_engine_keeps_its_memory_for_the_hold_then_gives_it_back(prefix_on):
+    result = prefix_on["kv_hold"]
+    assert result["outputs"][0] == prefix_on["kv_on"]["outputs"][2]
+    held, released = probe(result, "phase0_done"), probe(result, "phase1_done")
+    assert held["engine"]["idle_release_s"] == 2.0
+    # 0.3 s after the load: its prefix cache (24 full blocks: 3 page ids) is
+    # still mapped, in the worker too, for the next burst to find.
+    assert held["engine"]["mapped_bytes"] >= 3 * PAGE_ID_BYTES
+    assert held["workers"][0]["mapped_bytes"] >= 3 * PAGE_ID_BYTES
+    # Once the hold has passed, the woken loop gave it all back (nobody asked earlier).
+    done = released["engine"]
+    assert done["mapped_bytes"] <= PAGE_ID_BYTES and done["pending_pages"] == 0
+    assert done["acked_seq"] == done["sent_seq"] and released["workers"][0]["mapped_bytes"] == done["mapped_bytes"]
+    assert done["idle_early_releases"] == 0
+
+
 def test_exhaustion_becomes_preemption_not_a_crash(prefix_on, prefix_off_and_tight):
     tight = prefix_off_and_tight["kv_tight"]
     assert peak(tight, "phase0_running") <= 4 * PAGE_ID_BYTES
@@ -133,14 +152,15 @@ def test_two_engines_share_one_budget(vllm_workdir):
     flag = {name: str(workdir / f"{name}.flag") for name in ("b_ready", "a_done", "kvctl_done", "b_done")}
     spec_a = {"prefix_caching": True, "phases": [
         {"wait_for": flag["b_ready"], **PHASES[2], "signal": flag["a_done"]},
-        {"wait_for": flag["b_done"]},  # stay alive: B must use what A *released*
+        {"wait_for": flag["b_done"], "settle_s": 0.2},  # stay alive: B must use what A *released*
     ]}
     spec_b = {"prefix_caching": True, "phases": [
         {"signal": flag["b_ready"]},
         {"wait_for": flag["a_done"], **PHASES[2]},
         {"wait_for": flag["kvctl_done"], "signal": flag["b_done"]},
     ]}
-    env_a = engine_env(True, registry, KVCACHED_NAME="engine-a")
+    # A's idle hold outlasts the test: A gives its memory back because B asks for it.
+    env_a = engine_env(True, registry, KVCACHED_NAME="engine-a", KVCACHED_IDLE_RELEASE_S="600")
     env_b = engine_env(True, registry, KVCACHED_NAME="engine-b")
     proc_a, out_a = start(workdir, "engine_a", spec_a, env_a)
     proc_b, out_b = start(workdir, "engine_b", spec_b, env_b)
@@ -172,7 +192,10 @@ def test_two_engines_share_one_budget(vllm_workdir):
     # Together they mapped more than the budget: each used memory that the
     # other had given back.
     assert peak_a + peak_b > budget_bytes, (peak_a, peak_b)
-    assert probe(result_a, "phase0_done")["engine"]["mapped_bytes"] <= PAGE_ID_BYTES
+    # Idle, A kept its prefix cache until B was refused memory, then gave it back.
+    assert probe(result_a, "phase0_done")["engine"]["mapped_bytes"] > PAGE_ID_BYTES
+    after_b = probe(result_a, "phase1_done")["engine"]
+    assert after_b["idle_early_releases"] >= 1 and after_b["mapped_bytes"] <= PAGE_ID_BYTES
 
 
 def test_in_process_engine(vllm_workdir, prefix_on):

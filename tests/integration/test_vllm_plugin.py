@@ -145,7 +145,11 @@ def test_an_engine_process_flushes_when_its_loop_goes_idle_and_an_in_process_eng
     from kvcached.integration.vllm.v0_32 import scheduler
 
     flushed = []
-    monkeypatch.setattr(scheduler, "_flush_if_idle", flushed.append)
+
+    def flush(core, hold=True):
+        flushed.append((core, hold))
+
+    monkeypatch.setattr(scheduler, "_flush_if_idle", flush)
 
     class InProcessCore:  # vLLM's EngineCore: the caller steps it, nothing runs after
         def __init__(self):
@@ -160,10 +164,51 @@ def test_an_engine_process_flushes_when_its_loop_goes_idle_and_an_in_process_eng
 
     step = scheduler.wrap_flushing(InProcessCore.step)
     core = InProcessCore()
-    assert step(core) == "outputs" and flushed == [core]
+    assert step(core) == "outputs" and flushed == [(core, False)]  # no loop to wake later: no hold
     flushed.clear()
     process = CoreProcess()
     assert step(process) == "outputs" and step(process) == "outputs"
-    assert flushed == [] and process._idle_state_callbacks == [flushed.append]  # registered once
+    assert flushed == [] and process._idle_state_callbacks == [flush]  # registered once
     process._idle_state_callbacks.pop()(process)  # what the loop does once it has no work
-    assert flushed == [process]
+    assert flushed == [(process, True)]
+
+
+def test_an_idle_engine_process_holds_its_memory_then_its_loop_is_woken_to_give_it_back():
+    pytest.importorskip("vllm")
+    import queue
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from kvcached.integration.common.idle import IdleRelease
+    from kvcached.integration.vllm.v0_32 import scheduler
+
+    released = []
+
+    class Blocks:  # what the idle flush uses of EngineBlocks
+        def trim(self):
+            released.append("trim")
+
+        def take_page_ops(self):
+            return None
+
+        def poll_acknowledgements(self):
+            pass
+
+    class BlockPool:
+        def release_cached_blocks(self, keep_bytes):
+            released.append("prefix cache")
+
+    engine = SimpleNamespace(blocks=Blocks(), block_pool=BlockPool(), idle=IdleRelease(0.2, []))
+    core = SimpleNamespace(
+        scheduler=SimpleNamespace(_kvcached=engine, get_num_unfinished_requests=lambda: 0),
+        _idle_state_callbacks=[], input_queue=queue.Queue(),
+    )
+    scheduler._flush_if_idle(core)
+    assert released == []  # held: the loop goes on to wait for input
+    # The hold passes: the watching thread asks the loop to go round once more.
+    assert core.input_queue.get(timeout=5.0) == (EngineCoreRequestType.WAKEUP, None)
+    assert core._idle_state_callbacks == [scheduler._flush_if_idle]
+    core._idle_state_callbacks.pop()(core)  # what the loop does before waiting again
+    assert released == ["prefix cache", "trim"]
+    engine.idle.close()

@@ -93,8 +93,8 @@ def run(spec: dict) -> dict:
     rank's limit with it), max_num_seqs, tensor_parallel_size,
     pipeline_parallel_size, enforce_eager (default true),
     gpu_memory_utilization, phases: a list of {prompts: [[ids]], max_tokens,
-    probe_during (bool), wait_for (file), signal (file)}. A phase without
-    prompts only waits and signals.
+    probe_during (bool), wait_for (file), signal (file), settle_s}. A phase
+    without prompts only waits, pauses ``settle_s`` and probes if given, and signals.
     """
     from vllm import LLM, SamplingParams
 
@@ -123,6 +123,9 @@ def run(spec: dict) -> dict:
     for i, phase in enumerate(spec["phases"]):
         _wait_for(phase.get("wait_for"))
         if not phase.get("prompts"):  # a pure synchronisation phase
+            if "settle_s" in phase:  # a pause, then a look at memory
+                time.sleep(phase["settle_s"])
+                _probe(llm, f"phase{i}_done", probes)
             _touch(phase.get("signal"))
             outputs.append([])
             continue

@@ -38,6 +38,9 @@ def engine_env(kvcached_on: bool, registry_dir: Path, **extra: str) -> dict[str,
     for name in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "KVCACHED_LIMIT_BYTES", "KVCACHED_NAME"):
         env.pop(name, None)
     env["KVCACHED_REGISTRY_DIR"] = str(registry_dir)  # never the machine's /dev/shm
+    # Memory returns as soon as an engine is idle, which most tests look at; the
+    # tests of the idle hold set their own.
+    env["KVCACHED_IDLE_RELEASE_S"] = "0"
     env["KVCACHED_VIRTUAL_CAPACITY_BYTES"] = str(1 << 30)
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # share two cores between engines and ranks
     if kvcached_on:

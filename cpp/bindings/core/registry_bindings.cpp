@@ -200,6 +200,11 @@ void bind_registry(nb::module_& m) {
                    "Bytes this instance holds against the device budget.")
       .def_prop_ro("pressure_bytes", &RegistryBudget::pressure_bytes,
                    "Bytes other instances were refused in the last second: give reserve back.")
+      .def("want", [](RegistryBudget& self, std::int64_t bytes) { self.want(checked_bytes("bytes", bytes)); },
+           "bytes"_a,
+           "Records that this instance wants `bytes` more and did not ask because the device "
+           "has no room (others then see pressure_bytes); nothing when the device has room or "
+           "this instance's own limit is the obstacle.")
       .def("report_worker_errors", [](RegistryBudget& self, std::int64_t worker_errors) {
              self.report_worker_errors(checked_bytes("worker_errors", worker_errors));
            }, "worker_errors"_a,

@@ -157,6 +157,12 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // Bytes other instances were recently refused: a hint for this pool's
   // background worker to give its free reserve back.
   std::size_t pressure_bytes() const noexcept override;
+  // Says this instance wants `bytes` more and did not ask for them because
+  // the device has no room (an engine that checks free memory before it
+  // allocates never reaches try_acquire): recorded as a refusal would be, so
+  // others see the pressure. Nothing is recorded when the device has room or
+  // this instance's own limit is what stands in the way.
+  void want(std::size_t bytes) noexcept;
   std::optional<std::size_t> limit_bytes() const noexcept;
   std::size_t mapped_bytes() const noexcept;
   std::size_t slot() const noexcept { return slot_; }

@@ -152,6 +152,20 @@ std::size_t RegistryBudget::pressure_bytes() const noexcept {
   return wanted;
 }
 
+void RegistryBudget::want(std::size_t bytes) noexcept {
+  EntryRecord* entry = owned_entry();
+  if (entry == nullptr || bytes == 0) return;
+  const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
+  const auto limit = registry_detail::limit_of(*entry);
+  if (limit && bytes > saturating_sub(*limit, own_mapped)) return;  // nobody else can help
+  const registry_detail::Layout& layout = segment_->layout();
+  const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  if (bytes <= saturating_sub(budget, registry_detail::total_mapped_bytes(layout))) return;
+  // The entry's own fields (as in try_acquire's refusal); readers take them as a hint.
+  entry->wanted_bytes.store(bytes, std::memory_order_relaxed);
+  entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
+}
+
 std::optional<std::size_t> RegistryBudget::limit_bytes() const noexcept {
   const EntryRecord* entry = owned_entry();
   return entry ? registry_detail::limit_of(*entry) : std::nullopt;

@@ -48,13 +48,16 @@ class EngineBlocks:
         mirrors: the ranks of a deciding manager (None: a local pool).
     """
 
-    def __init__(self, manager: Any, *, budgets: Sequence[Any] = (), mirrors: Optional[RankMirrors] = None) -> None:
+    def __init__(self, manager: Any, *, budgets: Sequence[Any] = (), mirrors: Optional[RankMirrors] = None,
+                 rank_layouts: Sequence[KVLayout] = ()) -> None:
         self.manager = manager
         self.layout: KVLayout = manager.kv_layout
         self.num_blocks = int(self.layout.num_blocks)
         self.first_block = 1 if manager.options.null_block else 0
         self.budgets = list(budgets)
         self.mirrors = mirrors
+        # What one page id costs on each budget (each rank's own layout).
+        self._page_id_bytes = [int(layout.page_id_bytes) for layout in (rank_layouts or [self.layout] * len(self.budgets))]
         #: Blocks :meth:`alloc` can return now, secured ones included (the core's
         #: bound method: engines call it for every request of every step).
         self.available = manager.available
@@ -131,7 +134,7 @@ class EngineBlocks:
         except BaseException:
             manager.close()
             raise
-        return cls(manager, budgets=budgets, mirrors=mirrors)
+        return cls(manager, budgets=budgets, mirrors=mirrors, rank_layouts=layouts)
 
     @property
     def space(self) -> Any:
@@ -147,6 +150,18 @@ class EngineBlocks:
     def free(self, ids: Union[Sequence[int], np.ndarray]) -> None:
         """Gives handed-out ids back. Unknown, repeated, free or secured ids raise ValueError, freeing nothing."""
         self.manager.free(ids)
+
+    def want_more(self) -> None:
+        """The engine waits for blocks it did not ask for, having seen too few available.
+
+        An engine that checks free blocks before it allocates never has a
+        request refused, so nobody would learn that it waits: this records
+        one page id wanted on every rank's registry entry whose device is
+        full (not where its own limit is the obstacle), which idle instances
+        of the device read as pressure to give memory back.
+        """
+        for budget, page_id_bytes in zip(self.budgets, self._page_id_bytes):
+            budget.want(page_id_bytes)
 
     def secure(self, n: int) -> bool:
         """Holds at least ``n`` blocks for the next allocations if memory allows.

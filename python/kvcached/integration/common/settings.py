@@ -49,6 +49,9 @@ class Settings:
     #: Prefix-cache memory an idle engine keeps (``KVCACHED_IDLE_CACHE_BYTES``);
     #: default 0: an engine with no requests returns all of its KV memory.
     idle_cache_bytes: int = 0
+    #: Seconds an idle engine keeps its memory unless another instance wants
+    #: it (``KVCACHED_IDLE_RELEASE_S``; :mod:`kvcached.integration.common.idle`).
+    idle_release_s: float = 5.0
     #: A rank whose oldest unacknowledged page-op batch is older than this is
     #: declared lost (``KVCACHED_RANK_ACK_TIMEOUT_S``).
     rank_ack_timeout_s: float = 120.0
@@ -63,5 +66,6 @@ class Settings:
             page_bytes=config.get("page_bytes") or DEFAULT_PAGE_BYTES,
             name=config.get("name"),
             idle_cache_bytes=config.get("idle_cache_bytes"),
+            idle_release_s=config.get("idle_release_s"),
             rank_ack_timeout_s=config.get("rank_ack_timeout_s"),
         )

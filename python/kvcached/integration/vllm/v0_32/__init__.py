@@ -22,7 +22,8 @@ Approach
   BlockPool takes its blocks from it; running out becomes waiting or preemption.
 * Ordering: each step's page ops ride on the ``SchedulerOutput`` that vLLM
   delivers to every worker in step order; an idle engine flushes them with one
-  ordered ``collective_rpc``.
+  ordered ``collective_rpc`` once its idle hold has passed or another instance
+  wants the memory (``KVCACHED_IDLE_RELEASE_S``, ``common/idle.py``).
 * ``worker``: each rank backs vLLM's KV views with its KV space, applies each
   batch before the forward pass (synchronising the device before unmapping)
   and acknowledges it itself on the engine's acknowledgement board (shared

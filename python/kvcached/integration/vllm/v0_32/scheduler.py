@@ -8,10 +8,14 @@ budget, at its own layout's page cost), through
 (as is: it pickles itself) to the ``SchedulerOutput``, which vLLM delivers to
 every worker in step order; every rank acknowledges on the engine's
 acknowledgement board, read at each ``schedule`` and ``update_from_output``.
-When the engine goes idle, pending ops are flushed to every worker with one
-``collective_rpc`` (ordered with the steps on the same queue): in an EngineCore
-process once its loop has queued the last step's outputs and is about to wait
-for input, so the last tokens never wait for memory to be given back.
+An idle engine gives its memory back with one ``collective_rpc`` (ordered with
+the steps on the same queue) carrying the pending ops to every worker. In an
+EngineCore process that happens once its loop has queued the last step's
+outputs and is about to wait for input, so the last tokens never wait for it,
+and only once the idle hold has passed or the device wants the memory
+(:class:`~kvcached.integration.common.idle.IdleRelease`; the loop is woken by a
+``WAKEUP`` on its input queue). An in-process EngineCore has no loop to wake:
+it gives memory back at the end of its last step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 from typing import Any
 
 from kvcached.integration.common.blocks import EngineBlocks
+from kvcached.integration.common.idle import IdleRelease
 from kvcached.integration.common.registration import register_ranks
 
 from .block_pool import KVCachePoolExhausted, building
@@ -31,6 +36,7 @@ class EngineKV:
 
     def __init__(self, blocks: EngineBlocks, plan: EnginePlan, name: str) -> None:
         self.blocks = blocks
+        self.idle = IdleRelease(settings().idle_release_s, blocks.budgets)
         self.plan = plan
         self.name = name
         self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
@@ -50,6 +56,8 @@ class EngineKV:
                         num_layers=layout.num_layers) for r, layout in zip(self.plan.ranks, self.plan.layouts)],
             num_exhausted=self.num_exhausted,
             num_preempted=self.num_preempted,
+            idle_release_s=self.idle.hold_s,
+            idle_early_releases=self.idle.num_early,
             **{f"layout_{k}": v for k, v in self.blocks.layout.as_dict().items()},
         )
         return stats
@@ -112,13 +120,20 @@ def wrap_allocate_slots(original: Any) -> Any:
         else:
             had_blocks = any(request_id in manager.req_to_blocks for manager in managers)
         try:
-            return original(self, request, *args, **kwargs)
+            blocks = original(self, request, *args, **kwargs)
         except KVCachePoolExhausted as exc:
             if not had_blocks:
                 # Undo the prefix-hit touches of a request that got nothing.
                 self.coordinator.free(request_id)
             logger.debug("kvcached: %s waits or is preempted: %s", request_id, exc)
             return None
+        if blocks is None:
+            # vLLM saw too few free blocks and asked kvcached for none: say that
+            # this engine waits, so that idle engines on the device give memory back.
+            engine = getattr(self.block_pool, "_kv", None)
+            if engine is not None:
+                engine.blocks.want_more()
+        return blocks
 
     return allocate_slots
 
@@ -128,6 +143,7 @@ def wrap_schedule(original: Any) -> Any:
         engine = getattr(self, "_kvcached", None)
         if engine is None:
             return original(self, *args, **kwargs)
+        engine.idle.busy()
         # What the ranks unmapped since the last step is released before this one allocates.
         engine.blocks.poll_acknowledgements()
         output = original(self, *args, **kwargs)
@@ -160,14 +176,18 @@ def wrap_update_from_output(original: Any) -> Any:
     return update_from_output
 
 
-def _flush_if_idle(engine_core: Any) -> None:
-    """Sends pending page ops to every worker when no step will carry them."""
+def _flush_if_idle(engine_core: Any, *, hold: bool = True) -> None:
+    """An idle engine gives its memory back (once its hold has passed, if ``hold``), sending
+    the pending page ops to every worker, since no step will carry them."""
     scheduler = getattr(engine_core, "scheduler", None)
     engine = getattr(scheduler, "_kvcached", None)
     # Unfinished requests mean another schedule() will carry the ops. Finished
     # ones whose ids are still to be reported do not: an in-process front end
     # stops stepping as soon as it has their outputs.
     if engine is None or scheduler.get_num_unfinished_requests() > 0 or getattr(engine_core, "batch_queue", None):
+        return
+    if hold and not engine.idle.due():
+        engine.idle.wake_when_due(lambda: _wake_to_flush(engine_core))
         return
     engine.block_pool.release_cached_blocks(keep_bytes=settings().idle_cache_bytes)
     engine.blocks.trim()  # reserve pages too: an idle engine holds only the null block's page
@@ -178,11 +198,26 @@ def _flush_if_idle(engine_core: Any) -> None:
     engine.blocks.poll_acknowledgements()
 
 
+def _wake_to_flush(engine_core: Any) -> None:
+    """From IdleRelease's thread: have the EngineCore's loop run the idle flush again.
+
+    The loop runs its idle callbacks, then blocks on its input queue; a WAKEUP
+    request (which vLLM itself uses to wake the loop) makes it go round once more.
+    """
+    from vllm.v1.engine import EngineCoreRequestType
+
+    if _flush_if_idle not in engine_core._idle_state_callbacks:
+        engine_core._idle_state_callbacks.append(_flush_if_idle)
+    engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
 def wrap_flushing(original: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if not hasattr(type(self), "run_busy_loop"):
-            _flush_if_idle(self)  # an in-process EngineCore: nothing else runs once the caller has its outputs
+            # An in-process EngineCore: nothing runs once the caller has its
+            # outputs, and no loop could be woken later, so no hold.
+            _flush_if_idle(self, hold=False)
         elif _flush_if_idle not in self._idle_state_callbacks:
             # EngineCoreProc: its loop calls these once it has no work, after this
             # step's outputs are in the output queue (sent by another thread).
@@ -197,6 +232,7 @@ def wrap_scheduler_shutdown(original: Any) -> Any:
         result = original(self, *args, **kwargs)
         engine = getattr(self, "_kvcached", None)
         if engine is not None:  # the workers are gone: give every rank's budget back, leave the registries
+            engine.idle.close()
             engine.blocks.close()
         return result
 
