@@ -7,9 +7,13 @@ measured. Here both engines start once and take turns: pass k runs the seeded
 workload of ``e2e_common.py`` with prompt seed ``SEED + k`` on one engine and
 then on the other (ABBA across passes), so a pair is seconds apart. Only one
 engine works at a time; before each pass the harness waits ``gap_s`` so the other
-engine is quiet (its queues parked, kvcached's idle flush done). Between passes
-the engines are idle, as a server between bursts: with kvcached the memory goes
-back to the budget and the next pass maps it again.
+engine is quiet (its queues parked). Between passes the engines are idle, as a
+server between bursts. With kvcached's defaults an idle engine keeps its memory
+for ``KVCACHED_IDLE_RELEASE_S`` (5 s) when nobody else wants it: in ABBA order
+its two passes of a pair are one gap apart (memory kept) and its next pair starts
+after the other engine's two passes (about 12 s: memory given back and mapped
+again), so half of its passes map their memory afresh. ``--on-env
+KVCACHED_IDLE_RELEASE_S=0`` gives it back before every pass.
 
 The engine scripts provide the child (:func:`serve_passes` with their own
 ``run_pass``) and call :func:`run_paired` in the parent.
