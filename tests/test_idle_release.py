@@ -159,3 +159,20 @@ def test_close_stops_the_thread_and_later_wakes_do_nothing():
     assert not any(thread.name == "kvcached-idle-release" and thread.is_alive() for thread in threading.enumerate())
     idle.wake_when_due(woken.set)
     assert not woken.wait(timeout=0.2)
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "soon"])
+def test_a_bad_idle_release_setting_is_refused_naming_it(monkeypatch, text):
+    from kvcached import config
+    from kvcached.errors import ConfigurationError
+
+    monkeypatch.setenv("KVCACHED_IDLE_RELEASE_S", text)
+    with pytest.raises(ConfigurationError, match="KVCACHED_IDLE_RELEASE_S"):
+        config.get("idle_release_s")
+
+
+def test_an_idle_release_of_zero_is_accepted(monkeypatch):
+    from kvcached import config
+
+    monkeypatch.setenv("KVCACHED_IDLE_RELEASE_S", "0")
+    assert config.get("idle_release_s") == 0.0

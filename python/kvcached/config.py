@@ -76,13 +76,14 @@ def _parse_seconds(text: str) -> float:
 
 
 def _parse_seconds_or_zero(text: str) -> float:
-    """Like _parse_seconds, with 0 allowed (meaning "at once")."""
+    """A number of seconds >= 0 (0 meaning "at once")."""
     try:
-        if float(text) == 0.0:
-            return 0.0
+        value = float(text)
     except ValueError:
-        pass
-    return _parse_seconds(text)
+        raise ValueError(f"expected a number of seconds, e.g. 5, got {text!r}") from None
+    if not value >= 0.0 or value == float("inf"):  # also refuses nan
+        raise ValueError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _parse_layout(text: str) -> str:
