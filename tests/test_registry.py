@@ -112,6 +112,18 @@ def test_memory_wanted_without_asking_is_pressure_only_when_the_device_is_full()
         waiting.want(-1)
 
 
+def test_wanting_less_than_a_recent_refusal_keeps_the_refusal():
+    """want() says the wait goes on; it never shrinks what a refusal said was wanted."""
+    registry = make_registry(4)
+    holder, waiting = registry.register("holder"), registry.register("waiting")
+    assert holder.try_acquire(4 * PAGE_BYTES)
+    assert not waiting.try_acquire(3 * PAGE_BYTES)
+    waiting.want(PAGE_BYTES)
+    assert holder.pressure_bytes == 3 * PAGE_BYTES
+    waiting.want(4 * PAGE_BYTES)  # more than before: the larger figure
+    assert holder.pressure_bytes == 4 * PAGE_BYTES
+
+
 def test_a_partial_grant_leaves_the_rest_wanted():
     """A pool that waits takes memory as it comes back: what it still lacks stays pressure."""
     registry = make_registry(4)

@@ -162,8 +162,12 @@ void RegistryBudget::want(std::size_t bytes) noexcept {
   const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
   if (bytes <= saturating_sub(budget, registry_detail::total_mapped_bytes(layout))) return;
   // The entry's own fields (as in try_acquire's refusal); readers take them as a hint.
-  entry->wanted_bytes.store(bytes, std::memory_order_relaxed);
-  entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
+  // A recent larger refusal stays what is wanted: this only says the wait goes on.
+  const std::int64_t now = registry_detail::monotonic_now_ns();
+  const bool recent = now - entry->wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
+  const std::size_t wanted = entry->wanted_bytes.load(std::memory_order_relaxed);
+  entry->wanted_bytes.store(recent ? std::max(wanted, bytes) : bytes, std::memory_order_relaxed);
+  entry->wanted_at_ns.store(now, std::memory_order_relaxed);
 }
 
 std::optional<std::size_t> RegistryBudget::limit_bytes() const noexcept {
