@@ -97,7 +97,7 @@ def run(spec: dict) -> dict:
     spec keys: model (dir), page_size, engine (extra ``sgl.Engine`` kwargs,
     e.g. max_total_tokens), phases: a list of {prompts: [[ids]],
     max_new_tokens, wait_for (file), signal (file), settle_s}. A phase without
-    prompts only waits and signals.
+    prompts only waits and signals (and probes after settle_s, if given).
     """
     import sglang as sgl
 
@@ -112,7 +112,11 @@ def run(spec: dict) -> dict:
     outputs, cached, peaks = [], [], []
     for i, phase in enumerate(spec["phases"]):
         _wait_for(phase.get("wait_for"))
-        if not phase.get("prompts"):  # a pure synchronisation phase
+        if not phase.get("prompts"):  # a pure synchronisation phase; with settle_s, a probe after it
+            if "settle_s" in phase:
+                time.sleep(phase["settle_s"])
+                probes.append({"label": f"phase{i}_done", "mapped_bytes": registry_mapped_bytes(name),
+                               "kvcached": kvcached_stats(llm)})
             _touch(phase.get("signal"))
             outputs.append([])
             cached.append([])

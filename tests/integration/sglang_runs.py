@@ -32,7 +32,7 @@ LOAD = {"prompts": prompt_ids(16, 300, seed=7), "max_new_tokens": 64}
 # vLLM's load in the mixed test: 12 x (250 + 32) tokens in blocks of 128 = 5 page ids with its null block.
 VLLM_LOAD = {"prompts": prompt_ids(12, 250, seed=7), "max_tokens": 32}
 _FLAGS = ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "KVCACHED_LIMIT_BYTES", "KVCACHED_NAME",
-          "KVCACHED_IDLE_CACHE_BYTES", "KVCACHED_PAGE_BYTES")
+          "KVCACHED_IDLE_CACHE_BYTES", "KVCACHED_PAGE_BYTES", "KVCACHED_IDLE_RELEASE_S")
 
 
 def engine_env(kvcached_on: bool, registry_dir: Path, *, sglang: bool = True, **extra: str) -> dict[str, str]:
@@ -45,6 +45,9 @@ def engine_env(kvcached_on: bool, registry_dir: Path, *, sglang: bool = True, **
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # vLLM engines share the cores too
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
+    # Idle engines give memory back at once, as the tests' probes expect;
+    # tests of the idle hold set their own.
+    env["KVCACHED_IDLE_RELEASE_S"] = "0"
     env.update(extra)
     return env
 

@@ -80,6 +80,19 @@ def sleeping(sglang_workdir):
                                                     engine_env(True, registry, KVCACHED_NAME="kv-sleep")))
 
 
+@pytest.fixture(scope="module")
+def holding(sglang_workdir):
+    """An idle hold of 2 s, with ``sleep_on_idle`` (the scheduler's idle sleep
+    is where kvcached waits): the load is probed 0.4 s after it finished, then
+    again once the hold has passed."""
+    registry = sglang_workdir / "registry-hold"
+    registry.mkdir()
+    spec = {"page_size": 1, "engine": {**ENGINE, "sleep_on_idle": True},
+            "phases": [{**LOAD, "settle_s": 0.4}, {"settle_s": 2.6}]}
+    env = engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2")
+    return finish(sglang_workdir, "kv_hold", *start(sglang_workdir, "kv_hold", spec, env))
+
+
 # --------------------------------------------------------------------------- #
 
 
@@ -116,6 +129,17 @@ def test_kv_memory_grows_with_load_and_returns_when_idle(sglang_page1):
 def test_memory_returns_when_idle_before_sglang_sleeps(sleeping):
     assert sleeping["peak_mapped_bytes"][0] >= 3 * PAGE_ID_BYTES
     assert probe(sleeping, "phase0_done")["mapped_bytes"] == PAGE_ID_BYTES
+
+
+def test_idle_engine_keeps_its_memory_for_the_hold_then_gives_it_back(holding, sglang_page1):
+    held, released = probe(holding, "phase0_done"), probe(holding, "phase1_done")
+    # 0.4 s after the load: the radix cache still holds the load's tokens, mapped.
+    assert held["mapped_bytes"] >= 2 * PAGE_ID_BYTES, held
+    assert held["kvcached"]["idle_release_s"] == 2.0
+    # Once the 2 s hold has passed: the padding page only, nothing handed out.
+    assert released["mapped_bytes"] == PAGE_ID_BYTES, released
+    assert released["kvcached"]["engine_used_blocks"] == 0 and released["kvcached"]["idle_early_releases"] == 0
+    assert holding["outputs"][0] == sglang_page1["base_p1"]["outputs"][1]
 
 
 def test_tight_limit_set_by_kvctl_while_running_makes_requests_wait(page16):

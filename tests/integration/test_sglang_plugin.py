@@ -308,3 +308,73 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
     assert "tensor parallelism, speculative decoding" in caplog.text
     server_args.tp_size, server_args.speculative_algorithm = 1, None
     assert v.refusals(configurator) == []
+
+
+class _Sleeper:
+    """SGLang's IdleSleeper, as far as kvcached uses it: its poller."""
+
+    def __init__(self):
+        self.poller = self
+        self.timeouts_ms: list[int] = []
+
+    def poll(self, timeout_ms: int) -> list:
+        self.timeouts_ms.append(timeout_ms)
+        return []
+
+
+def test_idle_engine_holds_its_memory_until_the_hold_ends_or_the_device_wants_it(v):
+    from types import SimpleNamespace
+
+    from kvcached.integration.common.idle import IdleRelease
+
+    pool = _mha_pool(v, "idle-hold", size=16384, page_size=1)
+    allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
+    now = [0.0]
+    device = SimpleNamespace(pressure_bytes=0, external_limit_bytes=None, mapped_bytes=0)
+    allocator.idle = IdleRelease(5.0, [device], clock=lambda: now[0])
+    blocks_per_page_id = pool.kvcached_blocks.layout.blocks_per_page
+    allocator.free(allocator.alloc(2 * blocks_per_page_id))  # a burst's memory, free but mapped
+    mapped = pool.kvcached_blocks.stats()["mapped_pages"]
+    assert mapped >= 2
+    sleeper, slept = _Sleeper(), []
+    scheduler = SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=None, idle_sleeper=sleeper,
+                                is_fully_idle=lambda: True)
+
+    def sleep_as_sglang(s):
+        slept.append(s)
+
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)  # idle, hold not over: short sleep, memory kept
+    now[0] = 4.9
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
+    assert sleeper.timeouts_ms == [10, 10] and slept == []
+    assert pool.kvcached_blocks.stats()["mapped_pages"] == mapped
+    now[0] = 5.0  # the hold is over: memory back, then SGLang's own sleep
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
+    assert slept == [scheduler] and pool.kvcached_blocks.stats()["mapped_pages"] == 1  # the padding page
+    assert allocator.kvcached_stats()["idle_early_releases"] == 0
+
+    # Work starts a new idle period; another instance's refusal ends the hold at once.
+    allocator.free(allocator.alloc(2 * blocks_per_page_id))
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
+    assert len(slept) == 1 and pool.kvcached_blocks.stats()["mapped_pages"] >= 2
+    device.pressure_bytes = 1
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
+    assert len(slept) == 2 and pool.kvcached_blocks.stats()["mapped_pages"] == 1
+    assert allocator.kvcached_stats()["idle_early_releases"] == 1
+
+
+def test_prefill_refused_for_memory_says_the_engine_waits(v):
+    from kvcached.registry import registry_for
+
+    pool = _mha_pool(v, "prefill-wants", size=16384, page_size=1)
+    allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
+    wanted = []
+    allocator.kvcached_blocks.want_more = lambda: wanted.append(1)
+    registry_for("cpu").set_limit("prefill-wants", pool.kvcached_blocks.layout.page_bytes * 4)
+    budget = allocator.create_prefill_budget(_Tree())
+    args = dict(max_new_tokens=16, input_tokens=0, swa_host_hit_length=0, chunk_limit=None)
+    assert budget.check_prefill(extend_input_len=100, total_tokens=116, **args)[0] is True
+    assert wanted == []
+    too_big = 2 * pool.kvcached_blocks.layout.blocks_per_page
+    assert budget.check_prefill(extend_input_len=too_big, total_tokens=too_big, **args)[0] is False
+    assert wanted == [1]  # SGLang said no from available_size(): idle engines on the device hear of it

@@ -65,13 +65,17 @@ def shared_budget(sglang_workdir):
     vllm_python = _vllm_python()
     waits = [{"wait_for": flag["b_ready"]}] + ([{"wait_for": flag["v_ready"]}] if vllm_python else [])
     specs = {
-        "sglang_a": {"phases": [*waits, {**LOAD, "signal": flag["a_done"]}, {"wait_for": flag["release"]}]},
+        "sglang_a": {"phases": [*waits, {**LOAD, "settle_s": 0.4, "signal": flag["a_done"]},
+                                {"wait_for": flag["b_done"], "settle_s": 0.0}, {"wait_for": flag["release"]}]},
         "sglang_b": {"phases": [{"signal": flag["b_ready"]}, {**LOAD, "wait_for": flag["a_done"],
                                 "signal": flag["b_done"]}, {"wait_for": flag["release"]}]},
     }
+    # A's idle hold outlasts the test: A gives its memory back because B asks for it.
+    holds = {"sglang_a": "600", "sglang_b": "0"}
     started = {
         label: start(workdir, label, {"page_size": 1, **spec},
-                     engine_env(True, registry, KVCACHED_NAME=label.replace("_", "-")))
+                     engine_env(True, registry, KVCACHED_NAME=label.replace("_", "-"),
+                                KVCACHED_IDLE_RELEASE_S=holds[label]))
         for label, spec in specs.items()
     }
     if vllm_python:
@@ -120,7 +124,11 @@ def test_two_sglang_engines_share_one_budget(shared_budget, sglang_page1):
     assert [out for out in a["outputs"] if out] == [expected] and [out for out in b["outputs"] if out] == [expected]
     # Together they mapped more than the budget: each used memory the other gave back.
     assert _load_peak(a) + _load_peak(b) > BUDGET_BYTES, (_load_peak(a), _load_peak(b))
-    assert probe(a, f"phase{len(a['outputs']) - 2}_done")["mapped_bytes"] <= PAGE_ID_BYTES
+    # A kept its memory while idle (its hold is 600 s) and gave it back because B wanted it.
+    n = next(i for i, out in enumerate(a["outputs"]) if out)  # A's load, after one or two waits
+    assert probe(a, f"phase{n}_done")["mapped_bytes"] >= 2 * PAGE_ID_BYTES
+    after_b = probe(a, f"phase{n + 1}_done")
+    assert after_b["mapped_bytes"] <= PAGE_ID_BYTES and after_b["kvcached"]["idle_early_releases"] >= 1, after_b
 
 
 def test_sglang_and_vllm_engines_share_one_budget(shared_budget):

@@ -12,10 +12,12 @@ seconds (default 5), like an allocator's decay of dirty pages, and gives it
 back at once when the device's budget is wanted: another instance on the same
 device was refused memory in the last second (the registry's pressure), or
 this instance holds more than the limit it now has (``kvctl set-limit`` /
-``set-budget``). A thread of its own watches for either while the engine is
-idle (every 10 ms; it sleeps while the engine is busy) and wakes the engine's
-loop, which then releases on its own thread. ``KVCACHED_IDLE_RELEASE_S=0``
-gives memory back as soon as the engine is idle.
+``set-budget``). vLLM's loop blocks while idle: a thread of its own watches for
+either (every 10 ms; it sleeps while the engine is busy) and wakes the loop,
+which then releases on its own thread. SGLang's idle loop turns by itself (its
+idle sleep is cut into 10 ms slices while memory is held) and asks
+:meth:`IdleRelease.due` every turn. ``KVCACHED_IDLE_RELEASE_S=0`` gives memory
+back as soon as the engine is idle.
 
 Limitations. Memory held this way counts as mapped in the registry all along
 (it is), so ``kvctl`` shows it; a process on the device that is not a kvcached

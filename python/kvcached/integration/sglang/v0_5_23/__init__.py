@@ -44,11 +44,16 @@ Approach
   scheduler, frees of step N happen while step N+1 runs on the GPU; a freed
   block is reused only by later kernels of the same stream, and its page is
   unmapped only after a device synchronisation.
-* Idle: at the end of ``Scheduler.on_idle``, before SGLang's optional idle
-  sleep (``--sleep-on-idle``), kvcached evicts the radix cache down to
+* Idle: at the end of ``Scheduler.on_idle`` (which runs over and over while
+  the scheduler idles), before SGLang's optional idle sleep
+  (``--sleep-on-idle``), kvcached evicts the radix cache down to
   ``KVCACHED_IDLE_CACHE_BYTES`` (default 0) and trims, so an idle engine holds
-  only its padding page; SGLang's own accounting (``PoolStatsObserver``) counts
-  slots, whatever memory allows.
+  only its padding page, once the engine has been idle for
+  ``KVCACHED_IDLE_RELEASE_S`` (default 5 s) or at once when another instance
+  on the device was refused memory or a limit is below what it holds
+  (``common/idle.py``). While it holds, SGLang's idle sleep is cut into 10 ms
+  slices so either is seen in time. SGLang's own accounting
+  (``PoolStatsObserver``) counts slots, whatever memory allows.
 * Each engine registers in its device's registry (``KVCACHED_NAME``), so
   ``kvctl`` shows it and ``kvctl set-limit`` steers it while it runs.
 
@@ -78,6 +83,7 @@ from typing import Any, Optional
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+from kvcached.integration.common.idle import IdleRelease
 from kvcached.integration.common.settings import Settings
 
 from . import plan as _plan_module
@@ -147,13 +153,20 @@ def _hook_after_get_next_batch_to_run(result: Any, scheduler: Any, *args: Any, *
         allocator.end_step()  # this step's allocations are done: unused secured memory goes back
 
 
-def _hook_before_sleep_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    # The last step of Scheduler.on_idle, reached only when the scheduler is
-    # fully idle. With --sleep-on-idle it blocks until the next request (or
-    # 1 s): give memory back before it, not when the next burst wakes it up.
+def _hook_sleep_on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    # The last step of Scheduler.on_idle, which runs again and again while the
+    # scheduler idles (with --sleep-on-idle it blocks here until the next
+    # request, or 1 s). Give memory back once the idle hold has passed or the
+    # device wants it; while holding, sleep in short slices to notice either.
     allocator = _allocator_of(scheduler)
-    if allocator is not None and scheduler.is_fully_idle():
-        allocator.release_when_idle(scheduler.tree_cache, _plan_module.settings().idle_cache_bytes)
+    if allocator is None or not scheduler.is_fully_idle():
+        return original(scheduler, *args, **kwargs)
+    if allocator.release_when_idle(scheduler.tree_cache, _plan_module.settings().idle_cache_bytes):
+        return original(scheduler, *args, **kwargs)
+    poller = getattr(scheduler.idle_sleeper, "poller", None)  # None: SGLang does not sleep here
+    if poller is not None:
+        poller.poll(int(IdleRelease.POLL_S * 1000))
+    return None
 
 
 def _hook_after_get_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -180,7 +193,7 @@ HOOKS: list[tuple[str, Any, str]] = [
     (f"{_CONFIGURATOR}._resolve_kv_pool_class", _hook_resolve_kv_pool_class, "AROUND"),
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", _hook_build_allocator, "AROUND"),
     (f"{_SCHEDULER}.get_next_batch_to_run", _hook_after_get_next_batch_to_run, "AFTER"),
-    (f"{_SCHEDULER}.maybe_sleep_on_idle", _hook_before_sleep_on_idle, "BEFORE"),
+    (f"{_SCHEDULER}.maybe_sleep_on_idle", _hook_sleep_on_idle, "AROUND"),
     (f"{_SCHEDULER}.get_internal_state", _hook_after_get_internal_state, "AFTER"),
     (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),
 ]

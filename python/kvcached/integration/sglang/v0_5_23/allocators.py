@@ -13,6 +13,9 @@ from sglang.srt.utils import get_num_new_pages
 
 from kvcached.errors import OutOfMemoryError
 from kvcached.integration.common.blocks import EngineBlocks
+from kvcached.integration.common.idle import IdleRelease
+
+from . import plan as _plan
 
 logger = logging.getLogger("sglang.srt.kvcached")
 #: How long the last running request waits for memory before SGLang aborts it.
@@ -28,6 +31,7 @@ class _KvcachedAllocator:
 
     def _attach(self, kvcache: Any) -> None:
         self.kvcached_blocks: EngineBlocks = kvcache.kvcached_blocks
+        self.idle = IdleRelease(_plan.settings().idle_release_s, self.kvcached_blocks.budgets)
         self._trimmed = False
 
     # -- what SGLang reads --
@@ -67,7 +71,15 @@ class _KvcachedAllocator:
     # -- kvcached --
     def secure_tokens(self, num_tokens: int) -> bool:
         """Holds memory for ``num_tokens`` slots until this step allocates them."""
-        return num_tokens <= 0 or self.kvcached_blocks.secure(-(-num_tokens // self.page_size))
+        if num_tokens <= 0:
+            return True
+        self.idle.busy()
+        if self.kvcached_blocks.secure(-(-num_tokens // self.page_size)):
+            return True
+        # SGLang may also say no from available_size() alone, without asking
+        # kvcached: record that this engine waits, for idle engines to see.
+        self.kvcached_blocks.want_more()
+        return False
 
     def secured_tokens(self) -> int:
         return self.kvcached_blocks.secured * self.page_size
@@ -75,10 +87,18 @@ class _KvcachedAllocator:
     def end_step(self) -> None:
         self.kvcached_blocks.end_step()
 
-    def release_when_idle(self, tree_cache: Any, keep_bytes: int) -> None:
-        """Evicts the radix cache down to ``keep_bytes`` and gives free memory back (once per idle spell)."""
+    def release_when_idle(self, tree_cache: Any, keep_bytes: int) -> bool:
+        """Called while the engine is fully idle; returns whether its memory is given back.
+
+        Once the idle hold has passed, or at once when the device wants the
+        memory (:class:`~kvcached.integration.common.idle.IdleRelease`), evicts
+        the radix cache down to ``keep_bytes`` and gives free memory back
+        (once per idle spell).
+        """
         if self._trimmed:
-            return
+            return True
+        if not self.idle.due():
+            return False
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         keep_tokens = keep_bytes // self.kvcached_blocks.layout.block_id_bytes * self.page_size
@@ -87,9 +107,12 @@ class _KvcachedAllocator:
             tree_cache.evict(EvictParams(num_tokens=evictable - keep_tokens))
         self.kvcached_blocks.trim()
         self._trimmed = True
+        return True
 
     def kvcached_stats(self) -> dict:
-        return self.kvcached_blocks.stats()
+        stats = self.kvcached_blocks.stats()
+        stats.update(idle_release_s=self.idle.hold_s, idle_early_releases=self.idle.num_early)
+        return stats
 
     def clear(self) -> None:
         self.kvcached_blocks.clear()
@@ -107,6 +130,7 @@ class _KvcachedAllocator:
             logger.debug("kvcached: %d blocks refused: %s", count, exc)
             return None
         self._trimmed = False
+        self.idle.busy()
         return torch.from_numpy(ids).to(self.device)
 
     def _release_ids(self, ids: torch.Tensor) -> None:
@@ -198,6 +222,8 @@ class KvcachedPrefillBudget(PrefillBudget):
 
     def check_prefill(self, **kwargs: Any) -> tuple[bool, Optional[int]]:
         admit, chunk_limit = super().check_prefill(**kwargs)
+        if not admit:  # SGLang's only reason: too little available; say that this engine waits
+            self.allocator.kvcached_blocks.want_more()
         if admit:
             extend = kwargs["extend_input_len"] if chunk_limit is None else min(kwargs["extend_input_len"], chunk_limit)
             if not self._secure(self.current_offset + self.ceil_paged_tokens(extend) + self.page_size):
