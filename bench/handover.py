@@ -278,9 +278,8 @@ def main() -> None:
             configs.append(config)
             print(json.dumps(dict(layout=layout, zero_backing=zero, **config["summary"], error=config["error"])), flush=True)
             (out / "handover.json").write_text(json.dumps(configs, indent=1))
-    text = markdown(configs)
-    (out / "handover.md").write_text(text + "\n")
-    print(text)
+            (out / "handover.md").write_text(markdown(configs) + "\n")  # a run cut short keeps what it measured
+    print(markdown(configs))
 
 
 if __name__ == "__main__":

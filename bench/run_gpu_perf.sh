@@ -78,7 +78,7 @@ step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 
 step setup_floor 90 env PYTHONPATH="$work/oursite" "$py" bench/set_access_probe.py --device cuda:0 --cover 128 \
   --rounds 3 --json "$out/setup_floor.json"
 
-[ "$handover" = 0 ] || step handover 75 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
+[ "$handover" = 0 ] || step handover 100 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
   --handovers 20 --layouts contiguous,per_layer --zero-backing on,off --deadline-s 60 --out "$out/handover"
 
 # The earlier waiter (plain alloc retried every 1 ms), for comparison in the same run.
