@@ -101,29 +101,6 @@ def test_clear_frees_everything_handed_out(blocks):
     assert blocks.logical_free() == 99 and stats["secured_blocks"] == 0 and stats["used_blocks"] == 1
 
 
-@pytest.mark.parametrize("keep_free_pages", [False, True])
-def test_end_step_keeps_free_pages_mapped_if_asked_until_the_device_wants_them(request, keep_free_pages, monkeypatch):
-    monkeypatch.setenv("KVCACHED_MAX_RESERVE_PAGES", "2")
-    name = request.node.name[:60]
-    registry = registry_for("cpu")
-    budget = registry.register(name)
-    engine = EngineBlocks.local(LAYOUT, device="cpu", budget=budget, name=name, keep_free_pages=keep_free_pages)
-    try:
-        engine.free(engine.alloc(99))  # every page mapped, then every block free
-        engine.end_step()
-        # The null block's page, and the free pages: all of them, or two.
-        assert engine.stats()["mapped_pages"] == (7 if keep_free_pages else 1 + 2)
-        other = registry.register(name[:50] + "-other")
-        try:
-            assert not other.try_acquire(registry.available_bytes + PAGE_ID_BYTES)  # refused: others wait
-            engine.end_step()
-            assert engine.stats()["mapped_pages"] == 1  # only the null block's page is kept
-        finally:
-            other.unregister()
-    finally:
-        engine.close()
-
-
 def test_engine_blocks_stats_count_engine_and_core(blocks):
     blocks.alloc(3)
     blocks.secure(2)

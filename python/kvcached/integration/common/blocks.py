@@ -75,7 +75,6 @@ class EngineBlocks:
         name: str,
         null_block: bool = True,
         zero_backing: bool = True,
-        keep_free_pages: bool = False,
     ) -> "EngineBlocks":
         """Decisions and KV tensors in this process: a KVPool on ``device``.
 
@@ -84,11 +83,6 @@ class EngineBlocks:
         chooses, so memory the engine was told it has stays mapped until used.
         Unmapping synchronises the device first (the core's fence), so blocks
         a kernel may still touch are never unmapped under it.
-
-        ``keep_free_pages``: :meth:`end_step` keeps every free page mapped (the
-        engine gives them back when idle, with :meth:`trim`), except when other
-        instances of the device wait for memory or a limit is below what it
-        holds; otherwise it keeps at most ``KVCACHED_MAX_RESERVE_PAGES``.
         """
         from kvcached.pool import KVPool
 
@@ -98,7 +92,6 @@ class EngineBlocks:
             # Reserve pages only come from explicit maintain() calls: keeping
             # none ready avoids mapping one at every step of an idle engine.
             min_reserve_pages=0,
-            max_reserve_pages=layout.num_pages if keep_free_pages else None,
         )
         pool = KVPool(kv_layout=layout, device=device, options=options,
                       space_options=space_options(zero_backing=zero_backing), budget=budget, register=False, name=name)

@@ -61,9 +61,7 @@ class Plan:
         """The engine's blocks and KV space, registered in its device's registry."""
         budget = register_rank(self.name, self.rank, limit_bytes=self.settings.limit_bytes, logger=logger)
         try:
-            # With an idle hold, a working engine keeps its free pages too (given back when idle).
-            return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name,
-                                      keep_free_pages=self.settings.idle_release_s > 0)
+            return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
         except BaseException:
             budget.unregister()
             raise
