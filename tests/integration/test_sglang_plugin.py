@@ -310,57 +310,51 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
     assert v.refusals(configurator) == []
 
 
-class _Sleeper:
-    """SGLang's IdleSleeper, as far as kvcached uses it: its poller."""
-
-    def __init__(self):
-        self.poller = self
-        self.timeouts_ms: list[int] = []
-
-    def poll(self, timeout_ms: int) -> list:
-        self.timeouts_ms.append(timeout_ms)
-        return []
-
-
 def test_idle_engine_holds_its_memory_until_the_hold_ends_or_the_device_wants_it(v):
+    import threading
+    import time
     from types import SimpleNamespace
+
+    import zmq
 
     from kvcached.integration.common.idle import IdleRelease
 
     pool = _mha_pool(v, "idle-hold", size=16384, page_size=1)
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
-    now = [0.0]
     device = SimpleNamespace(pressure_bytes=0, external_limit_bytes=None, mapped_bytes=0)
-    allocator.idle = IdleRelease(5.0, [device], clock=lambda: now[0])
+    allocator.idle = IdleRelease(0.3, [device])
     blocks_per_page_id = pool.kvcached_blocks.layout.blocks_per_page
-    allocator.free(allocator.alloc(2 * blocks_per_page_id))  # a burst's memory, free but mapped
-    mapped = pool.kvcached_blocks.stats()["mapped_pages"]
-    assert mapped >= 2
-    sleeper, slept = _Sleeper(), []
+    sleeper = SimpleNamespace(poller=zmq.Poller())  # SGLang's IdleSleeper: its poller, here with no sockets
     scheduler = SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=None, idle_sleeper=sleeper,
                                 is_fully_idle=lambda: True)
+    slept = []
 
-    def sleep_as_sglang(s):
-        slept.append(s)
+    def sleep_as_sglang(s):  # SGLang's maybe_sleep_on_idle, with a 0.5 s timeout instead of 1 s
+        start = time.monotonic()
+        s.idle_sleeper.poller.poll(500)
+        slept.append(time.monotonic() - start)
 
-    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)  # idle, hold not over: short sleep, memory kept
-    now[0] = 4.9
-    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
-    assert sleeper.timeouts_ms == [10, 10] and slept == []
-    assert pool.kvcached_blocks.stats()["mapped_pages"] == mapped
-    now[0] = 5.0  # the hold is over: memory back, then SGLang's own sleep
-    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
-    assert slept == [scheduler] and pool.kvcached_blocks.stats()["mapped_pages"] == 1  # the padding page
+    def mapped_pages() -> int:
+        return pool.kvcached_blocks.stats()["mapped_pages"]
+
+    allocator.free(allocator.alloc(2 * blocks_per_page_id))  # a burst's memory, free but mapped
+    held = mapped_pages()
+    assert held >= 2
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)  # holding: the sleep ends when the 0.3 s hold does
+    assert 0.2 < slept[-1] < 0.45 and mapped_pages() == held
+    v._hook_sleep_on_idle(sleep_as_sglang, scheduler)  # due: memory back, then SGLang's own full sleep
+    assert mapped_pages() == 1 and slept[-1] >= 0.45  # only the padding page; the wake-up was drained
     assert allocator.kvcached_stats()["idle_early_releases"] == 0
 
-    # Work starts a new idle period; another instance's refusal ends the hold at once.
+    # Work starts a new idle period; another instance's refusal ends the (long) hold at once.
+    allocator.idle = IdleRelease(600.0, [device])
     allocator.free(allocator.alloc(2 * blocks_per_page_id))
+    threading.Timer(0.1, setattr, args=(device, "pressure_bytes", 1)).start()
     v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
-    assert len(slept) == 1 and pool.kvcached_blocks.stats()["mapped_pages"] >= 2
-    device.pressure_bytes = 1
+    assert slept[-1] < 0.4 and mapped_pages() >= 2
     v._hook_sleep_on_idle(sleep_as_sglang, scheduler)
-    assert len(slept) == 2 and pool.kvcached_blocks.stats()["mapped_pages"] == 1
-    assert allocator.kvcached_stats()["idle_early_releases"] == 1
+    assert mapped_pages() == 1 and allocator.kvcached_stats()["idle_early_releases"] == 1
+    allocator.idle.close()
 
 
 def test_prefill_refused_for_memory_says_the_engine_waits(v):

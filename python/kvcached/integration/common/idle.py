@@ -14,9 +14,9 @@ device was refused memory in the last second (the registry's pressure), or
 this instance holds more than the limit it now has (``kvctl set-limit`` /
 ``set-budget``). vLLM's loop blocks while idle: a thread of its own watches for
 either (every 10 ms; it sleeps while the engine is busy) and wakes the loop,
-which then releases on its own thread. SGLang's idle loop turns by itself (its
-idle sleep is cut into 10 ms slices while memory is held) and asks
-:meth:`IdleRelease.due` every turn. ``KVCACHED_IDLE_RELEASE_S=0`` gives memory
+which then releases on its own thread. SGLang's idle loop asks
+:meth:`IdleRelease.due` every turn; when it sleeps (``--sleep-on-idle``) the
+same thread ends its sleep. ``KVCACHED_IDLE_RELEASE_S=0`` gives memory
 back as soon as the engine is idle.
 
 Limitations. Memory held this way counts as mapped in the registry all along

@@ -51,8 +51,8 @@ Approach
   only its padding page, once the engine has been idle for
   ``KVCACHED_IDLE_RELEASE_S`` (default 5 s) or at once when another instance
   on the device was refused memory or a limit is below what it holds
-  (``common/idle.py``). While it holds, SGLang's idle sleep is cut into 10 ms
-  slices so either is seen in time. SGLang's own accounting
+  (``common/idle.py``). While it holds, SGLang's idle sleep also ends when
+  either comes (``sleep_waker``). SGLang's own accounting
   (``PoolStatsObserver``) counts slots, whatever memory allows.
 * Each engine registers in its device's registry (``KVCACHED_NAME``), so
   ``kvctl`` shows it and ``kvctl set-limit`` steers it while it runs.
@@ -71,7 +71,8 @@ process took meanwhile. Run on SGLang's CPU engine (host backend); the CUDA and
 ROCm paths are written for but have not run.
 
 Files: ``plan`` (refusals, where and as what an engine runs), ``pools`` (KV
-pools over a kvcached space), ``allocators`` (ids from kvcached, admission), and
+pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
+``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
 here the hooks that put them in SGLang's way.
 """
 
@@ -83,7 +84,6 @@ from typing import Any, Optional
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
-from kvcached.integration.common.idle import IdleRelease
 from kvcached.integration.common.settings import Settings
 
 from . import plan as _plan_module
@@ -157,16 +157,14 @@ def _hook_sleep_on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any
     # The last step of Scheduler.on_idle, which runs again and again while the
     # scheduler idles (with --sleep-on-idle it blocks here until the next
     # request, or 1 s). Give memory back once the idle hold has passed or the
-    # device wants it; while holding, sleep in short slices to notice either.
+    # device wants it; while holding, the sleep also ends when either comes.
     allocator = _allocator_of(scheduler)
     if allocator is None or not scheduler.is_fully_idle():
         return original(scheduler, *args, **kwargs)
-    if allocator.release_when_idle(scheduler.tree_cache, _plan_module.settings().idle_cache_bytes):
-        return original(scheduler, *args, **kwargs)
-    poller = getattr(scheduler.idle_sleeper, "poller", None)  # None: SGLang does not sleep here
-    if poller is not None:
-        poller.poll(int(IdleRelease.POLL_S * 1000))
-    return None
+    allocator.sleep_waker.drain()  # a wake-up that came must not end the next sleep too
+    if not allocator.release_when_idle(scheduler.tree_cache, _plan_module.settings().idle_cache_bytes):
+        allocator.sleep_waker.arm(allocator.idle, scheduler.idle_sleeper)
+    return original(scheduler, *args, **kwargs)
 
 
 def _hook_after_get_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -16,6 +16,7 @@ from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.idle import IdleRelease
 
 from . import plan as _plan
+from .sleep_waker import SleepWaker
 
 logger = logging.getLogger("sglang.srt.kvcached")
 #: How long the last running request waits for memory before SGLang aborts it.
@@ -32,6 +33,7 @@ class _KvcachedAllocator:
     def _attach(self, kvcache: Any) -> None:
         self.kvcached_blocks: EngineBlocks = kvcache.kvcached_blocks
         self.idle = IdleRelease(_plan.settings().idle_release_s, self.kvcached_blocks.budgets)
+        self.sleep_waker = SleepWaker()
         self._trimmed = False
 
     # -- what SGLang reads --
