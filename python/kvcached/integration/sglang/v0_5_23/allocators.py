@@ -78,8 +78,8 @@ class _KvcachedAllocator:
         self.idle.busy()
         if self.kvcached_blocks.secure(-(-num_tokens // self.page_size)):
             return True
-        # SGLang may also say no from available_size() alone, without asking
-        # kvcached: record that this engine waits, for idle engines to see.
+        # Short: say that this engine waits, so that idle engines on the device
+        # give memory back (want() ignores a no that came from its own limit).
         self.kvcached_blocks.want_more()
         return False
 
