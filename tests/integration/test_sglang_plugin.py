@@ -347,6 +347,7 @@ def test_idle_engine_holds_its_memory_until_the_hold_ends_or_the_device_wants_it
     assert allocator.kvcached_stats()["idle_early_releases"] == 0
 
     # Work starts a new idle period; another instance's refusal ends the (long) hold at once.
+    allocator.idle.close()
     allocator.idle = IdleRelease(600.0, [device])
     allocator.free(allocator.alloc(2 * blocks_per_page_id))
     threading.Timer(0.1, setattr, args=(device, "pressure_bytes", 1)).start()
