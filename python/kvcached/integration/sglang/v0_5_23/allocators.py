@@ -226,7 +226,7 @@ class KvcachedPrefillBudget(PrefillBudget):
         admit, chunk_limit = super().check_prefill(**kwargs)
         if not admit:  # SGLang's only reason: too little available; say that this engine waits
             self.allocator.kvcached_blocks.want_more()
-        if admit:
+        else:
             extend = kwargs["extend_input_len"] if chunk_limit is None else min(kwargs["extend_input_len"], chunk_limit)
             if not self._secure(self.current_offset + self.ceil_paged_tokens(extend) + self.page_size):
                 return False, None
