@@ -7,7 +7,8 @@
 #   bench/run_gpu_perf.sh OUT_DIR REF_TARBALL        (PYTHON=..., WORK=... to choose)
 #
 # ROUNDS=N (default 3) sets the side-by-side rounds (about 65 s each); HANDOVER=0
-# leaves the hand-over steps out, to keep a run with more rounds under 10 minutes.
+# leaves the hand-over steps out, to keep a run with more rounds under 10 minutes;
+# CPUS (default auto: four of the GPU's local CPUs; none; a list) pins every measured process.
 #
 # REF_TARBALL: the reference's source (a .tar.gz with one top folder). Every step is
 # time-limited (SIGINT, then SIGKILL 10 s later) and the next one runs anyway; the
@@ -39,7 +40,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
   tail -n 3 "$out/$name.log"
 }
 
-step environment 10 bash -c "date -u; uname -a; nvidia-smi || true; git -C '$repo' rev-parse HEAD || true
+step environment 20 bash -c "date -u; uname -a; nvidia-smi || true; nvidia-smi topo -m || true; lscpu | grep -i -E 'numa|model name|^cpu\(s\)' || true; git -C '$repo' rev-parse HEAD || true
   $py -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())'
   uptime"
 
@@ -66,7 +67,7 @@ bench_vmm=$(find build/perf -name bench_vmm -type f -perm -u+x 2>/dev/null | hea
 counter="$work/counter/libcuda_call_counter.so"
 
 step side_by_side $(( 75 * rounds + 25 )) "$py" bench/side_by_side.py --out "$out/side_by_side" --rounds "$rounds" \
-  --ref-site "$work/refsite" --ours-site "$work/oursite" --device cuda:0 \
+  --ref-site "$work/refsite" --ours-site "$work/oursite" --device cuda:0 --cpus "${CPUS:-auto}" \
   ${bench_vmm:+--bench-vmm "$bench_vmm"} $( [ -f "$counter" ] && echo --call-counter "$counter" ) \
   --step-timeout-s 45 --deadline-s $(( 65 * rounds ))
 

@@ -12,6 +12,12 @@ kvcached ÷ reference next to the driver floor measured in the same run
     python bench/side_by_side.py --out DIR --only ours --device cpu --rounds 1   # host smoke test
     python bench/side_by_side.py --out DIR --report-only                        # tables from raw.jsonl
 
+Every process (both sides, bench_vmm too) runs on the same CPUs: by default the
+first four of those sysfs lists as local to the GPU (``--cpus auto``), so that
+neither side's driver calls run on another socket or on other virtual CPUs than
+the other's; ``--cpus none`` leaves placement to the scheduler, ``--cpus 0-3``
+names them.
+
 Writes DIR/raw.jsonl (one line per process: case, round, result or error),
 DIR/bench_vmm_*.txt, DIR/summary.json and DIR/side_by_side.md.
 """
@@ -51,6 +57,14 @@ class Runner:
         self.raw = self.out / "raw.jsonl"
         self.deadline = time.monotonic() + args.deadline_s
         self.registry_dir = tempfile.mkdtemp(prefix="kvcached-sbs-registry-")
+        self.cpus = resolve_cpus(args.cpus)
+        placement = f"CPUs {sorted(self.cpus)}" if self.cpus else "left to the scheduler"
+        (self.out / "cpus.txt").write_text(f"--cpus {args.cpus}: every process on {placement}\n")
+        print(f"every process on {placement}", flush=True)
+
+    def _pin(self) -> None:  # runs in each child before it starts
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -78,7 +92,8 @@ class Runner:
         entry = dict(case=case, round=round_index, layout=layout, counted=counted)
         start = time.monotonic()
         try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=self.args.step_timeout_s)
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=self.args.step_timeout_s,
+                                  preexec_fn=self._pin)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode == 0 and lines:
                 entry["result"] = json.loads(lines[-1][len("RESULT "):])
@@ -98,7 +113,7 @@ class Runner:
             command = [self.args.bench_vmm, "--backend", "cuda", "--threads", "1", *extra]
             path = self.out / f"bench_vmm_{label}_round{round_index}.txt"
             try:
-                proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=60, preexec_fn=self._pin)
                 path.write_text(proc.stdout + proc.stderr)
                 entry = dict(case="bench_vmm", round=round_index, layout=label, file=path.name)
                 entry["result" if proc.returncode == 0 else "error"] = (
@@ -106,6 +121,40 @@ class Runner:
             except (OSError, subprocess.TimeoutExpired) as exc:
                 entry = dict(case="bench_vmm", round=round_index, layout=label, error=str(exc))
             self.record(entry)
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs from a list such as ``0-7,16-23`` (sysfs's ``local_cpulist`` format)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def gpu_local_cpus(ordinal: int = 0) -> Optional[set[int]]:
+    """The CPUs sysfs lists as local to GPU ``ordinal`` (None when that cannot be read)."""
+    try:
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(ordinal)],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        domain, rest = bus.lower().split(":", 1)
+        text = Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/local_cpulist").read_text()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return parse_cpu_list(text) & os.sched_getaffinity(0) or None
+
+
+AUTO_CPUS = 4  # a measurement is one thread calling the driver, plus the driver's own threads
+
+
+def resolve_cpus(choice: str) -> Optional[set[int]]:
+    if choice == "none":
+        return None
+    if choice == "auto":
+        local = gpu_local_cpus()
+        return set(sorted(local)[:AUTO_CPUS]) if local else None
+    return parse_cpu_list(choice)
 
 
 def parse_bench_vmm(text: str) -> dict:
@@ -157,6 +206,8 @@ def main() -> None:
     parser.add_argument("--ref-preload", default=SYSTEM_LIBSTDCXX, help="LD_PRELOAD for the reference's processes")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="limit per process")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="no new process after this long")
+    parser.add_argument("--cpus", default="auto",
+                        help="CPUs every process runs on: auto (four of the GPU's local CPUs), none, or a list such as 0-3")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the tables from raw.jsonl")
     args = parser.parse_args()
     if args.only != "ours" and not args.ref_site and not args.report_only:
