@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "kvcached/blocks/best_fit_index.hpp"
+#include "kvcached/blocks/free_slots.hpp"
 #include "kvcached/blocks/block_manager_options.hpp"
 #include "kvcached/blocks/memory_budget.hpp"
 #include "kvcached/blocks/mirror_budgets.hpp"
@@ -254,7 +255,7 @@ class KVCACHED_EXPORT BlockManager {
   std::mutex map_mutex_;
   mutable std::mutex mutex_;
   std::vector<PageState> state_;
-  std::vector<std::vector<std::uint32_t>> free_slots_;  // per mapped page: LIFO of free slots
+  std::vector<FreeSlots> free_slots_;                    // per mapped page, lowest first
   std::vector<std::uint8_t> block_state_;
   BestFitIndex index_;                                   // mapped pages by free blocks
   std::set<std::int64_t> unmapped_;                      // lowest id first

@@ -72,8 +72,7 @@ BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& op
     if (options_.null_block) {
       const std::vector<std::int64_t> first = {0};
       grow_locked(lock, 1, &first);
-      auto& slots = free_slots_[0];
-      slots.erase(std::find(slots.begin(), slots.end(), 0u));
+      free_slots_[0].remove(0);
       index_.update(0, index_.free_blocks(0) - 1);
       block_state_[0] = kUsed;
       ++used_blocks_;
@@ -113,14 +112,9 @@ void BlockManager::take_blocks_locked(std::size_t n, std::vector<std::int64_t>& 
     const std::size_t free = index_.free_blocks(page);
     if (index_.entirely_free(page)) --quota;
     const std::size_t take = std::min(free, n);
-    auto& slots = free_slots_[page];
-    const std::int64_t base = static_cast<std::int64_t>(page) * static_cast<std::int64_t>(blocks_per_page_);
-    for (std::size_t i = 0; i < take; ++i) {
-      const std::int64_t block = base + slots.back();
-      slots.pop_back();
-      block_state_[block] = kUsed;
-      out.push_back(block);
-    }
+    const std::size_t first = out.size();
+    free_slots_[page].take(take, static_cast<std::int64_t>(page) * static_cast<std::int64_t>(blocks_per_page_), out);
+    for (std::size_t i = first; i < out.size(); ++i) block_state_[out[i]] = kUsed;
     index_.update(page, free - take);
     used_blocks_ += take;
     n -= take;
@@ -138,7 +132,7 @@ void BlockManager::give_blocks_locked(const std::int64_t* ids, std::size_t count
     for (; i < count && static_cast<std::uint32_t>(ids[i] / static_cast<std::int64_t>(blocks_per_page_)) == page;
          ++i, ++run) {
       block_state_[ids[i]] = kFree;
-      slots.push_back(static_cast<std::uint32_t>(ids[i] % static_cast<std::int64_t>(blocks_per_page_)));
+      slots.give(static_cast<std::uint32_t>(ids[i] % static_cast<std::int64_t>(blocks_per_page_)));
     }
     index_.update(page, index_.free_blocks(page) + run);
     used_blocks_ -= run;

@@ -82,9 +82,7 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
   for (std::int64_t p : pages) {
     const auto page = static_cast<std::uint32_t>(p);
     const std::size_t capacity = index_.capacity(page);
-    auto& slots = free_slots_[p];
-    slots.resize(capacity);
-    for (std::size_t i = 0; i < capacity; ++i) slots[i] = static_cast<std::uint32_t>(capacity - 1 - i);  // slot 0 on top
+    free_slots_[p].fill(capacity);
     state_[p] = PageState::kMapped;
     index_.insert(page, capacity);
     mapping_blocks_ -= capacity;
@@ -124,9 +122,7 @@ std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint3
         const std::uint32_t p = pages[i];
         if (state_[p] != PageState::kUnmapping) continue;
         const std::size_t capacity = index_.capacity(p);
-        auto& slots = free_slots_[p];
-        slots.resize(capacity);
-        for (std::size_t k = 0; k < capacity; ++k) slots[k] = static_cast<std::uint32_t>(capacity - 1 - k);
+        free_slots_[p].fill(capacity);
         state_[p] = PageState::kMapped;
         index_.insert(p, capacity);
         --unmapping_pages_;

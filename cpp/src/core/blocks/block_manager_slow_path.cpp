@@ -190,8 +190,7 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   }
   for (std::int64_t id : sorted) {
     const std::uint32_t page = page_of_id(id);
-    auto& slots = free_slots_[page];
-    slots.erase(std::find(slots.begin(), slots.end(), static_cast<std::uint32_t>(id % blocks_per_page_)));
+    free_slots_[page].remove(static_cast<std::uint32_t>(id % blocks_per_page_));
     index_.update(page, index_.free_blocks(page) - 1);
     block_state_[id] = kUsed;
     ++used_blocks_;

@@ -172,7 +172,6 @@ void BlockManager::close() {
     if (index_.contains(static_cast<std::uint32_t>(p))) index_.erase(static_cast<std::uint32_t>(p));
     state_[p] = PageState::kUnmapped;
     free_slots_[p].clear();
-    free_slots_[p].shrink_to_fit();
     unmapped_.insert(static_cast<std::int64_t>(p));
   }
   std::fill(block_state_.begin(), block_state_.end(), kFree);
