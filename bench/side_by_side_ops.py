@@ -32,6 +32,7 @@ CAPACITY_BYTES = 128 << 30
 BLOCK_BYTES = 32 << 10  # 64 blocks per page id
 NUM_PAGE_PAIRS = 40  # grow one page id, then shrink it back, this many times
 BATCH_PAGES = 64  # "grow 64 page ids in one call"
+BATCH_REPEATS = 3  # grow 64 then shrink 64, this many times per process (one sample each is noisy)
 COLD_PAGES = 6  # grows of page ids whose zero chunks were not split ahead (GPU)
 # The reference's benchmarks/bench_alloc geometry, and (k, iterations) of alloc(k)+free.
 ALLOC_GEOMETRY = dict(num_blocks=65536, block_size=16, cell_size=1024, num_layers=16)
@@ -99,8 +100,9 @@ def ref_space(layout: str) -> dict:
         rec.time("grow_us", lambda: vmm_ops.map_to_kv_tensors([page * stride], 0))
         rec.time("shrink_us", lambda: vmm_ops.unmap_from_kv_tensors([page * stride], 0))
     batch = [p * stride for p in range(BATCH_PAGES)]
-    rec.time("grow64_ms", lambda: vmm_ops.map_to_kv_tensors(batch, 0), scale=1e3)
-    rec.time("shrink64_ms", lambda: vmm_ops.unmap_from_kv_tensors(batch, 0), scale=1e3)
+    for _ in range(BATCH_REPEATS):
+        rec.time("grow64_ms", lambda: vmm_ops.map_to_kv_tensors(batch, 0), scale=1e3)
+        rec.time("shrink64_ms", lambda: vmm_ops.unmap_from_kv_tensors(batch, 0), scale=1e3)
     vmm_ops.shutdown_kvcached()
     return rec.result()
 
@@ -219,15 +221,17 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
         worker_round()
         ids = timed_grow("grow_us", per_page)
         rec.time("shrink_us", lambda: (pool.free(ids), pool.maintain()))
-    worker_round()
-    mapped_before = pool.stats()["mapped_pages"]
-    ids = timed_grow("grow64_ms", BATCH_PAGES * per_page, scale=1e3)
-    grown = pool.stats()["mapped_pages"] - mapped_before
-    rec.time("shrink64_ms", lambda: (pool.free(ids), pool.maintain()), scale=1e3)
-    left = pool.stats()["mapped_pages"]
+    for _ in range(BATCH_REPEATS):
+        worker_round()
+        mapped_before = pool.stats()["mapped_pages"]
+        ids = timed_grow("grow64_ms", BATCH_PAGES * per_page, scale=1e3)
+        grown = pool.stats()["mapped_pages"] - mapped_before
+        rec.time("shrink64_ms", lambda: (pool.free(ids), pool.maintain()), scale=1e3)
+        left = pool.stats()["mapped_pages"]
+        if grown != BATCH_PAGES or left != 0:
+            pool.close()
+            raise RuntimeError(f"pool grew {grown} page ids for {BATCH_PAGES}, {left} left mapped")
     pool.close()
-    if grown != BATCH_PAGES or left != 0:
-        raise RuntimeError(f"pool grew {grown} page ids for {BATCH_PAGES}, {left} left mapped")
     from kvcached import config
 
     return rec.result(max_spare_pages=config.get("max_spare_pages"), min_spare_pages=config.get("min_spare_pages"),
@@ -262,9 +266,10 @@ def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
         space.prepare_pages([page])
         rec.time("grow_us", lambda: space.map_pages([page]))
         rec.time("shrink_us", lambda: space.unmap_pages([page]))
-    space.prepare_pages(batch)
-    rec.time("grow64_ms", lambda: space.map_pages(batch), scale=1e3)
-    rec.time("shrink64_ms", lambda: space.unmap_pages(batch), scale=1e3)
+    for _ in range(BATCH_REPEATS):
+        space.prepare_pages(batch)
+        rec.time("grow64_ms", lambda: space.map_pages(batch), scale=1e3)
+        rec.time("shrink64_ms", lambda: space.unmap_pages(batch), scale=1e3)
     if zero_backing:
         for page in spread[NUM_PAGE_PAIRS + BATCH_PAGES:]:
             rec.time("cold_grow_us", lambda: space.map_pages([page]))
