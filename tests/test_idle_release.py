@@ -176,3 +176,92 @@ def test_an_idle_release_of_zero_is_accepted(monkeypatch):
 
     monkeypatch.setenv("KVCACHED_IDLE_RELEASE_S", "0")
     assert config.get("idle_release_s") == 0.0
+
+
+
+def _idle_spell(idle: IdleRelease, clock: FakeClock, seconds: float) -> bool:
+    """An idle spell of ``seconds`` (due() asked at its start and end), then work; whether it released."""
+    idle.due()
+    clock.now += seconds
+    released = idle.due()
+    idle.busy()
+    return released
+
+
+def _learning(clock: FakeClock, budgets=()) -> IdleRelease:
+    """A 5 s hold that may grow to 30 s, on an engine that has worked."""
+    idle = IdleRelease(5.0, list(budgets), max_hold_s=30.0, clock=clock)
+    idle.busy()
+    return idle
+
+
+def test_a_hold_that_ran_out_just_before_work_came_back_grows_to_cover_such_spells():
+    clock = FakeClock()
+    idle = _learning(clock)
+    assert _idle_spell(idle, clock, 10.0)  # released after 5 s, work back 5 s later
+    assert idle.hold_s == pytest.approx(15.0)
+    assert not _idle_spell(idle, clock, 10.0)  # the next such spell keeps the memory
+    assert idle.hold_s == pytest.approx(15.0)  # and a kept spell changes nothing
+    assert not idle.due()
+    clock.now += 14.9
+    assert not idle.due()
+    clock.now += 0.1
+    assert idle.due()
+
+
+def test_the_hold_grows_at_most_to_its_maximum_and_a_longer_spell_sets_it_back():
+    clock = FakeClock()
+    idle = _learning(clock)
+    assert _idle_spell(idle, clock, 10.0) and _idle_spell(idle, clock, 29.0)
+    assert idle.hold_s == pytest.approx(30.0)  # 1.5 x 29 s, capped at 30 s
+    assert _idle_spell(idle, clock, 31.0)  # longer than the longest hold: a genuinely idle engine
+    assert idle.hold_s == pytest.approx(5.0)
+
+
+def test_an_early_release_for_the_device_or_work_within_the_hold_leaves_the_hold_alone():
+    clock = FakeClock()
+    budget = FakeBudget()
+    idle = _learning(clock, [budget])
+    assert not _idle_spell(idle, clock, 4.0)
+    assert not idle.due()
+    clock.now += 1.0
+    budget.pressure_bytes = PAGE_BYTES
+    assert idle.due() and idle.num_early == 1
+    clock.now += 1.0
+    idle.busy()
+    assert idle.hold_s == 5.0
+
+
+def test_the_spell_before_the_first_work_teaches_nothing():
+    clock = FakeClock()
+    idle = IdleRelease(5.0, [], max_hold_s=30.0, clock=clock)
+    assert _idle_spell(idle, clock, 10.0)  # an engine waiting for its first request
+    assert idle.hold_s == 5.0
+    assert _idle_spell(idle, clock, 10.0)
+    assert idle.hold_s == pytest.approx(15.0)
+
+
+def test_without_a_maximum_above_it_or_with_a_hold_of_zero_the_hold_stays_fixed():
+    clock = FakeClock()
+    fixed = IdleRelease(5.0, [], clock=clock)
+    fixed.busy()
+    assert _idle_spell(fixed, clock, 10.0) and fixed.hold_s == 5.0
+    at_once = IdleRelease(0.0, [], max_hold_s=30.0, clock=clock)
+    at_once.busy()
+    assert _idle_spell(at_once, clock, 1.0) and at_once.hold_s == 0.0
+
+
+def test_a_negative_maximum_hold_is_refused():
+    with pytest.raises(ValueError, match="max_hold_s"):
+        IdleRelease(5.0, [], max_hold_s=-1.0)
+
+
+def test_the_maximum_hold_setting_is_read_and_checked(monkeypatch):
+    from kvcached import config
+    from kvcached.errors import ConfigurationError
+
+    monkeypatch.setenv("KVCACHED_IDLE_RELEASE_MAX_S", "12")
+    assert config.get("idle_release_max_s") == 12.0
+    monkeypatch.setenv("KVCACHED_IDLE_RELEASE_MAX_S", "soon")
+    with pytest.raises(ConfigurationError, match="KVCACHED_IDLE_RELEASE_MAX_S"):
+        config.get("idle_release_max_s")

@@ -230,8 +230,14 @@ OPTIONS: dict[str, Option] = {
     ),
     "idle_release_s": Option(
         "KVCACHED_IDLE_RELEASE_S", 5.0, _parse_seconds_or_zero,
-        "Seconds an idle vLLM engine keeps its KV memory before giving it back; at once when another "
-        "instance on the device is refused memory or the engine is over its limit (0: as soon as idle).",
+        "Seconds an idle engine keeps its KV memory before giving it back (a hold that ran out just before "
+        "work came back grows, see KVCACHED_IDLE_RELEASE_MAX_S); at once when another instance on the device "
+        "is refused memory or the engine is over its limit (0: as soon as idle).",
+    ),
+    "idle_release_max_s": Option(
+        "KVCACHED_IDLE_RELEASE_MAX_S", 30.0, _parse_seconds_or_zero,
+        "The longest an idle engine's hold grows to when its work came back soon after it gave its memory "
+        "back: the next hold covers 1.5 times such an idle spell (at most KVCACHED_IDLE_RELEASE_S: a fixed hold).",
     ),
     "rank_ack_timeout_s": Option(
         "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, _parse_seconds,

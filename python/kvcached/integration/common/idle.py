@@ -7,9 +7,16 @@ development VM about 8 ms per 12 MiB page id, ``bench/host_page_cost.py``: near
 GPU every page id costs driver calls. An engine whose bursts come a few seconds apart would pay
 it for every burst, while nobody else used the memory in between.
 
-Approach. An idle engine keeps what it has mapped for ``KVCACHED_IDLE_RELEASE_S``
-seconds (default 5), like an allocator's decay of dirty pages, and gives it
-back at once when the device's budget is wanted: another instance on the same
+Approach. An idle engine keeps what it has mapped for a hold of
+``KVCACHED_IDLE_RELEASE_S`` seconds (default 5), like an allocator's decay of
+dirty pages. The hold learns the engine's cadence: when it ran out and work
+came back within ``KVCACHED_IDLE_RELEASE_MAX_S`` (default 30 s) of the spell's
+start, the release was too early, and the next hold covers 1.5 times that idle
+spell (up to that maximum); a longer spell sets it back to the setting. The
+spell before the engine's first work teaches nothing. (In the end-to-end
+benchmark each engine idles about 10 s while the other serves; a fixed 5 s
+hold made it take 100-150 MiB again every other pass.) It
+gives the memory back at once when the device's budget is wanted: another instance on the same
 device was refused memory in the last second (the registry's pressure), or
 this instance holds more than the limit it now has (``kvctl set-limit`` /
 ``set-budget``). vLLM's loop blocks while idle: a thread of its own watches for
@@ -40,7 +47,9 @@ class IdleRelease:
     """Decides when an idle engine gives its memory back, and wakes it then.
 
     Args:
-        hold_s: how long an idle engine keeps its memory when nobody wants it.
+        hold_s: how long an idle engine keeps its memory when nobody wants it
+            (the first hold; later ones learn the engine's idle spells, see above).
+        max_hold_s: the longest a learnt hold grows (at most ``hold_s``: a fixed hold).
         budgets: the engine's registry entries (one per rank), read for the
             device's pressure and their limits.
         clock: monotonic seconds (tests pass a fake one).
@@ -48,14 +57,23 @@ class IdleRelease:
 
     #: How often the watching thread reads the budgets while the engine is idle.
     POLL_S = 0.01
+    #: A hold that ran out too early grows to this multiple of the idle spell it cut short.
+    COVER = 1.5
 
-    def __init__(self, hold_s: float, budgets: Sequence[Any], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, hold_s: float, budgets: Sequence[Any], *, max_hold_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not hold_s >= 0.0:
             raise ValueError(f"hold_s must be >= 0, got {hold_s!r}")
-        self.hold_s = hold_s
+        if not max_hold_s >= 0.0:
+            raise ValueError(f"max_hold_s must be >= 0, got {max_hold_s!r}")
+        self.base_hold_s = hold_s
+        self.max_hold_s = max(hold_s, max_hold_s) if hold_s > 0.0 else 0.0
+        self.hold_s = hold_s  # the current hold (see the module's docstring)
         self._budgets = list(budgets)
         self._clock = clock
         self._idle_since: Optional[float] = None
+        self._hold_ran_out = False  # in this idle spell
+        self._has_worked = False  # the spell before the first work teaches nothing
         self._cond = threading.Condition()
         self._armed: Optional[tuple[float, Callable[[], None]]] = None  # (deadline, wake)
         self._thread: Optional[threading.Thread] = None
@@ -67,9 +85,20 @@ class IdleRelease:
     def busy(self) -> None:
         """The engine has work: the next idle period starts from zero (cheap when already busy)."""
         if self._idle_since is not None:
+            if self._hold_ran_out and self._has_worked:
+                self._learn(self._clock() - self._idle_since)
+            self._hold_ran_out = False
             self._idle_since = None
             with self._cond:
                 self._armed = None
+        self._has_worked = True
+
+    def _learn(self, idle_s: float) -> None:
+        """After an idle spell of ``idle_s`` that outlasted the hold: the next hold."""
+        if idle_s <= self.max_hold_s:
+            self.hold_s = min(self.max_hold_s, max(self.hold_s, self.COVER * idle_s))
+        else:
+            self.hold_s = self.base_hold_s
 
     def due(self) -> bool:
         """Called while the engine is idle: whether to give its memory back now."""
@@ -77,6 +106,7 @@ class IdleRelease:
         if self._idle_since is None:
             self._idle_since = now
         if self.hold_s == 0.0 or now - self._idle_since >= self.hold_s:
+            self._hold_ran_out = self.hold_s > 0.0
             return True
         if self.wanted():
             self.num_early += 1

@@ -52,6 +52,9 @@ class Settings:
     #: Seconds an idle engine keeps its memory unless another instance wants
     #: it (``KVCACHED_IDLE_RELEASE_S``; :mod:`kvcached.integration.common.idle`).
     idle_release_s: float = 5.0
+    #: The longest that hold grows to for an engine whose work keeps coming back
+    #: just after it gave its memory back (``KVCACHED_IDLE_RELEASE_MAX_S``).
+    idle_release_max_s: float = 30.0
     #: A rank whose oldest unacknowledged page-op batch is older than this is
     #: declared lost (``KVCACHED_RANK_ACK_TIMEOUT_S``).
     rank_ack_timeout_s: float = 120.0
@@ -67,5 +70,6 @@ class Settings:
             name=config.get("name"),
             idle_cache_bytes=config.get("idle_cache_bytes"),
             idle_release_s=config.get("idle_release_s"),
+            idle_release_max_s=config.get("idle_release_max_s"),
             rank_ack_timeout_s=config.get("rank_ack_timeout_s"),
         )

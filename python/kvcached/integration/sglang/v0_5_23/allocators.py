@@ -32,7 +32,8 @@ class _KvcachedAllocator:
 
     def _attach(self, kvcache: Any) -> None:
         self.kvcached_blocks: EngineBlocks = kvcache.kvcached_blocks
-        self.idle = IdleRelease(_plan.settings().idle_release_s, self.kvcached_blocks.budgets)
+        self.idle = IdleRelease(_plan.settings().idle_release_s, self.kvcached_blocks.budgets,
+                                max_hold_s=_plan.settings().idle_release_max_s)
         self.sleep_waker = SleepWaker()
         self._trimmed = False
 

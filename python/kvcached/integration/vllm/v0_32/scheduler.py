@@ -36,7 +36,8 @@ class EngineKV:
 
     def __init__(self, blocks: EngineBlocks, plan: EnginePlan, name: str) -> None:
         self.blocks = blocks
-        self.idle = IdleRelease(settings().idle_release_s, blocks.budgets)
+        self.idle = IdleRelease(settings().idle_release_s, blocks.budgets,
+                                max_hold_s=settings().idle_release_max_s)
         self.plan = plan
         self.name = name
         self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
