@@ -9,7 +9,7 @@ space whose zero pieces (one per allocation, given access) are in place, grown:
 * ``inline``: create, unmap zero, map, set_access, one allocation after the other
   (the reference's order);
 * ``create_first``: every create first, then unmap zero, map, set_access per
-  allocation (kvcached's order when it has no spares);
+  allocation (kvcached's order for every grow of several page ids);
 * ``overlapped``: a second thread creates while this one unmaps, maps and gives
   access as each allocation arrives (driver calls release the GIL);
 * ``creates_only_1`` / ``creates_only_2``: the creates alone, on one thread or

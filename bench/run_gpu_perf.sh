@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvcached against the reference implementation on one GPU, in one run: builds both
 # (each into its own --target directory), then the side-by-side benchmark with the
-# driver floor and the driver-call counter, bench_vmm on one thread, and the memory
+# driver floor and the driver-call counter, bench_vmm on one thread, the order of a
+# 64-allocation grow's driver calls (bench/create_overlap_probe.py), and the memory
 # hand-over between two processes (8 GiB, both layouts, zero backing on and off).
 #
 #   bench/run_gpu_perf.sh OUT_DIR REF_TARBALL        (PYTHON=..., WORK=... to choose)
@@ -79,6 +80,10 @@ step bench_vmm 15 bash -c "'${bench_vmm:-bench_vmm}' --backend cuda --threads 1 
 step setup_floor 90 env PYTHONPATH="$work/oursite" "$py" bench/set_access_probe.py --device cuda:0 --cover 128 \
   --rounds 3 --json "$out/setup_floor.json"
 
+# The order of a many-allocation grow's driver calls: creates between the maps or first.
+step create_overlap 60 env PYTHONPATH="$work/oursite" "$py" bench/create_overlap_probe.py --device cuda:0 --mib 128 \
+  --count 64 --rounds 7 --json "$out/create_overlap.json"
+
 [ "$handover" = 0 ] || step handover 100 env PYTHONPATH="$work/oursite" "$py" bench/handover.py --device cuda:0 --size 8GiB \
   --handovers 20 --layouts contiguous,per_layer --zero-backing on,off --deadline-s 60 --out "$out/handover"
 
@@ -92,6 +97,7 @@ step summary 5 bash -c "{
   echo '## Memory hand-over, 8 GiB, cuda:0'; echo; cat '$out/handover/handover.md' 2>/dev/null || echo '(none)'; echo
   cat '$out/handover_retry/handover.md' 2>/dev/null | tail -n 1; echo
   echo '## bench_vmm, 1 thread'; echo; echo '\`\`\`'; cat '$out/bench_vmm.log'; echo '\`\`\`'; echo
-  echo '## Zero-backed set-up floor'; echo; tail -n 14 '$out/setup_floor.log' 2>/dev/null || echo '(none)'
+  echo '## Zero-backed set-up floor'; echo; tail -n 14 '$out/setup_floor.log' 2>/dev/null || echo '(none)'; echo
+  echo '## Order of a 64-allocation grow'; echo; tail -n 10 '$out/create_overlap.log' 2>/dev/null || echo '(none)'
 } > '$out/SUMMARY.md'; wc -l '$out/SUMMARY.md'"
 echo "total seconds=$SECONDS" | tee -a "$out/exit_codes.txt"
