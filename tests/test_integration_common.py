@@ -15,7 +15,7 @@ from kvcached.integration.common.mirrors import process_alive
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
 from kvcached.pool import KVSpace
-from kvcached.registry import registry_for
+from kvcached.registry import DeviceRegistry, registry_for
 from rank_process import RankProcess, close_all
 
 KiB = 1 << 10
@@ -99,6 +99,58 @@ def test_clear_frees_everything_handed_out(blocks):
     blocks.clear()
     stats = blocks.stats()
     assert blocks.logical_free() == 99 and stats["secured_blocks"] == 0 and stats["used_blocks"] == 1
+
+
+def test_an_engine_keeps_the_pages_it_freed_until_its_idle_hold_ends(blocks):
+    """A flushed cache followed by the next requests maps nothing again."""
+    blocks.alloc(60)
+    mapped = blocks.stats()["mapped_pages"]
+    assert mapped == 4
+    blocks.clear()  # frees every block, then one reserve round
+    blocks.end_step()
+    assert blocks.stats()["mapped_pages"] == mapped and blocks.stats()["free_pages"] == mapped - 1
+    slow = blocks.stats()["slow_allocs"]
+    blocks.alloc(60)
+    assert blocks.stats()["slow_allocs"] == slow  # every block came from a page still mapped
+    blocks.clear()
+    for _ in range(8):  # steps with nothing to allocate still keep them
+        blocks.end_step()
+    assert blocks.stats()["mapped_pages"] == mapped
+    assert blocks.trim() == mapped - 1  # the idle hold's end: only the null block's page stays
+
+
+def test_a_busy_engine_gives_freed_pages_back_when_another_instance_waits(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path))  # a device of 6 pages of its own
+    registry = DeviceRegistry("cpu", 6 * PAGE_ID_BYTES)
+    budget, other = registry.register("busy"), registry.register("waiting")
+    engine = EngineBlocks.local(LAYOUT, device="cpu", budget=budget, name="busy")
+    try:
+        ids = engine.alloc(90)  # 6 pages: the device is full
+        engine.free(ids[:60])
+        engine.end_step()
+        stats = engine.stats()
+        assert stats["mapped_pages"] == 6 and stats["free_pages"] >= 2  # kept: nobody else wants it
+        other.want(PAGE_ID_BYTES)  # the device is full: pressure on the holder
+        engine.end_step()
+        stats = engine.stats()
+        assert stats["free_pages"] == 0 and stats["mapped_pages"] == stats["used_pages"] < 6
+        assert budget.mapped_bytes == stats["held_pages"] * PAGE_ID_BYTES
+    finally:
+        engine.close()
+
+
+def test_without_keeping_freed_pages_they_go_back_at_the_end_of_the_step(request, monkeypatch):
+    monkeypatch.setenv("KVCACHED_KEEP_FREED_WHILE_BUSY", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVE_PAGES", "1")
+    name = request.node.name[:60]
+    budget = registry_for("cpu").register(name)
+    engine = EngineBlocks.local(LAYOUT, device="cpu", budget=budget, name=name)
+    try:
+        engine.alloc(60)
+        engine.clear()
+        assert engine.stats()["mapped_pages"] == 2  # the null block's page and one free page
+    finally:
+        engine.close()
 
 
 def test_engine_blocks_stats_count_engine_and_core(blocks):

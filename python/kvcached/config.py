@@ -239,6 +239,12 @@ OPTIONS: dict[str, Option] = {
         "The longest an idle engine's hold grows to when its work came back soon after it gave its memory "
         "back: the next hold covers 1.5 times such an idle spell (at most KVCACHED_IDLE_RELEASE_S: a fixed hold).",
     ),
+    "keep_freed_while_busy": Option(
+        "KVCACHED_KEEP_FREED_WHILE_BUSY", True, _parse_bool,
+        "SGLang: pages an engine frees (a flushed cache, aborted requests) stay mapped for its next requests; "
+        "they go back with the rest at the end of its idle hold, at once when another instance waits for "
+        "memory, or over its limit. Off: beyond KVCACHED_MAX_RESERVE_PAGES they go back at the end of the step.",
+    ),
     "rank_ack_timeout_s": Option(
         "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, _parse_seconds,
         "A rank that acknowledges no page operations for this long is declared lost (its budget returns).",

@@ -83,7 +83,16 @@ class EngineBlocks:
         chooses, so memory the engine was told it has stays mapped until used.
         Unmapping synchronises the device first (the core's fence), so blocks
         a kernel may still touch are never unmapped under it.
+
+        With ``KVCACHED_KEEP_FREED_WHILE_BUSY`` (the default) the engine keeps
+        every page it frees mapped: the rounds of :meth:`end_step` give free
+        pages back only when another instance on the device waits for memory
+        or over the limit, and the rest goes with :meth:`trim` at the end of
+        the engine's idle hold. Otherwise a burst of frees followed by a burst
+        of allocs (a flushed cache, then the next requests) would unmap pages
+        and map them again.
         """
+        from kvcached import config
         from kvcached.pool import KVPool
 
         options = block_manager_options(
@@ -92,6 +101,7 @@ class EngineBlocks:
             # Reserve pages only come from explicit maintain() calls: keeping
             # none ready avoids mapping one at every step of an idle engine.
             min_reserve_pages=0,
+            max_reserve_pages=int(layout.num_pages) if config.get("keep_freed_while_busy") else None,
         )
         pool = KVPool(kv_layout=layout, device=device, options=options,
                       space_options=space_options(zero_backing=zero_backing), budget=budget, register=False, name=name)
