@@ -103,6 +103,51 @@ def installed_kvcached() -> str:
     return line
 
 
+def session_processes() -> dict[str, dict[str, float]]:
+    """CPU seconds, context switches and threads of every process of this engine (its session), by name.
+
+    vLLM's front end (this process), EngineCore and worker; SGLang's engine (this process),
+    scheduler and detokenizer: where kvcached's time goes there, compared with a run without it."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    sid, found = os.getsid(0), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) != sid:  # fields[3]: session id
+            continue
+        switches = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "Threads"))}
+        found[f"{name}[{pid}]"] = dict(cpu_s=(int(fields[11]) + int(fields[12])) / ticks,  # utime + stime
+                                       voluntary=switches.get("voluntary_ctxt_switches", 0),
+                                       involuntary=switches.get("nonvoluntary_ctxt_switches", 0),
+                                       threads=switches.get("Threads", 0))
+        for tid in os.listdir(f"/proc/{pid}/task"):  # per thread, by name: which threads the CPU went to
+            try:
+                tstat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            tfields = tstat[tstat.rindex(")") + 2:].split()
+            found[f"{name}[{pid}]"][f"thread {tstat[tstat.index('(') + 1:tstat.rindex(')')]}[{tid}]"] = (
+                (int(tfields[11]) + int(tfields[12])) / ticks)
+    return found
+
+
+def timed_window(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """What each process did between two ``session_processes()`` snapshots."""
+    return {name: {k: round(v - before.get(name, {}).get(k, 0), 3) if k != "threads" else v for k, v in figures.items()
+                   if not k.startswith("thread ") or v - before.get(name, {}).get(k, 0) >= 0.02}
+            for name, figures in after.items()}
+
+
+def cpu_seconds(processes: dict[str, dict[str, float]]) -> float:
+    """All CPU seconds of a :func:`timed_window`."""
+    return round(sum(process["cpu_s"] for process in processes.values()), 2)
+
+
 def without_kvcached_flags(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment without kvcached's switches, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")}

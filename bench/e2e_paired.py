@@ -235,6 +235,11 @@ def summary(runs: list[dict]) -> str:
               for on in (False, True)}
     lines.append(f"- pooled output tokens/s (all tokens ÷ all timed seconds): off {pooled[False]:.1f}, "
                  f"on {pooled[True]:.1f}, on ÷ off **{pooled[True] / pooled[False]:.3f}**")
+    if all(pair[on].get("cpu_s") for pair in pairs for on in (False, True)):
+        ratios = [pair[True]["cpu_s"] / pair[False]["cpu_s"] for pair in pairs]
+        low, high = median_interval(ratios)
+        lines.append(f"- CPU seconds of the engine's processes per pass (the same work on both): median "
+                     f"**{statistics.median(ratios):.3f}** (bootstrap 95 % interval {low:.3f}–{high:.3f})")
     if all(pair[on].get("engine_step_ms_per_step") is not None for pair in pairs for on in (False, True)):
         def added(key: str) -> float:
             return statistics.median(pair[True][key] - pair[False][key] for pair in pairs)

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from kvcached.integration.common.settings import is_enabled
 
-from e2e_common import (WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts, run_child, run_rounds, summarize,
-                        without_kvcached_flags, write_report)
+from e2e_common import (WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts, run_child, run_rounds, session_processes,
+                        summarize, timed_window, without_kvcached_flags, write_report)
 
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_bytes=256 << 20)
 
@@ -204,46 +204,6 @@ class StepTimer:
                     apply_ms_per_step=totals.get("apply_s", 0.0) / steps * 1e3 if kvcached else None,
                     page_ops=dict(mapped=int(totals.get("mapped", 0)), unmapped=int(totals.get("unmapped", 0)),
                                   slowest_ms=totals.get("slowest_apply_ms", 0.0)) if kvcached else None)
-
-
-def session_processes() -> dict[str, dict[str, float]]:
-    """CPU seconds, context switches and threads of every process of this engine (its session), by name.
-
-    In multi-process mode that is the front end (this process), the EngineCore and the
-    worker: where kvcached's time goes there, compared with a run without it."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    sid, found = os.getsid(0), {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) != sid:  # fields[3]: session id
-            continue
-        switches = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
-                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "Threads"))}
-        found[f"{name}[{pid}]"] = dict(cpu_s=(int(fields[11]) + int(fields[12])) / ticks,  # utime + stime
-                                       voluntary=switches.get("voluntary_ctxt_switches", 0),
-                                       involuntary=switches.get("nonvoluntary_ctxt_switches", 0),
-                                       threads=switches.get("Threads", 0))
-        for tid in os.listdir(f"/proc/{pid}/task"):  # per thread, by name: which threads the CPU went to
-            try:
-                tstat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            tfields = tstat[tstat.rindex(")") + 2:].split()
-            found[f"{name}[{pid}]"][f"thread {tstat[tstat.index('(') + 1:tstat.rindex(')')]}[{tid}]"] = (
-                (int(tfields[11]) + int(tfields[12])) / ticks)
-    return found
-
-
-def timed_window(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """What each process did between two ``session_processes()`` snapshots."""
-    return {name: {k: round(v - before.get(name, {}).get(k, 0), 3) if k != "threads" else v for k, v in figures.items()
-                   if not k.startswith("thread ") or v - before.get(name, {}).get(k, 0) >= 0.02}
-            for name, figures in after.items()}
 
 
 def build_engine(model: str, kv_cache_bytes: int):

@@ -19,11 +19,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from e2e_common import WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts
+from e2e_common import (WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_model, make_prompts, session_processes,
+                        timed_window)
 from e2e_paired import (EngineProcess, add_setting_options, engine_settings, paired_parser, parse_paired, pass_prompts,
                         run_paired, serve_if_child, serve_passes, settings_note)
-from vllm_e2e import (ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload, session_processes,
-                      timed_window)
+from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload
 
 
 def serve(spec_path: str, result_fd: int) -> None:
@@ -39,6 +39,7 @@ def serve(spec_path: str, result_fd: int) -> None:
             StepTimer.collect(engine)  # what ran since the last pass (the idle flush) is not this pass's
         result = run_workload(engine, pass_prompts(k), WORKLOAD["new_tokens"], f"p{k}-")
         result["processes"] = timed_window(before, session_processes())
+        result["cpu_s"] = cpu_seconds(result["processes"])
         if timing:
             result.update(StepTimer.collect(engine))
         if spec["kvcached"] and not spec["control"]:

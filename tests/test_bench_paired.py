@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -38,6 +39,26 @@ def test_summary_pairs_passes_and_pools_throughput():
 
 def test_summary_without_a_complete_pass():
     assert summary([_run(0, False, 100.0)]) == "no complete pass\n"
+
+
+def test_summary_adds_the_engines_cpu_seconds_when_every_pass_has_them():
+    runs = [dict(_run(0, False, 100.0), cpu_s=4.0), dict(_run(0, True, 90.0), cpu_s=4.4),
+            dict(_run(1, True, 50.0), cpu_s=3.0), dict(_run(1, False, 50.0), cpu_s=3.0)]
+    assert "CPU seconds of the engine's processes per pass (the same work on both): median **1.050**" in summary(runs)
+    del runs[3]["cpu_s"]
+    assert "CPU seconds" not in summary(runs)
+
+
+def test_the_session_cpu_window_counts_what_each_process_did():
+    from e2e_common import cpu_seconds, session_processes, timed_window
+
+    before = session_processes()
+    deadline = time.process_time() + 0.1
+    while time.process_time() < deadline:  # this process's CPU, counted in clock ticks
+        pass
+    window = timed_window(before, session_processes())
+    assert cpu_seconds(window) >= 0.05
+    assert any(figures["cpu_s"] >= 0.05 for figures in window.values())
 
 
 def test_summary_adds_the_per_step_differences_when_the_steps_were_timed():
