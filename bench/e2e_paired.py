@@ -15,6 +15,12 @@ after the other engine's two passes (about 12 s: memory given back and mapped
 again), so half of its passes map their memory afresh. ``--on-env
 KVCACHED_IDLE_RELEASE_S=0`` gives it back before every pass.
 
+One pair of engines is one draw of two processes, and a process can run a few
+per cent faster than another for its whole life (on the 2-core VM, A/A runs of
+one pair read from 0.998 to 1.078). ``--restarts R`` starts R pairs one after
+the other, each serving its share of the passes, odd pairs started in the
+opposite order; the intervals then resample the pairs before their passes.
+
 The engine scripts provide the child (:func:`serve_passes` with their own
 ``run_pass``) and call :func:`run_paired` in the parent.
 """
@@ -87,6 +93,10 @@ def paired_parser(description: str, *, passes: int, timeout_s: float, gap_help: 
     parser.add_argument("--passes", type=int, default=passes)
     parser.add_argument("--gap-s", type=float, default=2.0, help=gap_help)
     parser.add_argument("--timeout-s", type=float, default=timeout_s, help="limit for an engine's start or one pass")
+    parser.add_argument("--restarts", type=int, default=1, metavar="R",
+                        help="start R pairs of engines one after the other, each serving its share of the passes "
+                             "(odd pairs started in the opposite order): one process can be a few per cent faster "
+                             "than another for its whole life, so one pair's ratio carries its draw")
     return parser
 
 
@@ -121,6 +131,8 @@ def parse_paired(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, P
     args = parser.parse_args()
     if args.passes < 1:
         parser.error("--passes must be at least 1")
+    if not 1 <= args.restarts <= args.passes:
+        parser.error("--restarts must be between 1 and --passes")
     if any("=" not in item for item in getattr(args, "on_env", []) + getattr(args, "off_env", [])):
         parser.error("--on-env and --off-env take NAME=VALUE")
     out = Path(args.out)
@@ -137,7 +149,8 @@ class EngineProcess:
         spec_path = out / f"engine-{self.label}.spec.json"
         spec_path.write_text(json.dumps(dict(spec, kvcached=kvcached_on)))
         read_fd, write_fd = os.pipe()
-        self.log = open(out / f"engine-{self.label}.log", "w")
+        self.log_path = out / f"engine-{self.label}.log"
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, script, "--serve", str(spec_path), str(write_fd)], env=env, stdin=subprocess.PIPE,
             stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True, text=True)
@@ -173,32 +186,44 @@ class EngineProcess:
 
 
 def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProcess], passes: int, gap_s: float,
-               timeout_s: float, note: str = "") -> list[dict]:
-    """Starts both engines (one after the other), runs ``passes`` ABBA passes, writes runs.json and NAME.md.
+               timeout_s: float, note: str = "", restarts: int = 1) -> list[dict]:
+    """Runs ``passes`` ABBA passes on ``restarts`` pairs of engines in turn; writes runs.json and NAME.md.
 
-    ``note``: how the engines differ beyond kvcached on and off, for the report's first line."""
+    Each pair's two engines start one after the other (pair 0 the one without
+    kvcached first, odd pairs the other way round) and serve an equal share of
+    the passes; with several pairs each engine's log is kept as
+    ``engine-LABEL.pairR.log``. ``note``: how the engines differ beyond
+    kvcached on and off, for the report's first line."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the engines are stopped too
     installed = installed_kvcached() + (f"; {note}" if note else "")
+    installed += f"; {restarts} engine pairs, started one after the other" if restarts > 1 else ""
     print(installed, flush=True)
-    engines: dict[bool, EngineProcess] = {}
     runs: list[dict] = []
-    try:
-        for on in (False, True):  # one at a time: two start-ups would only slow each other
-            engines[on] = start_engine(on)
-            engines[on].next_result(timeout_s)
-        for k in range(passes):
-            for on in ((False, True) if k % 2 == 0 else (True, False)):  # ABBA: drift cancels
-                time.sleep(gap_s)
-                uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-                result = engines[on].run(k, timeout_s)
-                entry = dict(label=f"p{k}-{engines[on].label}", kvcached=on, round=k, uptime_before=uptime, **result)
-                runs.append(entry)
-                print(json.dumps({key: entry.get(key) for key in ("label", "tokens_per_s", "tpot_p99_ms", "ttft_p50_ms",
-                                                                   "wall_s")}), flush=True)
-                (out / "runs.json").write_text(json.dumps(runs, indent=1))
-    finally:
-        for engine in engines.values():
-            engine.stop()
+    first_pass = 0
+    for pair in range(restarts):
+        last_pass = passes * (pair + 1) // restarts
+        engines: dict[bool, EngineProcess] = {}
+        try:
+            for on in ((False, True) if pair % 2 == 0 else (True, False)):  # one start-up at a time
+                engines[on] = start_engine(on)
+                engines[on].next_result(timeout_s)
+            for k in range(first_pass, last_pass):
+                for on in ((False, True) if k % 2 == 0 else (True, False)):  # ABBA: drift cancels
+                    time.sleep(gap_s)
+                    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+                    result = engines[on].run(k, timeout_s)
+                    entry = dict(label=f"p{k}-{engines[on].label}", kvcached=on, round=k, engine_pair=pair,
+                                 uptime_before=uptime, **result)
+                    runs.append(entry)
+                    print(json.dumps({key: entry.get(key) for key in ("label", "tokens_per_s", "tpot_p99_ms",
+                                                                       "ttft_p50_ms", "wall_s")}), flush=True)
+                    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+        finally:
+            for engine in engines.values():
+                engine.stop()
+                if restarts > 1:
+                    engine.log_path.rename(engine.log_path.with_suffix(f".pair{pair}.log"))
+        first_pass = last_pass
     text = installed + "\n\n" + summary(runs) + "\n" + report(runs)
     (out / f"{name}.md").write_text(text)
     print(text)
@@ -208,10 +233,25 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
 # ----------------------------------------------------------------------------- the figures
 
 
-def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """Bootstrap 95 % interval of the median of ``ratios`` (passes resampled with replacement)."""
+def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0,
+                    groups: list[int] | None = None) -> tuple[float, float]:
+    """Bootstrap 95 % interval of the median of ``ratios`` (passes resampled with replacement).
+
+    ``groups``: each ratio's engine pair. With more than one, the pairs are
+    resampled first and then the passes within each pair drawn, so a pair's
+    own offset (its processes' draw) widens the interval as it should."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    by_group: dict[int, list[float]] = {}
+    for ratio, group in zip(ratios, groups or [0] * len(ratios)):
+        by_group.setdefault(group, []).append(ratio)
+    members = list(by_group.values())
+
+    def resample() -> list[float]:
+        if len(members) == 1:
+            return rng.choices(ratios, k=len(ratios))
+        return [ratio for chosen in rng.choices(members, k=len(members)) for ratio in rng.choices(chosen, k=len(chosen))]
+
+    medians = sorted(statistics.median(resample()) for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
@@ -223,21 +263,32 @@ def summary(runs: list[dict]) -> str:
     pairs = [pair for _, pair in sorted(by_pass.items()) if len(pair) == 2]
     if not pairs:
         return "no complete pass\n"
-    lines = [f"{len(pairs)} passes, each on both engines; ratios kvcached on ÷ off:"]
+    groups = [pair[False].get("engine_pair", 0) for pair in pairs]
+    engine_pairs = sorted(set(groups))
+    lines = [f"{len(pairs)} passes, each on both engines" +
+             (f", over {len(engine_pairs)} engine pairs (intervals resample the pairs, then their passes)"
+              if len(engine_pairs) > 1 else "") + "; ratios kvcached on ÷ off:"]
     for key, name, target in (("tokens_per_s", "output tokens/s", "target ≥ 0.97"),
                               ("tpot_p99_ms", "TPOT p99", "target ≤ 1.05"),
                               ("ttft_p50_ms", "TTFT p50", None), ("ttft_p99_ms", "TTFT p99", None)):
         ratios = [pair[True][key] / pair[False][key] for pair in pairs]
-        low, high = median_interval(ratios)
+        low, high = median_interval(ratios, groups=groups)
         lines.append(f"- {name}: median **{statistics.median(ratios):.3f}** (bootstrap 95 % interval "
                      f"{low:.3f}–{high:.3f})" + (f"; {target}" if target else ""))
     pooled = {on: sum(pair[on]["output_tokens"] for pair in pairs) / sum(pair[on]["wall_s"] for pair in pairs)
               for on in (False, True)}
     lines.append(f"- pooled output tokens/s (all tokens ÷ all timed seconds): off {pooled[False]:.1f}, "
                  f"on {pooled[True]:.1f}, on ÷ off **{pooled[True] / pooled[False]:.3f}**")
+    if len(engine_pairs) > 1:
+        per_pair = []
+        for group in engine_pairs:
+            ratios = [pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"]
+                      for pair, of in zip(pairs, groups) if of == group]
+            per_pair.append(f"{group}: {statistics.median(ratios):.3f} ({len(ratios)})")
+        lines.append("- output tokens/s by engine pair (median, passes): " + ", ".join(per_pair))
     if all(pair[on].get("cpu_s") for pair in pairs for on in (False, True)):
         ratios = [pair[True]["cpu_s"] / pair[False]["cpu_s"] for pair in pairs]
-        low, high = median_interval(ratios)
+        low, high = median_interval(ratios, groups=groups)
         lines.append(f"- CPU seconds of the engine's processes per pass (the same work on both): median "
                      f"**{statistics.median(ratios):.3f}** (bootstrap 95 % interval {low:.3f}–{high:.3f})")
     if all(pair[on].get("engine_step_ms_per_step") is not None for pair in pairs for on in (False, True)):

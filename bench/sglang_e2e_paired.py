@@ -14,9 +14,10 @@ the ratio of the pooled throughput, and the CPU seconds each engine's processes
 SGLang's CPU engine computes on as many threads as there are cores; on the
 2-core development VM that is both cores, shared with the engine's front end
 and detokenizer, and one engine's throughput moved between 640 and 1200
-tokens/s from pass to pass. With one thread it stayed within 600-840, and an
+tokens/s from pass to pass. With one thread it stayed within 600-860, and an
 A/A run read 0.998 (bootstrap interval 0.980-1.030) instead of 1.056-1.078
-(bench/RESULTS.md).
+(bench/RESULTS.md). One thread is also how vLLM's CPU backend runs there: it
+keeps a core for its scheduler process and computes on the others.
 
     python bench/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1]
 
@@ -83,7 +84,7 @@ def main() -> None:
 
     threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
     run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
-               note="; ".join(filter(None, [threads_note, settings_note(args)])))
+               note="; ".join(filter(None, [threads_note, settings_note(args)])), restarts=args.restarts)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def main() -> None:
                              on)
 
     run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
-               note=settings_note(args))
+               note=settings_note(args), restarts=args.restarts)
 
 
 if __name__ == "__main__":

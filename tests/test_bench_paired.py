@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from e2e_paired import median_interval, summary  # noqa: E402
+from e2e_paired import median_interval, run_paired, summary  # noqa: E402
 
 
 def _run(k: int, on: bool, tokens_per_s: float, wall_s: float = 2.0) -> dict:
@@ -112,3 +112,56 @@ def test_the_setting_options_say_what_each_engine_gets():
     assert engine_settings(control, True) == (False, {})
     assert settings_note(control) == "the engine with kvcached also has no kvcached (--control: an A/A run)"
     assert settings_note(parser.parse_args([])) == ""
+
+
+def test_an_interval_over_engine_pairs_resamples_the_pairs_first():
+    ratios = [0.90] * 10 + [1.00] * 30  # four engine pairs, each steady, one of them 10 % off the others
+    assert median_interval(ratios) == (1.00, 1.00)  # passes alone: the odd pair looks like noise
+    low, high = median_interval(ratios, groups=[0] * 10 + [1] * 10 + [2] * 10 + [3] * 10)
+    assert (low, high) == (0.90, 1.00)  # a draw of four pairs is three of the odd one 5 % of the time
+
+
+def test_the_summary_names_each_engine_pairs_ratio():
+    runs = [dict(_run(k, on, 100.0 if not on else (90.0 if k < 2 else 100.0)), engine_pair=k // 2)
+            for k in range(4) for on in (False, True)]
+    text = summary(runs)
+    assert "over 2 engine pairs" in text
+    assert "- output tokens/s by engine pair (median, passes): 0: 0.900 (2), 1: 1.000 (2)" in text
+    assert "engine pair" not in summary([_run(0, False, 100.0), _run(0, True, 90.0)])
+
+
+class _FakeEngine:
+    """What run_paired uses of an EngineProcess, recording what it was asked."""
+
+    def __init__(self, out: Path, on: bool, calls: list) -> None:
+        self.label, self.calls = ("on" if on else "off"), calls
+        self.log_path = out / f"engine-{self.label}.log"
+        self.log_path.write_text("log\n")
+        calls.append(f"start {self.label}")
+
+    def next_result(self, timeout_s: float) -> dict:
+        return {"ready": True}
+
+    def run(self, k: int, timeout_s: float) -> dict:
+        self.calls.append(f"p{k}-{self.label}")
+        return dict(tokens_per_s=100.0, output_tokens=200, wall_s=2.0, tpot_p99_ms=10.0, tpot_p50_ms=9.0,
+                    ttft_p50_ms=100.0, ttft_p99_ms=200.0, load_before=[0.0], load_after=[0.0])
+
+    def stop(self) -> None:
+        self.calls.append(f"stop {self.label}")
+
+
+def test_restarts_share_the_passes_and_alternate_which_engine_starts_first(tmp_path, monkeypatch):
+    import e2e_paired
+
+    monkeypatch.setattr(e2e_paired, "installed_kvcached", lambda: "kvcached (test)")
+    calls: list[str] = []
+    runs = run_paired(tmp_path, "t", lambda on: _FakeEngine(tmp_path, on, calls), passes=5, gap_s=0.0,
+                      timeout_s=1.0, restarts=2)
+    assert calls == ["start off", "start on", "p0-off", "p0-on", "p1-on", "p1-off", "stop off", "stop on",
+                     "start on", "start off", "p2-off", "p2-on", "p3-on", "p3-off", "p4-off", "p4-on",
+                     "stop on", "stop off"]
+    assert [run["engine_pair"] for run in runs] == [0] * 4 + [1] * 6
+    assert sorted(path.name for path in tmp_path.glob("engine-*")) == [
+        "engine-off.pair0.log", "engine-off.pair1.log", "engine-on.pair0.log", "engine-on.pair1.log"]
+    assert "2 engine pairs, started one after the other" in (tmp_path / "t.md").read_text()
