@@ -14,8 +14,9 @@ the ratio of the pooled throughput, and the CPU seconds each engine's processes
 SGLang's CPU engine computes on as many threads as there are cores; on the
 2-core development VM that is both cores, shared with the engine's front end
 and detokenizer, and one engine's throughput moved between 640 and 1200
-tokens/s from pass to pass. With one thread it stayed within 600-860, and an
-A/A run read 0.998 (bootstrap interval 0.980-1.030) instead of 1.056-1.078
+tokens/s from pass to pass. With one thread it stayed within 600-870; A/A
+runs of one engine pair still read 0.998 and 1.053 (a process's own speed), and
+over four pairs (``--restarts 4``) 1.007, every pair within 1.004-1.021
 (bench/RESULTS.md). One thread is also how vLLM's CPU backend runs there: it
 keeps a core for its scheduler process and computes on the others.
 
