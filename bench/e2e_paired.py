@@ -162,7 +162,8 @@ class EngineProcess:
         line = self.results.readline() if ready else ""
         if not line:
             raise RuntimeError(f"the {self.label} engine sent nothing within {timeout_s:.0f} s "
-                               f"(exit code {self.proc.poll()}); see engine-{self.label}.log")
+                               f"(exit code {self.proc.poll()}); see engine-{self.label}.log "
+                               f"(engine-{self.label}.pairR.log with --restarts)")
         return json.loads(line)
 
     def run(self, k: int, timeout_s: float) -> dict:
@@ -228,6 +229,24 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
     (out / f"{name}.md").write_text(text)
     print(text)
     return runs
+
+
+def wait_for_first_pass(log: Path, harness: subprocess.Popen) -> None:
+    """Returns once a paired run writing ``log`` has finished its first pass (``p0-off``); exits if it ended."""
+    while '"p0-off"' not in (log.read_text() if log.exists() else ""):
+        if harness.poll() is not None:
+            sys.exit(f"the paired run ended before its first pass; see {log}")
+        time.sleep(0.2)
+
+
+def counted_after_first_pass(runs_json: Path, key: str | None = None) -> dict[str, int]:
+    """Per engine ("on" / "off"), the sum of ``key`` (None: 1 per pass) over every pass but the first (``p0-off``):
+    what a profiler attached by :func:`wait_for_first_pass` saw."""
+    counts = {"on": 0, "off": 0}
+    for run in json.loads(runs_json.read_text()):
+        if run["label"] != "p0-off":
+            counts["on" if run["kvcached"] else "off"] += 1 if key is None else run[key]
+    return counts
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -313,5 +332,6 @@ def summary(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineProcess", "add_setting_options", "engine_settings", "median_interval", "paired_parser",
-           "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes", "settings_note", "summary"]
+__all__ = ["EngineProcess", "add_setting_options", "counted_after_first_pass", "engine_settings", "median_interval",
+           "paired_parser", "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes", "settings_note",
+           "summary", "wait_for_first_pass"]

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from e2e_paired import counted_after_first_pass, wait_for_first_pass
 
 HERE = Path(__file__).resolve().parent
 SCHEDULER = "sglang::schedul"  # the scheduler's process title, as /proc/PID/comm keeps it (15 characters)
@@ -48,22 +48,6 @@ def schedulers() -> dict[str, int]:
             if f"engine-{label}.spec.json".encode() in command:
                 found[label] = int(comm.parent.name)
     return found
-
-
-def wait_for_first_pass(log: Path, harness: subprocess.Popen) -> None:
-    while '"p0-off"' not in (log.read_text() if log.exists() else ""):
-        if harness.poll() is not None:
-            sys.exit(f"the paired run ended before its first pass; see {log}")
-        time.sleep(0.2)
-
-
-def passes_in_window(runs_json: Path) -> dict[str, int]:
-    """Passes py-spy saw, per engine: every pass but the first one (``p0-off``)."""
-    passes = {"on": 0, "off": 0}
-    for run in json.loads(runs_json.read_text()):
-        if run["label"] != "p0-off":
-            passes["on" if run["kvcached"] else "off"] += 1
-    return passes
 
 
 def read_stacks(raw: str) -> list[tuple[str, list[str], int]]:
@@ -149,7 +133,7 @@ def main() -> None:
         spy.wait()  # py-spy stops when its process exits
     if harness.returncode != 0:
         sys.exit(f"the paired run failed ({harness.returncode}); see {log}")
-    passes = passes_in_window(out / "run" / "runs.json")
+    passes = counted_after_first_pass(out / "run" / "runs.json")
     stacks = {label: read_stacks((out / f"{label}.txt").read_text()) for label in pids}
     ms_per_sample = 1e3 / args.rate
     print(f"schedulers: kvcached pid {pids['on']}, SGLang's own pid {pids['off']}; passes in the window: {passes}; "

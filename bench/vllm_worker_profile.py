@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from e2e_paired import counted_after_first_pass, wait_for_first_pass
 
 HERE = Path(__file__).resolve().parent
 FREQUENCY_HZ = 1999
@@ -46,22 +46,6 @@ def workers() -> dict[str, int]:
             continue
         found["on" if b"KVCACHED_ENABLE=1" in environment else "off"] = int(pid)
     return found
-
-
-def wait_for_first_pass(log: Path, harness: subprocess.Popen) -> None:
-    while '"p0-off"' not in (log.read_text() if log.exists() else ""):
-        if harness.poll() is not None:
-            sys.exit(f"the paired run ended before its first pass; see {log}")
-        time.sleep(0.2)
-
-
-def steps_in_window(runs_json: Path) -> dict[str, int]:
-    """Engine steps of the passes perf saw: every pass but the first one (``p0-off``)."""
-    steps = {"on": 0, "off": 0}
-    for run in json.loads(runs_json.read_text()):
-        if run["label"] != "p0-off":
-            steps["on" if run["kvcached"] else "off"] += run["steps"]
-    return steps
 
 
 def perf_script(data: Path, *fields: str) -> str:
@@ -156,7 +140,7 @@ def main() -> None:
     perf.wait()
     if harness.returncode != 0:
         sys.exit(f"the paired run failed ({harness.returncode}); see {log}")
-    steps = steps_in_window(out / "run" / "runs.json")
+    steps = counted_after_first_pass(out / "run" / "runs.json", "steps")
     per_sample, unit = (1e3 / FREQUENCY_HZ, "ms per step") if args.event == "cpu-clock" else (1.0, "per step")
     print(f"workers: kvcached pid {pids['on']}, vLLM's own pid {pids['off']}; steps in the window: {steps}; "
           f"event {args.event}\n")

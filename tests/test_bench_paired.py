@@ -165,3 +165,15 @@ def test_restarts_share_the_passes_and_alternate_which_engine_starts_first(tmp_p
     assert sorted(path.name for path in tmp_path.glob("engine-*")) == [
         "engine-off.pair0.log", "engine-off.pair1.log", "engine-on.pair0.log", "engine-on.pair1.log"]
     assert "2 engine pairs, started one after the other" in (tmp_path / "t.md").read_text()
+
+
+def test_what_a_profiler_saw_leaves_out_the_first_pass_only(tmp_path):
+    import json
+
+    from e2e_paired import counted_after_first_pass
+
+    runs = [dict(label="p0-off", kvcached=False, steps=5), dict(label="p0-on", kvcached=True, steps=7),
+            dict(label="p1-on", kvcached=True, steps=11), dict(label="p1-off", kvcached=False, steps=13)]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    assert counted_after_first_pass(tmp_path / "runs.json") == {"on": 2, "off": 1}
+    assert counted_after_first_pass(tmp_path / "runs.json", "steps") == {"on": 18, "off": 13}
