@@ -104,7 +104,7 @@ def installed_kvcached() -> str:
 
 
 def session_processes() -> dict[str, dict[str, float]]:
-    """CPU seconds, context switches and threads of every process of this engine (its session), by name.
+    """CPU seconds, page faults, context switches and threads of every process of this engine (its session), by name.
 
     vLLM's front end (this process), EngineCore and worker; SGLang's engine (this process),
     scheduler and detokenizer: where kvcached's time goes there, compared with a run without it."""
@@ -122,6 +122,7 @@ def session_processes() -> dict[str, dict[str, float]]:
         switches = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
                     if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "Threads"))}
         found[f"{name}[{pid}]"] = dict(cpu_s=(int(fields[11]) + int(fields[12])) / ticks,  # utime + stime
+                                       minor_faults=int(fields[7]), major_faults=int(fields[9]),
                                        voluntary=switches.get("voluntary_ctxt_switches", 0),
                                        involuntary=switches.get("nonvoluntary_ctxt_switches", 0),
                                        threads=switches.get("Threads", 0))

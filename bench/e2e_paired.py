@@ -274,6 +274,12 @@ def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0,
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def minor_faults(run: dict) -> "int | None":
+    """The minor page faults all of a pass's engine processes took (None where not recorded)."""
+    counts = [process.get("minor_faults") for process in run.get("processes", {}).values()]
+    return sum(counts) if counts and None not in counts else None
+
+
 def summary(runs: list[dict]) -> str:
     """Per-pass ratios on ÷ off: their medians with a bootstrap interval, and the pooled throughput."""
     by_pass: dict[int, dict[bool, dict]] = {}
@@ -310,6 +316,10 @@ def summary(runs: list[dict]) -> str:
         low, high = median_interval(ratios, groups=groups)
         lines.append(f"- CPU seconds of the engine's processes per pass (the same work on both): median "
                      f"**{statistics.median(ratios):.3f}** (bootstrap 95 % interval {low:.3f}–{high:.3f})")
+    faults = {on: [minor_faults(pair[on]) for pair in pairs] for on in (False, True)}
+    if all(count is not None for counts in faults.values() for count in counts):
+        lines.append(f"- minor page faults of the engine's processes per pass (median): off "
+                     f"{statistics.median(faults[False]):.0f}, on {statistics.median(faults[True]):.0f}")
     if all(pair[on].get("engine_step_ms_per_step") is not None for pair in pairs for on in (False, True)):
         def added(key: str) -> float:
             return statistics.median(pair[True][key] - pair[False][key] for pair in pairs)
@@ -332,6 +342,6 @@ def summary(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineProcess", "add_setting_options", "counted_after_first_pass", "engine_settings", "median_interval",
+__all__ = ["EngineProcess", "add_setting_options", "counted_after_first_pass", "engine_settings", "median_interval", "minor_faults",
            "paired_parser", "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes", "settings_note",
            "summary", "wait_for_first_pass"]

@@ -49,6 +49,27 @@ def test_summary_adds_the_engines_cpu_seconds_when_every_pass_has_them():
     assert "CPU seconds" not in summary(runs)
 
 
+def test_summary_adds_each_engines_page_faults_when_every_pass_has_them():
+    def faults(*counts: int) -> dict:
+        return {"processes": {f"p[{i}]": {"cpu_s": 1.0, "minor_faults": c} for i, c in enumerate(counts)}}
+
+    runs = [dict(_run(0, False, 100.0), **faults(10, 0)), dict(_run(0, True, 90.0), **faults(250_000, 5)),
+            dict(_run(1, True, 50.0), **faults(3_000, 0)), dict(_run(1, False, 50.0), **faults(30, 0))]
+    assert "minor page faults of the engine's processes per pass (median): off 20, on 126502" in summary(runs)
+    del runs[3]["processes"]["p[1]"]["minor_faults"]  # a process recorded without them
+    assert "page faults" not in summary(runs)
+
+
+def test_the_session_window_counts_the_page_faults_of_what_each_process_touched():
+    from e2e_common import session_processes, timed_window
+
+    before = session_processes()
+    touched = bytearray(64 << 20)  # fresh pages, each faulted in by its first write
+    touched[::4096] = b"\1" * len(touched[::4096])
+    window = timed_window(before, session_processes())
+    assert sum(figures["minor_faults"] for figures in window.values()) >= (64 << 20) // 4096 // 2
+
+
 def test_the_session_cpu_window_counts_what_each_process_did():
     from e2e_common import cpu_seconds, session_processes, timed_window
 
