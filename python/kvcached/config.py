@@ -245,6 +245,11 @@ OPTIONS: dict[str, Option] = {
         "they go back with the rest at the end of its idle hold, at once when another instance waits for "
         "memory, or over its limit. Off: beyond KVCACHED_MAX_RESERVE_PAGES they go back at the end of the step.",
     ),
+    "host_heap_keep_bytes": Option(
+        "KVCACHED_HOST_HEAP_KEEP_BYTES", 256 << 20, _parse_size,
+        "SGLang on the CPU: freed heap memory the scheduler keeps for its next step instead of glibc trimming "
+        "it and faulting it in again (glibc's trim threshold; 0: glibc's own behaviour).",
+    ),
     "rank_ack_timeout_s": Option(
         "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, _parse_seconds,
         "A rank that acknowledges no page operations for this long is declared lost (its budget returns).",

@@ -113,6 +113,22 @@ class _Layer:
     layer_id = 0
 
 
+@pytest.mark.parametrize("keep_bytes", [256 * MiB, 0])
+def test_an_engine_on_the_cpu_keeps_its_freed_heap(v, monkeypatch, keep_bytes):
+    plan_module = sys.modules[v.Plan.__module__]
+    kept = []
+    monkeypatch.setattr(plan_module, "keep_freed_heap", kept.append)
+    settings = Settings(virtual_bytes=None, limit_bytes=None, page_bytes=2 * MiB, name="heap",
+                        host_heap_keep_bytes=keep_bytes)
+    from kvcached.integration.common.devices import describe_rank
+
+    plan = v.Plan(settings=settings, rank=describe_rank("cpu", 0), name="heap", virtual_bytes=64 * MiB)
+    with v.building(plan):
+        v.KvcachedMHATokenToKVPool(size=1024, page_size=1, dtype=torch.float32, head_num=4, head_dim=64,
+                                   layer_num=2, device="cpu", enable_memory_saver=False)
+    assert kept == [keep_bytes]  # the setting as given: 0 leaves glibc as it is (keep_freed_heap's rule)
+
+
 def test_mha_pool_buffers_are_views_of_a_kvcached_space(v):
     pool = _mha_pool(v, "mha-views", size=4096, page_size=1)
     space = pool.kvcached_blocks.space

@@ -58,6 +58,9 @@ class Settings:
     #: A rank whose oldest unacknowledged page-op batch is older than this is
     #: declared lost (``KVCACHED_RANK_ACK_TIMEOUT_S``).
     rank_ack_timeout_s: float = 120.0
+    #: Freed heap memory an engine computing on the CPU keeps for its next step
+    #: (``KVCACHED_HOST_HEAP_KEEP_BYTES``; :mod:`kvcached.integration.common.heap`).
+    host_heap_keep_bytes: int = 256 << 20
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -72,4 +75,5 @@ class Settings:
             idle_release_s=config.get("idle_release_s"),
             idle_release_max_s=config.get("idle_release_max_s"),
             rank_ack_timeout_s=config.get("rank_ack_timeout_s"),
+            host_heap_keep_bytes=config.get("host_heap_keep_bytes"),
         )

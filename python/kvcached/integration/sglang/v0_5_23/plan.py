@@ -12,7 +12,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from kvcached.integration.common.blocks import EngineBlocks
+from kvcached.devices import parse_device
 from kvcached.integration.common.devices import RankDevice, describe_rank
+from kvcached.integration.common.heap import keep_freed_heap
 from kvcached.integration.common.registration import register_rank
 from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
@@ -58,7 +60,13 @@ class Plan:
         return self.rank.local_device
 
     def open_blocks(self, layout: KVLayout) -> EngineBlocks:
-        """The engine's blocks and KV space, registered in its device's registry."""
+        """The engine's blocks and KV space, registered in its device's registry.
+
+        On the CPU, where SGLang's scheduler also runs the model, the process
+        first keeps its freed heap (:mod:`kvcached.integration.common.heap`).
+        """
+        if parse_device(self.device)[0] == "host":
+            keep_freed_heap(self.settings.host_heap_keep_bytes)
         budget = register_rank(self.name, self.rank, limit_bytes=self.settings.limit_bytes, logger=logger)
         try:
             return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)

@@ -1,0 +1,82 @@
+"""Keeps an engine that computes on the CPU from giving its heap back and taking it again every step.
+
+Rationale: an engine on the CPU (SGLang's CPU build) allocates its model's
+temporaries from glibc's heap each step and frees them after it. glibc gives
+the free top of its heap back to the system once it exceeds a trim threshold
+(16 MiB in SGLang's scheduler on the development VM), and the next step
+faults the same memory in again, page by page. Whether that happens depends on
+what lies at the heap's top: SGLang's own slot allocator replaces its free-list
+tensor at every cache flush, and where glibc places it has held the top of the
+heap; with kvcached handing out the slots there is no such tensor, and the
+scheduler took about 250 000 minor page faults a pass against about 2 000
+without kvcached (``bench/sglang_e2e_paired.py``; ``bench/RESULTS.md``).
+
+Approach: fix glibc's trim threshold at ``keep_bytes`` (freed heap memory up
+to that much stays with the process for its next step) and its mmap threshold
+at glibc's own dynamic ceiling (32 MiB on 64-bit), since fixing either stops
+glibc from adjusting both.
+
+Limitations: glibc only (``mallopt``); a process whose malloc is another
+(tcmalloc or jemalloc preloaded, musl) is left as it is. Process-wide, for the
+rest of the process's life. The KV cache itself is not on this heap: it stays
+elastic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from typing import Optional
+
+logger = logging.getLogger("kvcached.integration")
+
+#: mallopt parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: glibc's dynamic mmap threshold never rises above this on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
+#: mallopt takes an int.
+_INT_MAX = 2**31 - 1
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    """glibc's C library with mallopt, or None (another libc, or another malloc preloaded is not detected)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.gnu_get_libc_version  # noqa: B018 (only glibc has it)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return libc
+
+
+def keep_freed_heap(keep_bytes: int) -> bool:
+    """Lets glibc keep up to ``keep_bytes`` of freed heap memory instead of trimming it.
+
+    Returns whether glibc took the settings; False (and nothing changed) with
+    ``keep_bytes`` 0 or without glibc. Raises ValueError for a negative size.
+    """
+    if keep_bytes < 0:
+        raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+    if keep_bytes == 0:
+        return False
+    libc = _glibc()
+    if libc is None:
+        logger.info("kvcached: not glibc's malloc; the heap's trimming is left as it is")
+        return False
+    trim = min(keep_bytes, _INT_MAX)
+    if not (libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, trim)):
+        logger.warning("kvcached: glibc refused mallopt (trim threshold %d bytes)", trim)
+        return False
+    logger.info("kvcached: this process keeps up to %d MiB of freed heap memory (KVCACHED_HOST_HEAP_KEEP_BYTES)",
+                trim >> 20)
+    return True
+
+
+__all__ = ["GLIBC_MMAP_THRESHOLD_MAX_BYTES", "keep_freed_heap"]
