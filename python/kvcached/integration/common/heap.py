@@ -5,11 +5,14 @@ temporaries from glibc's heap each step and frees them after it. glibc gives
 the free top of its heap back to the system once it exceeds a trim threshold
 (16 MiB in SGLang's scheduler on the development VM), and the next step
 faults the same memory in again, page by page. Whether that happens depends on
-what lies at the heap's top: SGLang's own slot allocator replaces its free-list
-tensor at every cache flush, and where glibc places it has held the top of the
-heap; with kvcached handing out the slots there is no such tensor, and the
-scheduler took about 250 000 minor page faults a pass against about 2 000
-without kvcached (``bench/sglang_e2e_paired.py``; ``bench/RESULTS.md``).
+what lies at the heap's top. SGLang's scheduler with kvcached took about
+250 000 minor page faults a pass, against about 2 000 without kvcached
+(``bench/sglang_e2e_paired.py``, ``bench/RESULTS.md``); SGLang's own slot
+allocator replaces a free-list tensor at every cache flush, and the same
+allocation made by kvcached's allocator also stopped the trimming in an
+experiment. But SGLang without kvcached trimmed the same way in three of six
+engine pairs: it is a matter of where glibc's heap top lies, so the remedy
+is glibc's setting, not an allocation placed by luck.
 
 Approach: fix glibc's trim threshold at ``keep_bytes`` (freed heap memory up
 to that much stays with the process for its next step) and its mmap threshold
