@@ -342,6 +342,6 @@ def summary(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineProcess", "add_setting_options", "counted_after_first_pass", "engine_settings", "median_interval", "minor_faults",
-           "paired_parser", "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes", "settings_note",
-           "summary", "wait_for_first_pass"]
+__all__ = ["EngineProcess", "add_setting_options", "counted_after_first_pass", "engine_settings", "median_interval",
+           "minor_faults", "paired_parser", "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes",
+           "settings_note", "summary", "wait_for_first_pass"]

@@ -44,7 +44,10 @@ _INT_MAX = 2**31 - 1
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
-    """glibc's C library with mallopt, or None (another libc, or another malloc preloaded is not detected)."""
+    """glibc, its mallopt typed, or None under another C library.
+
+    A preloaded tcmalloc or jemalloc is not detected: glibc's settings then go unused.
+    """
     name = ctypes.util.find_library("c")
     if name is None:
         return None

@@ -11,8 +11,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.devices import parse_device
+from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.devices import RankDevice, describe_rank
 from kvcached.integration.common.heap import keep_freed_heap
 from kvcached.integration.common.registration import register_rank
