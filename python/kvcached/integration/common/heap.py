@@ -3,7 +3,7 @@
 Rationale: an engine on the CPU (SGLang's CPU build) allocates its model's
 temporaries from glibc's heap each step and frees them after it. glibc gives
 the free top of its heap back to the system once it exceeds a trim threshold
-(16 MiB in SGLang's scheduler on the development VM), and the next step
+(which glibc adjusts as the process runs), and the next step
 faults the same memory in again, page by page. Whether that happens depends on
 what lies at the heap's top. SGLang's scheduler with kvcached took about
 250 000 minor page faults a pass, against about 2 000 without kvcached
