@@ -46,7 +46,9 @@ def prefix_on(vllm_workdir):
     return run_side_by_side(
         vllm_workdir,
         {"base_on": (spec, engine_env(False, registry)), "kv_on": (spec, engine_env(True, registry)),
-         "kv_hold": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2"))},
+         "kv_hold": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2")),
+         "kv_hold_inproc": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold-inproc",
+                                             KVCACHED_IDLE_RELEASE_S="2", VLLM_ENABLE_V1_MULTIPROCESSING="0"))},
     )
 
 
@@ -110,8 +112,9 @@ def test_kv_memory_grows_with_load_and_returns_when_idle(prefix_on):
     assert done["workers"][0]["applied_seq"] == done["engine"]["sent_seq"]
 
 
-def test_an_idle_engine_keeps_its_memory_for_the_hold_then_gives_it_back(prefix_on):
-    result = prefix_on["kv_hold"]
+@pytest.mark.parametrize("run", ["kv_hold", "kv_hold_inproc"])
+def test_an_idle_engine_keeps_its_memory_for_the_hold_then_gives_it_back(prefix_on, run):
+    result = prefix_on[run]
     assert result["outputs"][0] == prefix_on["kv_on"]["outputs"][2]
     held, released = probe(result, "phase0_done"), probe(result, "phase1_done")
     assert held["engine"]["idle_release_s"] == 2.0
@@ -119,7 +122,8 @@ def test_an_idle_engine_keeps_its_memory_for_the_hold_then_gives_it_back(prefix_
     # still mapped, in the worker too, for the next burst to find.
     assert held["engine"]["mapped_bytes"] >= 3 * PAGE_ID_BYTES
     assert held["workers"][0]["mapped_bytes"] >= 3 * PAGE_ID_BYTES
-    # Once the hold has passed, the woken loop gave it all back (nobody asked earlier).
+    # Once the hold has passed, the woken loop (in-process: the watching thread) gave it all back
+    # (nobody asked earlier).
     done = released["engine"]
     assert done["mapped_bytes"] <= PAGE_ID_BYTES and done["pending_pages"] == 0
     assert done["acked_seq"] == done["sent_seq"] and released["workers"][0]["mapped_bytes"] == done["mapped_bytes"]

@@ -140,37 +140,114 @@ def test_ranks_must_share_their_block_ids():
         plan._check_ranks(_ranks(None), _layouts(2, 2))  # one description for two configs
 
 
-def test_an_engine_process_flushes_when_its_loop_goes_idle_and_an_in_process_engine_at_once(monkeypatch):
+def test_an_engine_process_flushes_when_its_loop_goes_idle_and_an_in_process_engine_after_its_step(monkeypatch):
     pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
     from kvcached.integration.vllm.v0_32 import scheduler
 
     flushed = []
+    engine = SimpleNamespace(lock=threading.RLock())
 
     def flush(core, hold=True):
-        flushed.append((core, hold))
+        flushed.append((core, hold, engine.lock._is_owned()))
 
     monkeypatch.setattr(scheduler, "_flush_if_idle", flush)
 
     class InProcessCore:  # vLLM's EngineCore: the caller steps it, nothing runs after
         def __init__(self):
             self._idle_state_callbacks = []
+            self.scheduler = SimpleNamespace(_kvcached=engine)
 
         def step(self):
+            stepped_locked.append(engine.lock._is_owned())
             return "outputs"
 
     class CoreProcess(InProcessCore):  # EngineCoreProc: its loop runs the idle callbacks before waiting
         def run_busy_loop(self):
             raise AssertionError("not run here")
 
+    stepped_locked = []
     step = scheduler.wrap_flushing(InProcessCore.step)
     core = InProcessCore()
-    assert step(core) == "outputs" and flushed == [(core, False)]  # no loop to wake later: no hold
+    assert step(core) == "outputs" and flushed == [(core, True, True)]  # held, under the lock
+    assert stepped_locked == [True]  # an idle flush on the watching thread waits for the step
     flushed.clear()
     process = CoreProcess()
     assert step(process) == "outputs" and step(process) == "outputs"
     assert flushed == [] and process._idle_state_callbacks == [flush]  # registered once
     process._idle_state_callbacks.pop()(process)  # what the loop does once it has no work
-    assert flushed == [(process, True)]
+    assert flushed == [(process, True, False)] and stepped_locked == [True, False, False]
+
+
+def _idle_engine(hold_s):
+    """An EngineKV stand-in with what the idle flush uses, and the list of what it released."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvcached.integration.common.idle import IdleRelease
+
+    released = []
+
+    class Blocks:  # what the idle flush uses of EngineBlocks
+        def trim(self):
+            released.append("trim")
+
+        def take_page_ops(self):
+            return None
+
+        def poll_acknowledgements(self):
+            pass
+
+    class BlockPool:
+        def release_cached_blocks(self, keep_bytes):
+            released.append("prefix cache")
+
+    engine = SimpleNamespace(blocks=Blocks(), block_pool=BlockPool(), idle=IdleRelease(hold_s, []),
+                             lock=threading.RLock())
+    return engine, released
+
+
+def test_an_idle_in_process_engine_holds_its_memory_then_the_watching_thread_gives_it_back():
+    pytest.importorskip("vllm")
+    import time
+    from types import SimpleNamespace
+
+    from kvcached.integration.vllm.v0_32 import scheduler
+
+    engine, released = _idle_engine(0.2)
+    core = SimpleNamespace(scheduler=SimpleNamespace(_kvcached=engine, get_num_unfinished_requests=lambda: 0))
+    started = time.monotonic()
+    with engine.lock:  # as at the end of a step
+        scheduler._flush_if_idle(core)
+        assert released == []  # held
+        time.sleep(0.4)  # the hold passes while a step still runs: the flush waits for it
+        assert released == []
+    deadline = time.monotonic() + 5.0
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released == ["prefix cache", "trim"] and time.monotonic() - started >= 0.2
+    engine.idle.close()
+
+
+def test_an_in_process_engine_busy_again_within_its_hold_keeps_its_memory():
+    pytest.importorskip("vllm")
+    import time
+    from types import SimpleNamespace
+
+    from kvcached.integration.vllm.v0_32 import scheduler
+
+    engine, released = _idle_engine(0.2)
+    unfinished = [0]
+    core = SimpleNamespace(scheduler=SimpleNamespace(_kvcached=engine,
+                                                     get_num_unfinished_requests=lambda: unfinished[0]))
+    scheduler._flush_if_idle(core)
+    unfinished[0] = 1
+    engine.idle.busy()  # the next schedule(): work came back before the hold ran out
+    time.sleep(0.5)
+    assert released == []
+    engine.idle.close()
 
 
 def test_an_idle_engine_process_holds_its_memory_then_its_loop_is_woken_to_give_it_back():
@@ -199,8 +276,12 @@ def test_an_idle_engine_process_holds_its_memory_then_its_loop_is_woken_to_give_
         def release_cached_blocks(self, keep_bytes):
             released.append("prefix cache")
 
+    class CoreProcess(SimpleNamespace):  # an EngineCoreProc: its loop is woken to flush
+        def run_busy_loop(self):
+            raise AssertionError("not run here")
+
     engine = SimpleNamespace(blocks=Blocks(), block_pool=BlockPool(), idle=IdleRelease(0.2, []))
-    core = SimpleNamespace(
+    core = CoreProcess(
         scheduler=SimpleNamespace(_kvcached=engine, get_num_unfinished_requests=lambda: 0),
         _idle_state_callbacks=[], input_queue=queue.Queue(),
     )

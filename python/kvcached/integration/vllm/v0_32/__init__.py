@@ -100,6 +100,8 @@ def install(settings: Settings) -> None:
     _patch(kv_cache_manager.KVCacheManager, "allocate_slots", scheduler.wrap_allocate_slots)
     for method in ("step", "step_with_batch_queue", "abort_requests"):
         _patch(core.EngineCore, method, scheduler.wrap_flushing)
+    for method in ("add_request", "reset_prefix_cache", "collective_rpc"):
+        _patch(core.EngineCore, method, scheduler.wrap_serialized)
     _set(core.EngineCore, "kvcached_stats", scheduler.engine_core_kvcached_stats)
 
     # Workers: their devices, virtual capacity, KV spaces, page ops.

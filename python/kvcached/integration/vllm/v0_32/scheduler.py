@@ -15,12 +15,14 @@ outputs and is about to wait for input, so the last tokens never wait for it,
 and only once the idle hold has passed or the device wants the memory
 (:class:`~kvcached.integration.common.idle.IdleRelease`; the loop is woken by a
 ``WAKEUP`` on its input queue). An in-process EngineCore has no loop to wake:
-it gives memory back at the end of its last step.
+the same hold applies, and IdleRelease's thread runs the flush itself, under a
+lock its steps take too.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from kvcached.integration.common.blocks import EngineBlocks
@@ -43,6 +45,8 @@ class EngineKV:
         self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
         self.num_preempted = 0  # requests vLLM preempted (for lack of KV memory)
         self.block_pool: Any = None
+        # An in-process EngineCore's steps and its idle flush (on IdleRelease's thread) take turns.
+        self.lock = threading.RLock()
 
     def stats(self) -> dict[str, Any]:
         stats = self.blocks.stats()
@@ -177,18 +181,23 @@ def wrap_update_from_output(original: Any) -> Any:
     return update_from_output
 
 
+def _engine_of(engine_core: Any) -> EngineKV | None:
+    return getattr(getattr(engine_core, "scheduler", None), "_kvcached", None)
+
+
 def _flush_if_idle(engine_core: Any, *, hold: bool = True) -> None:
     """An idle engine gives its memory back (once its hold has passed, if ``hold``), sending
     the pending page ops to every worker, since no step will carry them."""
     scheduler = getattr(engine_core, "scheduler", None)
-    engine = getattr(scheduler, "_kvcached", None)
+    engine = _engine_of(engine_core)
     # Unfinished requests mean another schedule() will carry the ops. Finished
     # ones whose ids are still to be reported do not: an in-process front end
     # stops stepping as soon as it has their outputs.
     if engine is None or scheduler.get_num_unfinished_requests() > 0 or getattr(engine_core, "batch_queue", None):
         return
     if hold and not engine.idle.due():
-        engine.idle.wake_when_due(lambda: _wake_to_flush(engine_core))
+        in_process = not hasattr(type(engine_core), "run_busy_loop")
+        engine.idle.wake_when_due(lambda: (_flush_in_process if in_process else _wake_to_flush)(engine_core))
         return
     engine.block_pool.release_cached_blocks(keep_bytes=settings().idle_cache_bytes)
     engine.blocks.trim()  # reserve pages too: an idle engine holds only the null block's page
@@ -212,18 +221,50 @@ def _wake_to_flush(engine_core: Any) -> None:
     engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
 
+def _flush_in_process(engine_core: Any) -> None:
+    """From IdleRelease's thread: an in-process EngineCore's idle flush, run here.
+
+    Nothing of an in-process EngineCore runs between the caller's steps, so the
+    watching thread flushes itself, under the engine's lock: a step the caller
+    starts meanwhile waits for it (and one that came first makes it a no-op)."""
+    engine = _engine_of(engine_core)
+    if engine is None:
+        return
+    with engine.lock:
+        _flush_if_idle(engine_core)
+
+
 def wrap_flushing(original: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
         if not hasattr(type(self), "run_busy_loop"):
-            # An in-process EngineCore: nothing runs once the caller has its
-            # outputs, and no loop could be woken later, so no hold.
-            _flush_if_idle(self, hold=False)
-        elif _flush_if_idle not in self._idle_state_callbacks:
+            # An in-process EngineCore: the caller steps it and nothing runs
+            # after; its idle flush runs on IdleRelease's thread, under this lock.
+            engine = _engine_of(self)
+            if engine is None:
+                return original(self, *args, **kwargs)
+            with engine.lock:
+                result = original(self, *args, **kwargs)
+                _flush_if_idle(self)
+            return result
+        result = original(self, *args, **kwargs)
+        if _flush_if_idle not in self._idle_state_callbacks:
             # EngineCoreProc: its loop calls these once it has no work, after this
             # step's outputs are in the output queue (sent by another thread).
             self._idle_state_callbacks.append(_flush_if_idle)
         return result
+
+    return method
+
+
+def wrap_serialized(original: Any) -> Any:
+    """An in-process EngineCore's entry point that reads or changes what an idle flush does (its requests,
+    block pool, workers): it runs under the engine's lock, so never beside a flush on IdleRelease's thread."""
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = _engine_of(self)
+        if engine is None or hasattr(type(self), "run_busy_loop"):  # an EngineCoreProc runs all on its loop
+            return original(self, *args, **kwargs)
+        with engine.lock:
+            return original(self, *args, **kwargs)
 
     return method
 
@@ -234,7 +275,8 @@ def wrap_scheduler_shutdown(original: Any) -> Any:
         engine = getattr(self, "_kvcached", None)
         if engine is not None:  # the workers are gone: give every rank's budget back, leave the registries
             engine.idle.close()
-            engine.blocks.close()
+            with engine.lock:  # an in-process idle flush finishes first
+                engine.blocks.close()
         return result
 
     return shutdown
@@ -245,8 +287,9 @@ def engine_core_kvcached_stats(self: Any) -> dict[str, Any] | None:
     engine = getattr(getattr(self, "scheduler", None), "_kvcached", None)
     if engine is None:
         return None
-    engine.blocks.poll_acknowledgements()
-    return engine.stats()
+    with engine.lock:  # an in-process engine's idle flush may run on another thread
+        engine.blocks.poll_acknowledgements()
+        return engine.stats()
 
 
 __all__ = [
@@ -258,5 +301,6 @@ __all__ = [
     "wrap_schedule",
     "wrap_scheduler_init",
     "wrap_scheduler_shutdown",
+    "wrap_serialized",
     "wrap_update_from_output",
 ]
