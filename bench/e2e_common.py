@@ -61,6 +61,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+class BusyClock:
+    """Seconds of one engine's own work: ``perf_counter`` stopped while the engine waits for its turn.
+
+    With ``--lockstep`` two engines take turns step by step (``e2e_paired.py``);
+    each one's times (TTFT, time per output token, tokens/s) are then read on
+    this clock, so the other engine's steps are not counted as this one's."""
+
+    def __init__(self) -> None:
+        self._waited = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self._waited
+
+    def wait(self, turn: Callable[[], None]) -> None:
+        """Runs ``turn()`` (which blocks until this engine may go on) with the clock stopped."""
+        start = time.perf_counter()
+        turn()
+        self._waited += time.perf_counter() - start
+
+
 def summarize(start: float, end: float, first: dict, finish: dict, tokens: dict, steps: int | None = None) -> dict:
     """One run's figures from per-request times (seconds, one clock): first token, finish, token count.
 

@@ -51,24 +51,46 @@ def pass_prompts(k: int) -> list[list[int]]:
     return make_prompts(**dict(WORKLOAD, seed=WORKLOAD["seed"] + k))
 
 
-def serve_passes(result_fd: int, run_pass: Callable[[int], dict]) -> None:
-    """Answers ``run k`` lines on stdin with ``run_pass(k)``, one JSON line each on ``result_fd``.
+#: How long one engine's turn lasts in a lockstep pass (at least one step): long enough that stopping and
+#: resuming the engines (about 0.1 ms) is noise, short against the VM's drift.
+TURN_S = 0.02
+
+
+def serve_passes(result_fd: int, run_pass: Callable[..., dict]) -> None:
+    """Answers ``run k`` and ``turns k`` lines on stdin with ``run_pass(k)``, one JSON line each on ``result_fd``.
 
     The engine is built and warmed up before this is called; a first line says it is
     ready. Results go to their own pipe because the engine's processes log to stdout.
+    ``turns k`` serves pass ``k`` in lockstep with another engine:
+    ``run_pass(k, take_turn)``; the engine calls ``take_turn()`` before each
+    step, and once its turn has lasted ``TURN_S`` it says ``{"turn": "ready"}``
+    and blocks until a ``go`` line comes (see :func:`run_lockstep_pass`).
     Any other line (or the end of stdin) ends the loop."""
     with os.fdopen(result_fd, "w") as results:
-        results.write(json.dumps({"ready": True}) + "\n")
-        results.flush()
-        for line in sys.stdin:
-            words = line.split()
-            if words[:1] != ["run"]:
+        def say(message: dict) -> None:
+            results.write(json.dumps(message) + "\n")
+            results.flush()
+
+        turn_began: list[float] = []  # when this engine's current turn began (none: it has no turn)
+
+        def take_turn() -> None:
+            if turn_began and time.perf_counter() - turn_began[0] < TURN_S:
+                return
+            say({"turn": "ready"})
+            if sys.stdin.readline().split()[:1] != ["go"]:
+                raise RuntimeError("lockstep: expected 'go' from the benchmark")
+            turn_began[:] = [time.perf_counter()]
+
+        say({"ready": True})
+        while True:
+            words = sys.stdin.readline().split()
+            if words[:1] not in (["run"], ["turns"]):
                 break
             load_before = os.getloadavg()
-            result = run_pass(int(words[1]))
+            turn_began.clear()
+            result = run_pass(int(words[1])) if words[0] == "run" else run_pass(int(words[1]), take_turn)
             result.update(load_before=load_before, load_after=os.getloadavg())
-            results.write(json.dumps(result) + "\n")
-            results.flush()
+            say(result)
 
 
 def serve_if_child(serve: Callable[[str, int], None]) -> None:
@@ -166,12 +188,26 @@ class EngineProcess:
                                f"(engine-{self.label}.pairR.log with --restarts)")
         return json.loads(line)
 
-    def run(self, k: int, timeout_s: float) -> dict:
-        self.proc.stdin.write(f"run {k}\n")
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
+
+    def run(self, k: int, timeout_s: float) -> dict:
+        self.send(f"run {k}")
         return self.next_result(timeout_s)
 
+    def pause(self) -> None:
+        """Stops every process of the engine (its own session's process group)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        try:
+            self.resume()  # a failed lockstep pass may have left it stopped
+        except ProcessLookupError:
+            pass
         try:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.close()
@@ -187,14 +223,16 @@ class EngineProcess:
 
 
 def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProcess], passes: int, gap_s: float,
-               timeout_s: float, note: str = "", restarts: int = 1) -> list[dict]:
+               timeout_s: float, note: str = "", restarts: int = 1, lockstep: bool = False) -> list[dict]:
     """Runs ``passes`` ABBA passes on ``restarts`` pairs of engines in turn; writes runs.json and NAME.md.
 
     Each pair's two engines start one after the other (pair 0 the one without
     kvcached first, odd pairs the other way round) and serve an equal share of
     the passes; with several pairs each engine's log is kept as
     ``engine-LABEL.pairR.log``. ``note``: how the engines differ beyond
-    kvcached on and off, for the report's first line."""
+    kvcached on and off, for the report's first line. ``lockstep``: both
+    engines serve each pass together, taking turns step by step
+    (:func:`run_lockstep_pass`)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the engines are stopped too
     installed = installed_kvcached() + (f"; {note}" if note else "")
     installed += f"; {restarts} engine pairs, started one after the other" if restarts > 1 else ""
@@ -209,10 +247,16 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
                 engines[on] = start_engine(on)
                 engines[on].next_result(timeout_s)
             for k in range(first_pass, last_pass):
-                for on in ((False, True) if k % 2 == 0 else (True, False)):  # ABBA: drift cancels
+                order = (False, True) if k % 2 == 0 else (True, False)  # ABBA: drift cancels
+                if lockstep:
                     time.sleep(gap_s)
                     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-                    result = engines[on].run(k, timeout_s)
+                    results = run_lockstep_pass([engines[on] for on in order], k, timeout_s)
+                for on in order:
+                    if not lockstep:
+                        time.sleep(gap_s)
+                        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+                    result = results[engines[on]] if lockstep else engines[on].run(k, timeout_s)
                     entry = dict(label=f"p{k}-{engines[on].label}", kvcached=on, round=k, engine_pair=pair,
                                  uptime_before=uptime, **result)
                     runs.append(entry)
@@ -229,6 +273,41 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
     (out / f"{name}.md").write_text(text)
     print(text)
     return runs
+
+
+def run_lockstep_pass(engines: list[EngineProcess], k: int, timeout_s: float) -> dict[EngineProcess, dict]:
+    """Pass ``k`` on both engines at once, in turns of ``TURN_S`` (whole steps); each engine's result.
+
+    A shared VM's speed drifts by tens of per cent over seconds (on the 2-core
+    development VM, passes seconds apart read from 0.6x to 1.7x of each other), so
+    pass-by-pass turns cannot resolve a few per cent; turns of 20 ms see the same
+    machine. Each engine submits the pass's requests (the first engine first), then
+    they take turns. Outside its turn an engine's processes are stopped
+    (``SIGSTOP`` to its process group): nothing of it runs, not a worker spinning on
+    its queue, not an EngineCore running ahead, not a background thread, so each
+    engine's own clock (:class:`~e2e_common.BusyClock`, stopped while it waits)
+    counts exactly the machine time it had."""
+    results: dict[EngineProcess, dict] = {}
+    waiting: list[EngineProcess] = []
+    for engine in engines:  # submitting runs on the engine's own clock, one engine at a time
+        engine.send(f"turns {k}")
+        reply = engine.next_result(timeout_s)
+        if "turn" in reply:
+            engine.pause()
+            waiting.append(engine)
+        else:
+            results[engine] = reply
+    while waiting:
+        for engine in list(waiting):
+            engine.resume()
+            engine.send("go")
+            reply = engine.next_result(timeout_s)
+            if "turn" in reply:
+                engine.pause()
+            else:
+                results[engine] = reply
+                waiting.remove(engine)
+    return results
 
 
 def wait_for_first_pass(log: Path, harness: subprocess.Popen) -> None:

