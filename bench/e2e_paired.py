@@ -21,6 +21,11 @@ one pair read from 0.998 to 1.078). ``--restarts R`` starts R pairs one after
 the other, each serving its share of the passes, odd pairs started in the
 opposite order; the intervals then resample the pairs before their passes.
 
+Passes taken in turn are seconds apart, and a shared VM's speed drifts over
+seconds too: with ``lockstep`` both engines serve each pass at once, in turns of
+``TURN_S`` with the waiting one stopped, each timed on its own clock
+(:func:`run_lockstep_pass`).
+
 The engine scripts provide the child (:func:`serve_passes` with their own
 ``run_pass``) and call :func:`run_paired` in the parent.
 """

@@ -198,3 +198,75 @@ def test_what_a_profiler_saw_leaves_out_the_first_pass_only(tmp_path):
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     assert counted_after_first_pass(tmp_path / "runs.json") == {"on": 2, "off": 1}
     assert counted_after_first_pass(tmp_path / "runs.json", "steps") == {"on": 18, "off": 13}
+
+
+def test_the_busy_clock_stops_while_the_engine_waits_for_its_turn():
+    from e2e_common import BusyClock
+
+    clock = BusyClock()
+    start, wall = clock(), time.perf_counter()
+    time.sleep(0.02)
+    clock.wait(lambda: time.sleep(0.1))
+    busy, elapsed = clock() - start, time.perf_counter() - wall
+    assert 0.02 <= busy < 0.08 and elapsed >= 0.12
+
+
+_LOCKSTEP_CHILD = '''
+import json, sys, threading, time
+sys.path.insert(0, {bench!r})
+import e2e_paired
+from e2e_common import BusyClock
+
+e2e_paired.TURN_S = 0.0  # a turn per step
+
+def serve(spec_path, result_fd):
+    ticks = []  # a background thread's clock readings: it must not run outside this engine's turns
+    def tick():
+        while True:
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+    threading.Thread(target=tick, daemon=True).start()
+
+    def run_pass(k, take_turn=None):
+        clock, steps = BusyClock(), []
+        start = clock()
+        for _ in range(4):
+            clock.wait(take_turn)
+            began = time.perf_counter()
+            time.sleep(0.03)
+            steps.append((began, time.perf_counter()))
+        return dict(busy_s=clock() - start, steps=steps, ticks=list(ticks))
+
+    e2e_paired.serve_passes(result_fd, run_pass)
+
+e2e_paired.serve_if_child(serve)
+'''
+
+
+def test_lockstep_engines_take_turns_and_nothing_of_the_other_runs_meanwhile(tmp_path):
+    import os
+
+    from e2e_paired import EngineProcess, run_lockstep_pass
+
+    script = tmp_path / "child.py"
+    script.write_text(_LOCKSTEP_CHILD.format(bench=str(Path(__file__).resolve().parent.parent / "bench")))
+    engines = [EngineProcess(str(script), tmp_path, {}, dict(os.environ), on) for on in (False, True)]
+    try:
+        for engine in engines:
+            assert engine.next_result(30.0) == {"ready": True}
+        results = run_lockstep_pass(engines, 0, 30.0)
+    finally:
+        for engine in engines:
+            engine.stop()
+    first, second = (results[engine] for engine in engines)
+    # Strictly alternating steps, the first engine first.
+    steps = sorted([(begin, end, 0) for begin, end in first["steps"]] + [(begin, end, 1) for begin, end in second["steps"]])
+    assert [who for _, _, who in steps] == [0, 1] * 4
+    assert all(end <= next_begin for (_, end, _), (next_begin, _, _) in zip(steps, steps[1:]))
+    # Each engine's clock counted its own four steps, not the other's.
+    for result in (first, second):
+        assert 0.11 <= result["busy_s"] < 0.2
+    # A thread of the waiting engine did not run during the other's steps (its process was stopped).
+    for mine, other in ((first, second), (second, first)):
+        for begin, end in other["steps"]:
+            assert not [t for t in mine["ticks"] if begin + 0.005 < t < end - 0.005]
