@@ -69,3 +69,19 @@ def test_zero_changes_nothing_and_negative_sizes_are_refused():
     assert keep_freed_heap(0) is False
     with pytest.raises(ValueError, match=">= 0"):
         keep_freed_heap(-1)
+
+
+@needs_glibc
+def test_it_says_so_on_the_logger_it_is_given():
+    script = textwrap.dedent("""
+        import logging
+        from kvcached.integration.common.heap import keep_freed_heap
+        records = []
+        log = logging.getLogger("engine")
+        log.setLevel(logging.INFO)
+        log.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r.getMessage())})())
+        keep_freed_heap(64 << 20, log)
+        print(records)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert "keeps up to 64 MiB of freed heap memory" in out.stdout

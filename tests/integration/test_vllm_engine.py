@@ -79,6 +79,9 @@ def test_kvcached_is_active_in_every_process(prefix_on):
     assert "kvcached: virtual KV cache of" in log  # EngineCore planned blocks
     assert "is a virtual" in log  # the worker backs the views with a KV space
     assert "kvcached" not in prefix_on["base_on"]["log"].replace("KVCACHED", "")
+    # The CPU worker runs the model: it keeps its freed heap (KVCACHED_HOST_HEAP_KEEP_BYTES, 256 MiB).
+    assert "keeps up to 256 MiB of freed heap memory" in log
+    assert "freed heap" not in prefix_on["base_on"]["log"]
     stats = probe(prefix_on["kv_on"], "after_init")["engine"]
     assert stats["layout_num_blocks"] % (stats["layout_page_bytes"] // stats["layout_block_bytes"]) == 0
 

@@ -62,26 +62,28 @@ def _glibc() -> Optional[ctypes.CDLL]:
     return libc
 
 
-def keep_freed_heap(keep_bytes: int) -> bool:
+def keep_freed_heap(keep_bytes: int, log: Optional[logging.Logger] = None) -> bool:
     """Lets glibc keep up to ``keep_bytes`` of freed heap memory instead of trimming it.
 
     Returns whether glibc took the settings; False (and nothing changed) with
     ``keep_bytes`` 0 or without glibc. Raises ValueError for a negative size.
+    ``log``: where to say so (the engine's own logger, whose output the engine shows).
     """
+    log = log or logger
     if keep_bytes < 0:
         raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
     if keep_bytes == 0:
         return False
     libc = _glibc()
     if libc is None:
-        logger.info("kvcached: not glibc's malloc; the heap's trimming is left as it is")
+        log.info("kvcached: not glibc's malloc; the heap's trimming is left as it is")
         return False
     trim = min(keep_bytes, _INT_MAX)
     if not (libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, trim)):
-        logger.warning("kvcached: glibc refused mallopt (trim threshold %d bytes)", trim)
+        log.warning("kvcached: glibc refused mallopt (trim threshold %d bytes)", trim)
         return False
-    logger.info("kvcached: this process keeps up to %d MiB of freed heap memory (KVCACHED_HOST_HEAP_KEEP_BYTES)",
-                trim >> 20)
+    log.info("kvcached: this process keeps up to %d MiB of freed heap memory (KVCACHED_HOST_HEAP_KEEP_BYTES)",
+             trim >> 20)
     return True
 
 

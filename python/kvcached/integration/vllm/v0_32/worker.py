@@ -9,6 +9,8 @@
   and vLLM's own ``create_kv_cache_views`` carves the per-layer views the
   attention backend expects. Minimal caches built for CUDA-graph memory
   profiling go through vLLM's original code.
+* A CPU worker, which runs the model in its own process, keeps its freed heap
+  (``KVCACHED_HOST_HEAP_KEEP_BYTES``, :mod:`kvcached.integration.common.heap`).
 * Page ops: ``Worker.execute_model`` applies the step's batch before the model
   runner (its state update may zero new blocks); the space synchronises the
   device before unmapping and acknowledges the batch on the engine's board.
@@ -24,6 +26,7 @@ from typing import Any
 
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.devices import RankDevice, describe_rank
+from kvcached.integration.common.heap import keep_freed_heap
 from kvcached.integration.common.space import WorkerSpace
 
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, RANK_ATTR, settings
@@ -65,11 +68,15 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
         import torch
         from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
-        from kvcached.devices import device_name_from_torch
+        from kvcached.devices import device_name_from_torch, parse_device
 
         rank = getattr(kv_cache_config, RANK_ATTR)
+        kv_device = device_name_from_torch(device)
+        if parse_device(kv_device)[0] == "host":
+            # A CPU worker runs the model here: keep its freed heap (common/heap.py).
+            keep_freed_heap(settings().host_heap_keep_bytes, logger)
         board = AckBoard.attach(plan.board_path, len(plan.ranks))
-        space = WorkerSpace(plan.layouts[rank], device=device_name_from_torch(device), rank=rank, board=board)
+        space = WorkerSpace(plan.layouts[rank], device=kv_device, rank=rank, board=board)
         (tensor,) = kv_cache_config.kv_cache_tensors
         (group,) = kv_cache_config.kv_cache_groups
         kv_layout = space.space.kv_layout
