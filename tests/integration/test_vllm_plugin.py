@@ -293,3 +293,40 @@ def test_an_idle_engine_process_holds_its_memory_then_its_loop_is_woken_to_give_
     core._idle_state_callbacks.pop()(core)  # what the loop does before waiting again
     assert released == ["prefix cache", "trim"]
     engine.idle.close()
+
+
+def test_the_pools_free_count_follows_kvcached_within_a_step_and_rereads_it_each_step():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcached.integration.common.blocks import EngineBlocks
+    from kvcached.integration.common.geometry import engine_layout
+    from kvcached.integration.vllm.v0_32.block_pool import building, make_block_pool_class
+    from kvcached.registry import registry_for
+
+    layout = engine_layout(num_blocks=64, block_bytes=4096, num_layers=1, num_buffers=1, page_bytes=64 << 10)
+    budget = registry_for("cpu").register("free-count")
+    blocks = EngineBlocks.local(layout, device="cpu", budget=budget, name="free-count")
+    reads = []
+    available = blocks.available
+    blocks.available = lambda: reads.append(1) or available()
+    token = building.set(SimpleNamespace(blocks=blocks))
+    try:
+        pool = make_block_pool_class(BlockPool)(64, enable_caching=True, hash_block_size=16)
+    finally:
+        building.reset(token)
+    try:
+        first = pool.get_num_free_blocks()
+        assert [pool.get_num_free_blocks() for _ in range(31)] == [first] * 31 and len(reads) == 1  # once a step
+        taken = pool.get_new_blocks(5)
+        assert pool.get_num_free_blocks() == first - 5 and len(reads) == 2  # what this pool took shows at once
+        pool.free_blocks(taken)
+        assert pool.get_num_free_blocks() == first
+        blocks.manager.resize(layout.page_id_bytes)  # the limit moved: seen from the next step on
+        assert pool.get_num_free_blocks() == first
+        pool.forget_available()
+        assert pool.get_num_free_blocks() < first
+    finally:
+        blocks.close()

@@ -31,8 +31,6 @@ import mmap
 import os
 from typing import Optional
 
-import numpy as np
-
 _WORD_BYTES = 8
 
 
@@ -44,7 +42,8 @@ class AckBoard:
         self.num_ranks = num_ranks
         self._fd: Optional[int] = fd
         self._map = mmap.mmap(fd, num_ranks * _WORD_BYTES)
-        self._seqs = np.frombuffer(self._map, dtype=np.uint64, count=num_ranks)
+        # Plain words, no numpy: the deciding process reads them twice per engine step.
+        self._seqs = memoryview(self._map).cast("Q")[:num_ranks]
 
     @classmethod
     def create(cls, num_ranks: int) -> "AckBoard":
@@ -81,14 +80,15 @@ class AckBoard:
         """Rank ``rank`` has applied every batch up to ``seq``."""
         self._seqs[rank] = seq
 
-    def seqs(self) -> np.ndarray:
-        """A copy of every rank's last applied seq."""
-        return self._seqs.copy()
+    def seqs(self) -> list[int]:
+        """Every rank's last applied seq, in rank order."""
+        return self._seqs.tolist()
 
     def close(self) -> None:
         """Unmaps the board (idempotent); the file goes when its last holder closes it."""
         if self._fd is None:
             return
+        self._seqs.release()
         del self._seqs
         self._map.close()
         os.close(self._fd)

@@ -17,8 +17,6 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.devices import RankDevice
 
@@ -67,17 +65,17 @@ class RankMirrors:
         self.lost: dict[int, str] = {}  # rank -> why it was declared lost
         self._logger = logger or _logger
         self._is_alive = is_alive
-        self._seen = np.zeros(len(ranks), dtype=np.uint64)
+        self._seen = [0] * len(ranks)
         self._next_check = 0.0
 
     def poll(self) -> None:
         """Acknowledges what every rank applied since the last poll; checks the ranks now and then."""
         seqs = self.board.seqs()
-        advanced = np.flatnonzero(seqs > self._seen)
-        for rank in advanced.tolist():
-            if rank not in self.lost:
-                self.manager.acknowledge(rank, int(seqs[rank]))
-        self._seen = seqs
+        if seqs != self._seen:
+            for rank, (seq, seen) in enumerate(zip(seqs, self._seen)):
+                if seq > seen and rank not in self.lost:
+                    self.manager.acknowledge(rank, seq)
+            self._seen = seqs
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + CHECK_INTERVAL_S

@@ -56,6 +56,9 @@ def make_block_pool_class(base: type) -> type:
             self._blocks = engine.blocks if engine is not None else None
             self._resident_free: dict[int, None] = {}  # block id -> None, least recently freed first
             self._available = self._blocks.available if self._blocks is not None else None
+            # kvcached's available blocks as last read: vLLM asks for the free count once per
+            # request per step; read again after this pool allocates or frees, and each step.
+            self._available_seen: Optional[int] = None
             self._count_queue_only = False
             if self._blocks is not None and self._blocks.num_blocks != self.num_gpu_blocks:
                 raise RuntimeError(
@@ -91,6 +94,7 @@ def make_block_pool_class(base: type) -> type:
             # short (cheaper than a refused alloc), then once more if the
             # budget moved in between.
             self._evict_resident_until(num_blocks)
+            self._available_seen = None
             try:
                 return self._blocks.alloc(num_blocks).tolist()
             except kvcached.OutOfMemoryError:
@@ -123,6 +127,7 @@ def make_block_pool_class(base: type) -> type:
                     released.append(block.block_id)
             if released:
                 self._blocks.free(released)
+                self._available_seen = None
 
         # -- release ------------------------------------------------------- #
         def free_blocks(self, ordered_blocks: Any) -> None:
@@ -143,6 +148,7 @@ def make_block_pool_class(base: type) -> type:
                     self._resident_free[block.block_id] = None
             if release:
                 self._blocks.free(list(release))
+                self._available_seen = None
 
         def touch(self, blocks: Any) -> None:
             super().touch(blocks)
@@ -161,6 +167,7 @@ def make_block_pool_class(base: type) -> type:
             ):
                 del self._resident_free[block.block_id]
                 self._blocks.free([block.block_id])
+                self._available_seen = None
             return evicted
 
         def release_cached_blocks(self, keep_bytes: int) -> int:
@@ -188,16 +195,25 @@ def make_block_pool_class(base: type) -> type:
             if reset and self._resident_free:
                 self._blocks.free(sorted(self._resident_free))
                 self._resident_free.clear()
+                self._available_seen = None
             return reset
 
         # -- accounting ---------------------------------------------------- #
+        def forget_available(self) -> None:
+            """The next free count reads kvcached again (a new step: the budget may have moved)."""
+            self._available_seen = None
+
         def get_num_free_blocks(self) -> int:
             # Called for every request in every step: read the queue's count
-            # directly (what BlockPool's own version does) and use the bound method.
+            # directly (what BlockPool's own version does), and kvcached's
+            # count once per step unless this pool allocated or freed since.
             queued = self.free_block_queue.num_free_blocks
             if self._available is None or self._count_queue_only:
                 return queued
-            return min(queued, self._available() + len(self._resident_free))
+            available = self._available_seen
+            if available is None:
+                available = self._available_seen = self._available()
+            return min(queued, available + len(self._resident_free))
 
     KvcachedBlockPool.__qualname__ = KvcachedBlockPool.__name__ = "KvcachedBlockPool"
     return KvcachedBlockPool

@@ -151,6 +151,7 @@ def wrap_schedule(original: Any) -> Any:
         engine.idle.busy()
         # What the ranks unmapped since the last step is released before this one allocates.
         engine.blocks.poll_acknowledgements()
+        engine.block_pool.forget_available()
         output = original(self, *args, **kwargs)
         ops = engine.blocks.take_page_ops()
         if ops is not None:
