@@ -186,6 +186,11 @@ def _engine_of(engine_core: Any) -> EngineKV | None:
     return getattr(getattr(engine_core, "scheduler", None), "_kvcached", None)
 
 
+def _in_process(engine_core: Any) -> bool:
+    """An EngineCore the caller steps itself (no EngineCoreProc loop of its own)."""
+    return not hasattr(type(engine_core), "run_busy_loop")
+
+
 def _flush_if_idle(engine_core: Any, *, hold: bool = True) -> None:
     """An idle engine gives its memory back (once its hold has passed, if ``hold``), sending
     the pending page ops to every worker, since no step will carry them."""
@@ -197,8 +202,8 @@ def _flush_if_idle(engine_core: Any, *, hold: bool = True) -> None:
     if engine is None or scheduler.get_num_unfinished_requests() > 0 or getattr(engine_core, "batch_queue", None):
         return
     if hold and not engine.idle.due():
-        in_process = not hasattr(type(engine_core), "run_busy_loop")
-        engine.idle.wake_when_due(lambda: (_flush_in_process if in_process else _wake_to_flush)(engine_core))
+        wake = _flush_in_process if _in_process(engine_core) else _wake_to_flush
+        engine.idle.wake_when_due(lambda: wake(engine_core))
         return
     engine.block_pool.release_cached_blocks(keep_bytes=settings().idle_cache_bytes)
     engine.blocks.trim()  # reserve pages too: an idle engine holds only the null block's page
@@ -237,7 +242,7 @@ def _flush_in_process(engine_core: Any) -> None:
 
 def wrap_flushing(original: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not hasattr(type(self), "run_busy_loop"):
+        if _in_process(self):
             # An in-process EngineCore: the caller steps it and nothing runs
             # after; its idle flush runs on IdleRelease's thread, under this lock.
             engine = _engine_of(self)
@@ -262,7 +267,7 @@ def wrap_serialized(original: Any) -> Any:
     block pool, workers): it runs under the engine's lock, so never beside a flush on IdleRelease's thread."""
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine = _engine_of(self)
-        if engine is None or hasattr(type(self), "run_busy_loop"):  # an EngineCoreProc runs all on its loop
+        if engine is None or not _in_process(self):  # an EngineCoreProc runs all on its loop
             return original(self, *args, **kwargs)
         with engine.lock:
             return original(self, *args, **kwargs)
