@@ -257,30 +257,13 @@ def test_an_idle_engine_process_holds_its_memory_then_its_loop_is_woken_to_give_
 
     from vllm.v1.engine import EngineCoreRequestType
 
-    from kvcached.integration.common.idle import IdleRelease
     from kvcached.integration.vllm.v0_32 import scheduler
-
-    released = []
-
-    class Blocks:  # what the idle flush uses of EngineBlocks
-        def trim(self):
-            released.append("trim")
-
-        def take_page_ops(self):
-            return None
-
-        def poll_acknowledgements(self):
-            pass
-
-    class BlockPool:
-        def release_cached_blocks(self, keep_bytes):
-            released.append("prefix cache")
 
     class CoreProcess(SimpleNamespace):  # an EngineCoreProc: its loop is woken to flush
         def run_busy_loop(self):
             raise AssertionError("not run here")
 
-    engine = SimpleNamespace(blocks=Blocks(), block_pool=BlockPool(), idle=IdleRelease(0.2, []))
+    engine, released = _idle_engine(0.2)
     core = CoreProcess(
         scheduler=SimpleNamespace(_kvcached=engine, get_num_unfinished_requests=lambda: 0),
         _idle_state_callbacks=[], input_queue=queue.Queue(),
