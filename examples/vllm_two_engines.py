@@ -25,20 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-
-def make_tiny_llama(path: str, seed: int) -> str:
-    """A random-weight 2-layer Llama, so the example runs with nothing downloaded."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=4096, torch_dtype="float32",
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+from kvcached.testing.tiny_llama import make_tiny_llama  # a random-weight Llama: nothing downloaded
 
 
 def run_engine(name: str, model: str, args: argparse.Namespace, ready: Any, delay_s: float) -> None:

@@ -1,4 +1,4 @@
-"""Test infrastructure: SGLang's Python runtime on a CPU, in this process and the ones it starts.
+"""SGLang's Python runtime on a CPU, in this process and the ones it starts.
 
 SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports a few ``sgl_kernel``
 CPU ops and torchvision at module level; ``sglang_cpu/`` holds an import stub

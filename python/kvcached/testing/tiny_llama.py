@@ -1,7 +1,8 @@
-"""A tiny random-weight Llama and token-id prompts, shared by the engine integration tests.
+"""A tiny random-weight Llama and token-id prompts, shared by tests, benchmarks and examples.
 
 Written by transformers from a fixed seed, so no download is needed; every engine
-(vLLM, SGLang, in their own environments) loads the same checkpoint.
+(vLLM, SGLang, in their own environments) loads the same checkpoint. The engine tests
+use it as is; the end-to-end benchmarks take more layers in bf16.
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ TINY_LLAMA = dict(
 )
 
 
-def make_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
-    """Writes a random-weight Llama checkpoint to ``path`` (once) and returns it."""
+def make_tiny_llama(
+    path: str | os.PathLike, seed: int = 0, *, layers: int = 2, dtype: str = "float32"
+) -> str:
+    """Writes a random-weight Llama checkpoint to ``path`` (once) and returns it.
+
+    ``layers`` replaces :data:`TINY_LLAMA`'s layer count; ``dtype`` (a torch dtype
+    name) is the checkpoint's. A directory that already holds a ``config.json`` is
+    returned as it is.
+    """
     path = Path(path)
     if (path / "config.json").exists():
         return str(path)
@@ -39,7 +47,7 @@ def make_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_LLAMA, torch_dtype="float32")
+    config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": layers}, torch_dtype=dtype)
     model = LlamaForCausalLM(config)
     # Larger weights than the default init make greedy decoding less likely
     # to sit on near-ties, so that token-level comparisons are meaningful.
@@ -48,7 +56,7 @@ def make_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return str(path)
 
 
