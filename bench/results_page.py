@@ -22,7 +22,6 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -161,8 +160,8 @@ def render(runs: list[Run], figures: list[Figure]) -> str:
            "The latest measurement of each target (UTC times; trees are commits of this repository).", "",
            table(["target", "current figure", "measured (UTC)", "machine", "tree", "run"], current), "",
            "### The commands behind them", "",
-           "From the repository root; `DIR` / `OUT` a new directory, `REF` the reference's source tarball, "
-           "each run's file says in which environment.", "",
+           ("From the repository root; `DIR` / `OUT` a new directory, `REF` the reference's source tarball, "
+            "each run's file says in which environment."), "",
            table(["target", "command"], commands), ""]
     if earlier:
         out += ["## Earlier measurements of the same targets", "",
@@ -173,7 +172,7 @@ def render(runs: list[Run], figures: list[Figure]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if bench/RESULTS.md is out of date")
     args = parser.parse_args(argv)

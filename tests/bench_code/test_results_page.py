@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import results_page  # bench/, on the path through pyproject's pytest settings
 
 HEADER = "| target | figure | measured (UTC) | command | machine | tree |\n|---|---|---|---|---|---|\n"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvcached.testing.tiny_llama import TINY_LLAMA, make_tiny_llama, prompt_ids
 
 # transformers comes with the engines; the vLLM environment has it.
@@ -14,7 +13,8 @@ pytestmark = pytest.mark.vllm
 
 def test_the_same_seed_writes_the_same_checkpoint_and_another_seed_another(tmp_path):
     pytest.importorskip("transformers")
-    a, b, c = (make_tiny_llama(tmp_path / name, seed=seed) for name, seed in (("a", 0), ("b", 0), ("c", 1)))
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        make_tiny_llama(tmp_path / name, seed=seed)
     weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in "abc"]
     assert weights[0] == weights[1] and weights[0] != weights[2]
     config = json.loads((tmp_path / "a" / "config.json").read_text())
