@@ -29,8 +29,6 @@ import threading
 import time
 from typing import Any
 
-from kvcached.testing.tiny_llama import make_tiny_llama  # a random-weight Llama: nothing downloaded
-
 
 def mapped_bytes(device: str, name: str) -> int:
     """This engine's mapped KV memory, as ``kvctl`` sees it in the device registry."""
@@ -92,6 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="kvcached-sglang-")
     if args.tiny:
+        from kvcached.testing.tiny_llama import make_tiny_llama  # random weights: nothing downloaded
+
         models = [make_tiny_llama(os.path.join(workdir, f"tiny-{i}"), seed=i) for i in range(2)]
     elif args.model_a and args.model_b:
         models = [args.model_a, args.model_b]

@@ -25,8 +25,6 @@ import tempfile
 import time
 from typing import Any
 
-from kvcached.testing.tiny_llama import make_tiny_llama  # a random-weight Llama: nothing downloaded
-
 
 def run_engine(name: str, model: str, args: argparse.Namespace, ready: Any, delay_s: float) -> None:
     os.environ["KVCACHED_ENABLE"] = "1"  # read by the plugin in every vLLM process
@@ -83,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         workdir = tempfile.mkdtemp(prefix="kvcached-example-")
+        from kvcached.testing.tiny_llama import make_tiny_llama  # random weights: nothing downloaded
+
         args.model_a = make_tiny_llama(os.path.join(workdir, "a"), seed=0)
         args.model_b = make_tiny_llama(os.path.join(workdir, "b"), seed=1)
     elif not (args.model_a and args.model_b):
