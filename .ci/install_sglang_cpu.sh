@@ -4,7 +4,7 @@
 # tests. SGLang's requirement list pins a CUDA stack (torch 2.14.1, sglang-kernel,
 # flashinfer, ...), so sglang and the few packages that would pull a CUDA torch
 # are installed with --no-deps and the rest is listed here, pinned where it
-# mattered. tests/integration/sglang_cpu/ provides the sgl_kernel import stub and
+# mattered. python/kvcached/testing/sglang_cpu/ provides the sgl_kernel import stub and
 # the torchvision shim at run time (through PYTHONPATH; nothing here).
 set -euo pipefail
 VENV=${1:?usage: install_sglang_cpu.sh VENV}

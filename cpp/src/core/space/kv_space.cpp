@@ -177,7 +177,7 @@ void KVSpace::map_checked_locked(const std::vector<std::int64_t>& pages) {
   // Every allocation is taken (created if no spare is left) before the first
   // map, as region-major maps do: one order for every batch, and a failed
   // create leaves nothing to unmap. On an H200 it was as fast as creating
-  // between the maps or faster (bench/create_overlap_probe.py, bench/RESULTS.md).
+  // between the maps or faster (bench/probes/create_overlap_probe.py, bench/RESULTS.md).
   std::vector<PageBacking> backings;
   backings.reserve(pages.size());
   std::size_t done = 0;
