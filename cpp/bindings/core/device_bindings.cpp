@@ -31,9 +31,9 @@ std::size_t host_capacity_bytes(std::size_t capacity_bytes) {
 }
 
 std::shared_ptr<Device> open_host_device(std::size_t capacity_bytes) {
-  const HostBackendOptions options{host_capacity_bytes(capacity_bytes),
-                                   parse_host_memory(nb::cast<std::string>(configured_option("host_memory"))),
-                                   parse_host_populate(nb::cast<std::string>(configured_option("host_populate")))};
+  const auto setting = [](const char* name) { return nb::cast<std::string>(configured_option(name)); };
+  const HostBackendOptions options{host_capacity_bytes(capacity_bytes), parse_host_memory(setting("host_memory")),
+                                   parse_host_populate(setting("host_populate"))};
   nb::gil_scoped_release unlocked;
   return Device::open(make_host_backend(options));
 }

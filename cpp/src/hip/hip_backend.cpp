@@ -225,7 +225,8 @@ std::shared_ptr<VmmBackend> make_hip_backend(int ordinal, std::chrono::microseco
                              ") does not support virtual memory management: " + why_not);
   }
   if (mapping_settle.count() < 0) {
-    throw InvalidArgument("mapping_settle must not be negative, got " + std::to_string(mapping_settle.count()) + " us");
+    throw InvalidArgument("mapping_settle must not be negative, got " +
+                          std::to_string(mapping_settle.count()) + " us");
   }
   return std::make_shared<HipBackend>(ordinal, mapping_settle);
 }

@@ -145,13 +145,15 @@ HostMemory parse_host_memory(const std::string& text) {
   if (text == "anonymous") return HostMemory::kAnonymous;
   if (text == "huge_pages") return HostMemory::kHugePages;
   if (text == "shared_files") return HostMemory::kSharedFiles;
-  throw InvalidArgument("'" + text + "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
+  throw InvalidArgument("'" + text +
+                        "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
 }
 
 HostPopulate parse_host_populate(const std::string& text) {
   if (text == "background") return HostPopulate::kBackground;
   if (text == "on_touch") return HostPopulate::kOnTouch;
-  throw InvalidArgument("'" + text + "' is not a way to populate host pages: expected background or on_touch");
+  throw InvalidArgument("'" + text +
+                        "' is not a way to populate host pages: expected background or on_touch");
 }
 
 std::shared_ptr<VmmBackend> make_host_backend(const HostBackendOptions& options) {
