@@ -188,7 +188,11 @@ class GroupName:
     def __call__(self, text: str) -> str:
         from kvcached._core import resolve_registry_group
 
-        resolve_registry_group(text)  # the same lookup the registry makes: one parser
+        try:
+            resolve_registry_group(text)  # the same lookup the registry makes: one parser
+        except ValueError as exc:
+            # The core names the variable and the text itself; Option.get does that here.
+            raise ValueError(str(exc).split(f"'{text}' is invalid: ", 1)[-1]) from None
         return text
 
     def describe(self) -> str:

@@ -38,7 +38,7 @@ constexpr unsigned long long kMaxGroupId = static_cast<gid_t>(-1) - 1ull;
 constexpr std::size_t kMaxGroupIdDigits = 10;  // 4294967294
 
 std::string group_error(const std::string& text, const std::string& why) {
-  return std::string(kRegistryGroupEnv) + "='" + text + "' " + why +
+  return std::string(kRegistryGroupEnv) + "='" + text + "' is invalid: " + why +
          "; give a group name or a gid from 0 to " + std::to_string(kMaxGroupId) + kSecurityDoc;
 }
 
@@ -208,13 +208,13 @@ gid_t resolve_registry_group(const std::string& text) {
     const std::size_t digits = text.find_first_not_of('0') == std::string::npos
                                    ? 1 : text.size() - text.find_first_not_of('0');
     if (digits > kMaxGroupIdDigits || std::stoull(text) > kMaxGroupId) {
-      throw InvalidArgument(group_error(text, "is out of range"));
+      throw InvalidArgument(group_error(text, "the gid is out of range"));
     }
     // A gid without a name is still a group the kernel knows.
     return static_cast<gid_t>(std::stoull(text));
   }
   if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
-    throw InvalidArgument(group_error(text, "names no group on this machine"));
+    throw InvalidArgument(group_error(text, "it names no group on this machine"));
   }
   return found->gr_gid;
 }
