@@ -199,20 +199,20 @@ namespace kvcached {
 using namespace registry_detail;
 
 gid_t resolve_registry_group(const std::string& text) {
-  std::vector<char> buffer(kGroupBufferBytes);
-  group entry{};
-  group* found = nullptr;
   const bool numeric = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
   if (numeric) {
     // Range-checked before the cast: a wider value would wrap to another group.
-    const std::size_t digits = text.find_first_not_of('0') == std::string::npos
-                                   ? 1 : text.size() - text.find_first_not_of('0');
+    const std::size_t first_digit = text.find_first_not_of('0');
+    const std::size_t digits = first_digit == std::string::npos ? 1 : text.size() - first_digit;
     if (digits > kMaxGroupIdDigits || std::stoull(text) > kMaxGroupId) {
       throw InvalidArgument(group_error(text, "the gid is out of range"));
     }
     // A gid without a name is still a group the kernel knows.
     return static_cast<gid_t>(std::stoull(text));
   }
+  std::vector<char> buffer(kGroupBufferBytes);
+  group entry{};
+  group* found = nullptr;
   if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
     throw InvalidArgument(group_error(text, "it names no group on this machine"));
   }
