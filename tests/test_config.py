@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcached import config, config_doc
-from kvcached.errors import ConfigurationError, KvcachedError
+from kvcached.errors import ConfigurationError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"

@@ -206,6 +206,16 @@ def describe(grammar: object) -> Optional[str]:
 
 
 __all__ = [
-    "AbsolutePath", "Boolean", "Choice", "Count", "Fraction", "GroupName", "InstanceName",
-    "MAX_GROUP_ID", "MAX_PAGE_COUNT", "Seconds", "Size", "describe",
+    "MAX_GROUP_ID",
+    "MAX_PAGE_COUNT",
+    "AbsolutePath",
+    "Boolean",
+    "Choice",
+    "Count",
+    "Fraction",
+    "GroupName",
+    "InstanceName",
+    "Seconds",
+    "Size",
+    "describe",
 ]
