@@ -73,7 +73,7 @@ def test_the_group_setting_creates_shared_files_and_refuses_private_ones(monkeyp
 
 def test_an_unknown_group_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached")
-    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_GROUP='no-such-group-kvcached' names no group"):
+    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_GROUP='no-such-group-kvcached' is invalid: it names no group"):
         DeviceRegistry("cpu", PAGE_BYTES)
 
 

@@ -98,7 +98,7 @@ class DeviceName:
 
 
 def registry_dir() -> Path:
-    """The directory holding the registry files (``KVCACHED_REGISTRY_DIR`` or /dev/shm)."""
+    """The directory holding the registry files (``KVCACHED_REGISTRY_DIR``, :data:`kvcached.config.OPTIONS`)."""
     return Path(_core.registry_directory())
 
 

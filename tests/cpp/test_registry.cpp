@@ -11,6 +11,7 @@
 
 #include "kvcached/registry/device_registry.hpp"
 #include "kvcached/registry/registry_names.hpp"
+#include "kvcached/registry/registry_settings.hpp"
 #include "kvcached/sizes.hpp"
 
 namespace {
@@ -94,13 +95,25 @@ void test_registry_refuses_links_and_removed_files(const std::string& directory)
   CHECK(stat(DeviceRegistry::open("cpu", kPage)->path().c_str(), &info) == 0 && (info.st_mode & 0777) == 0600);
 }
 
+// Settings come from the caller; a gid wider than gid_t is refused, never wrapped.
+void test_registry_settings_are_checked_when_given(const std::string& directory) {
+  CHECK(resolve_registry_group("0") == 0);
+  CHECK(resolve_registry_group("4294967294") == static_cast<gid_t>(4294967294u));
+  CHECK(throws<InvalidArgument>([] { resolve_registry_group("4294967295"); }, "out of range"));
+  CHECK(throws<InvalidArgument>([] { resolve_registry_group("4294968298"); }, "KVCACHED_REGISTRY_GROUP='4294968298'"));
+  CHECK(throws<InvalidArgument>([] { resolve_registry_group("nosuch-kvcached-group"); }, "names no group on this machine"));
+  CHECK(throws<InvalidArgument>([] { configure_registry({"relative/dir", ""}); }, "absolute path"));
+  CHECK(throws<InvalidArgument>([&] { configure_registry({directory, "4294968298"}); }, "out of range"));
+  CHECK(registry_settings().directory == directory && registry_settings().group.empty());  // unchanged
+}
+
 }  // namespace
 
 int main() {
   char directory[] = "/tmp/kvcached-registry-test-XXXXXX";
   if (mkdtemp(directory) == nullptr) return 2;
-  setenv("KVCACHED_REGISTRY_DIR", directory, 1);
-  unsetenv("KVCACHED_REGISTRY_GROUP");
+  configure_registry({directory, ""});
+  test_registry_settings_are_checked_when_given(directory);
   test_size_grammar();
   test_device_names();
   test_registry_survives_a_truncated_file();

@@ -6,11 +6,14 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "kvcached/error.hpp"
 #include "kvcached/registry/registry_errors.hpp"
+#include "kvcached/registry/registry_settings.hpp"
 #include "registry_os.hpp"
 
 namespace kvcached::registry_detail {
@@ -30,52 +33,33 @@ std::string describe_file(const struct stat& info) {
          ", mode " + octal_mode(info.st_mode);
 }
 
-std::optional<gid_t> lookup_group(const std::string& text) {
-  std::vector<char> buffer(kGroupBufferBytes);
-  group entry{};
-  group* found = nullptr;
-  const bool numeric = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
-  if (numeric) {
-    const unsigned long gid = std::strtoul(text.c_str(), nullptr, 10);
-    if (getgrgid_r(static_cast<gid_t>(gid), &entry, buffer.data(), buffer.size(), &found) != 0 ||
-        found == nullptr) {
-      // A gid without a name is still a group the kernel knows.
-      return static_cast<gid_t>(gid);
-    }
-    return found->gr_gid;
-  }
-  if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
-    return std::nullopt;
-  }
-  return found->gr_gid;
+// Largest gid a setting may name: (gid_t)-1 tells chown() to leave the group alone.
+constexpr unsigned long long kMaxGroupId = static_cast<gid_t>(-1) - 1ull;
+constexpr std::size_t kMaxGroupIdDigits = 10;  // 4294967294
+
+std::string group_error(const std::string& text, const std::string& why) {
+  return std::string(kRegistryGroupEnv) + "='" + text + "' is invalid: " + why +
+         "; give a group name or a gid from 0 to " + std::to_string(kMaxGroupId) + kSecurityDoc;
 }
+
+std::mutex settings_mutex;
+std::optional<RegistrySettings> configured_settings;  // guarded by settings_mutex
 
 bool trusted_owner(uid_t owner) { return owner == geteuid() || owner == 0; }
 
 }  // namespace
 
-AccessPolicy AccessPolicy::from_environment() {
+AccessPolicy AccessPolicy::configured() {
   AccessPolicy policy;
-  const char* text = std::getenv(kRegistryGroupEnv);
-  if (text == nullptr || *text == '\0') return policy;
-  policy.group_text = text;
-  policy.group = lookup_group(text);
-  if (!policy.group) {
-    throw InvalidArgument(std::string(kRegistryGroupEnv) + "='" + text +
-                          "' names no group on this machine; give a group name or gid" +
-                          kSecurityDoc);
-  }
+  const RegistrySettings settings = registry_settings();
+  if (settings.group.empty()) return policy;
+  policy.group_text = settings.group;
+  policy.group = resolve_registry_group(settings.group);
   return policy;
 }
 
 std::string registry_directory() {
-  const char* text = std::getenv(kRegistryDirEnv);
-  std::string directory = (text && *text) ? text : kDefaultRegistryDir;
-  if (directory.front() != '/') {
-    // Processes started from different working directories would disagree.
-    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + directory +
-                          "' must be an absolute path");
-  }
+  std::string directory = registry_settings().directory;
   while (directory.size() > 1 && directory.back() == '/') directory.pop_back();
   return directory;
 }
@@ -209,3 +193,50 @@ void apply_policy(int fd, const std::string& path, const AccessPolicy& policy) {
 }
 
 }  // namespace kvcached::registry_detail
+
+namespace kvcached {
+
+using namespace registry_detail;
+
+gid_t resolve_registry_group(const std::string& text) {
+  const bool numeric = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  if (numeric) {
+    // Range-checked before the cast: a wider value would wrap to another group.
+    const std::size_t first_digit = text.find_first_not_of('0');
+    const std::size_t digits = first_digit == std::string::npos ? 1 : text.size() - first_digit;
+    if (digits > kMaxGroupIdDigits || std::stoull(text) > kMaxGroupId) {
+      throw InvalidArgument(group_error(text, "the gid is out of range"));
+    }
+    // A gid without a name is still a group the kernel knows.
+    return static_cast<gid_t>(std::stoull(text));
+  }
+  std::vector<char> buffer(kGroupBufferBytes);
+  group entry{};
+  group* found = nullptr;
+  if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
+    throw InvalidArgument(group_error(text, "it names no group on this machine"));
+  }
+  return found->gr_gid;
+}
+
+void configure_registry(const RegistrySettings& settings) {
+  if (settings.directory.empty() || settings.directory.front() != '/') {
+    // Processes started from different working directories would disagree.
+    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + settings.directory +
+                          "' must be an absolute path");
+  }
+  if (!settings.group.empty()) resolve_registry_group(settings.group);
+  std::lock_guard<std::mutex> lock(settings_mutex);
+  configured_settings = settings;
+}
+
+RegistrySettings registry_settings() {
+  std::lock_guard<std::mutex> lock(settings_mutex);
+  if (!configured_settings) {
+    throw InvalidArgument("the registry's directory and group are not configured: call "
+                          "configure_registry() first (Python does so from kvcached.config)");
+  }
+  return *configured_settings;
+}
+
+}  // namespace kvcached
