@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork semantics of the Linux host backend")
 
-# The parent: a registered per-layer pool (shared_files host memory, the default) holding 64 MiB
+# The parent: a registered per-layer pool (memfd files, the default, or anonymous memory) holding 64 MiB
 # written through, then a child forked while the pool lives. The child reports what it sees and
 # waits; the parent closes its pool (the registry then counts 0) and exits.
 PARENT = textwrap.dedent(
@@ -58,7 +58,9 @@ PARENT = textwrap.dedent(
     before = [e["mapped_bytes"] for e in registry_for("cpu").entries() if e["name"] == "forking-parent"]
     pool.close()
     after = [e for e in registry_for("cpu").entries() if e["name"] == "forking-parent"]
-    print(json.dumps(dict(child=child, files=files, seen=seen, before=before, after=after)), flush=True)
+    kv_range = [pool.space.base_address, pool.space.base_address + pool.space.size_bytes]
+    print(json.dumps(dict(child=child, files=files, seen=seen, before=before, after=after, kv_range=kv_range)),
+          flush=True)
     sys.stdin.read()  # the test closes stdin once done; the child then exits too
     """
 )
@@ -78,14 +80,29 @@ def _memfd_inodes_held_by(pid: int) -> set[int]:
     return held
 
 
-def test_a_forked_child_keeps_none_of_the_parents_host_memory():
-    env = dict(os.environ, KVCACHED_HOST_MEMORY="shared_files")
+def _resident_bytes_in(pid: int, start: int, end: int) -> int:
+    """Memory ``pid`` has resident in [start, end) (its smaps' Rss of the mappings there)."""
+    resident, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low < end and high > start
+            elif head == "Rss:" and inside:
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
+@pytest.mark.parametrize("host_memory", ["shared_files", "anonymous"])
+def test_a_forked_child_keeps_none_of_the_parents_host_memory(host_memory):
+    env = dict(os.environ, KVCACHED_HOST_MEMORY=host_memory)
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env=env)
     try:
         report = json.loads(parent.stdout.readline())
         assert report["before"] == [64 << 20] and report["after"] == []  # the registry counts 0 now
-        assert len(report["files"]) == 32  # one memfd file per allocation
+        assert len(report["files"]) == (32 if host_memory == "shared_files" else 0)  # a memfd per allocation
         # The child reads zeros where the parent's pages were, and cannot map there.
         assert report["seen"]["first_byte"] == 0
         assert report["seen"]["map"].startswith("BackendUnavailableError: host: create refused: this process is "
@@ -93,6 +110,7 @@ def test_a_forked_child_keeps_none_of_the_parents_host_memory():
         # Nothing in the child keeps the parent's files (so their memory) alive.
         held = _memfd_inodes_held_by(report["child"])
         assert not held & set(report["files"]), f"the child still holds {len(held)} of the parent's memory files"
+        assert _resident_bytes_in(report["child"], *report["kv_range"]) == 0
     finally:
         parent.stdin.close()
         parent.wait(30)

@@ -119,13 +119,15 @@ HostAllocations::Allocation& HostAllocations::find_locked(PhysicalHandle handle)
 }
 
 PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    check_attached_locked("create");
-  }
   Allocation allocation;
   allocation.size_bytes = size_bytes;
+  // A memfd descriptor is made under the lock, so a fork never copies one the
+  // fork handler does not know of; anonymous memory is allocated without it
+  // (slow) and is MADV_DONTFORK before it has any page.
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_attached_locked("create");
   if (moves_pages_) {
+    lock.unlock();
     allocation.parked = reserve_host_range(size_bytes, kHugePageBytes);
     try {
       allocate_parked(allocation.parked, size_bytes, huge_pages_);
@@ -133,6 +135,7 @@ PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
       munmap(pointer(allocation.parked), size_bytes);
       throw;
     }
+    lock.lock();
   } else {
     allocation.fd = memfd_create("kvcached", MFD_CLOEXEC);
     if (allocation.fd < 0) throw_host_errno("memfd_create", errno);
@@ -142,7 +145,6 @@ PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
       throw_host_errno("ftruncate", error);
     }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
   const PhysicalHandle handle = next_handle_++;
   allocations_.emplace(handle, allocation);
   return handle;
@@ -152,7 +154,7 @@ std::size_t HostAllocations::release(PhysicalHandle handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   Allocation& allocation = find_locked(handle);
   if (allocation.live != 0) throw InvalidArgument("host: release of a mapped allocation");
-  // In a fork()ed child the fields are cleared (detach_in_child_locked): only forgotten below.
+  // In a child of fork() detach_in_child_locked cleared the fields: the allocation is only forgotten.
   if (allocation.parked != 0 && munmap(pointer(allocation.parked), allocation.size_bytes) != 0) {
     throw_host_errno("munmap", errno);
   }
