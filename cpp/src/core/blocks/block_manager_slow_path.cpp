@@ -53,7 +53,6 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
   std::lock_guard<std::mutex> map(map_mutex_);  // waits for any map or unmap in flight
   Lock lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
   refresh_limit_locked();
   std::vector<std::int64_t> blocks, grown;
   const auto roll_back = [&] {
@@ -142,7 +141,6 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   std::lock_guard<std::mutex> map(map_mutex_);
   Lock lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  if (auto device = device_free_pages()) device_free_pages_ = device;
   refresh_limit_locked();
   // Which pages must be mapped, and how many pages become used (within the limit).
   const auto check = [&](std::vector<std::int64_t>& to_map) {

@@ -23,7 +23,6 @@ void BlockManager::maintain() {
     std::lock_guard<std::mutex> map(map_mutex_);
     Lock lock(mutex_);
     if (closed_) return;
-    if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
     refresh_limit_locked();
     keep_within_limit_locked(lock);
     keep_reserve_locked(lock, goal);

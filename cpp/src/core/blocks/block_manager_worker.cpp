@@ -104,10 +104,7 @@ void BlockManager::worker_loop() {
     try {
       if (Clock::now() - last_query >= kDeviceQueryPeriod) {
         last_query = Clock::now();
-        if (auto device = device_free_pages(/*query=*/true)) {  // no lock of ours held: a driver call
-          Lock lock(mutex_);
-          device_free_pages_ = device;
-        }
+        device_free_pages(/*query=*/true);  // no lock of ours held: a driver call that resets the estimate
       }
       maintain();
       prepare_ahead();
