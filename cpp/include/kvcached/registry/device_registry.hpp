@@ -20,8 +20,10 @@
 // lock-free atomics. The file is private to its creator or shared with one
 // named group (registry_access.hpp, docs/security.md), opened without following
 // symbolic links, and checked on every locked operation: a file that shrank,
-// was removed or replaced detaches the registry with a clear error instead of
-// crashing (SIGBUS, fault_guard.hpp) or silently splitting the budget in two.
+// was removed, moved or replaced, or holds values no kvcached writes (a pid
+// outside pid_t, more bytes than any device has) detaches the registry with a
+// clear error instead of crashing (SIGBUS, fault_guard.hpp), trusting a lie or
+// silently splitting the budget in two.
 //
 // Limitations. Liveness is judged from /proc/<pid>/stat, so all users must
 // share one PID namespace (containers sharing a GPU must also share PIDs). The

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "kvcached/registry/device_registry.hpp"
 #include "registry_lock.hpp"
@@ -146,7 +147,10 @@ std::size_t RegistryBudget::pressure_bytes() const noexcept {
     const EntryRecord& entry = segment_->entry(slot);
     if (!registry_detail::slot_active(entry)) continue;
     if (now - entry.wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs) {
-      wanted += entry.wanted_bytes.load(std::memory_order_relaxed);
+      // Read without the lock: a lying entry saturates (the next locked call refuses the file).
+      if (__builtin_add_overflow(wanted, entry.wanted_bytes.load(std::memory_order_relaxed), &wanted)) {
+        return std::numeric_limits<std::size_t>::max();
+      }
     }
   }
   return wanted;

@@ -72,6 +72,13 @@ RegistryLock::RegistryLock(Segment& segment, LockCheck check) : segment_(segment
     pthread_mutex_unlock(&header.mutex);
     segment.throw_unusable();
   }
+  try {
+    segment.check_table();  // a lying entry must not steer this section (sums, liveness)
+  } catch (...) {
+    header.lock_owner_pid.store(0, std::memory_order_relaxed);
+    pthread_mutex_unlock(&header.mutex);
+    throw;
+  }
 }
 
 RegistryLock::~RegistryLock() {

@@ -42,8 +42,9 @@ enum class LockCheck {
 
 class RegistryLock {
  public:
-  // Checks the segment as asked, then takes the lock. Throws RegistryUnusable,
-  // or DriverError when the lock stays held past the timeout.
+  // Checks the segment as asked, then takes the lock, then checks that the
+  // table holds no impossible value (Segment::check_table). Throws
+  // RegistryUnusable, or DriverError when the lock stays held past the timeout.
   explicit RegistryLock(Segment& segment, LockCheck check = LockCheck::file_path);
   ~RegistryLock();
   RegistryLock(const RegistryLock&) = delete;
