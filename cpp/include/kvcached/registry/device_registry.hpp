@@ -148,6 +148,10 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   bool try_acquire(std::size_t bytes) override;
   void release(std::size_t bytes) noexcept override;
   std::size_t available_bytes() const override;
+  // Throws RegistryUnusable once the file is no longer this registry (checked
+  // now: fstat and the header, no lock) and BackendUnavailable once the entry
+  // is gone, as try_acquire would.
+  void check_usable() const override;
   // This instance's limit (kvctl); while the device is over budget (kvctl
   // lowered it) also the share of the budget that others leave, so every
   // instance shrinks lazily until the device fits again.

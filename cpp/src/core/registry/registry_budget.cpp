@@ -110,6 +110,16 @@ std::size_t RegistryBudget::available_bytes() const {
   return available;
 }
 
+void RegistryBudget::check_usable() const {
+  if (unregistered_.load()) return;  // unregistered on purpose: nothing to report
+  segment_->check_intact(/*check_path=*/false);
+  segment_->check_table();
+  if (owned_entry() == nullptr) {
+    throw BackendUnavailable("registry entry '" + name_ + "' in " + segment_->path() +
+                             " is gone (reclaimed because its pid was judged dead); register again");
+  }
+}
+
 std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
   const EntryRecord* entry = owned_entry();
   if (entry == nullptr) return std::nullopt;
