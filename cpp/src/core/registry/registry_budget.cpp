@@ -66,6 +66,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
     }
   }
   if (!granted) {
+    segment_->check_table();  // refused because an entry lies? Say so instead.
     // Only a device-wide refusal is pressure on others; one's own limit is not.
     entry->wanted_bytes.store(bytes, std::memory_order_relaxed);
     entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
