@@ -258,4 +258,4 @@ def test_a_parent_owned_by_another_user_is_refused_even_with_the_sticky_bit(acco
         with pytest.raises(RegistryAccessError, match=rf"directory {theirs} above .*owner {OUTSIDER}.*could move"):
             DeviceRegistry("cpu", PAGE_BYTES)
     finally:
-        theirs.rmdir()
+        shutil.rmtree(theirs)
