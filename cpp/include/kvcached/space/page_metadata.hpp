@@ -26,7 +26,8 @@ struct PageMetadataCost {
 };
 
 // The bookkeeping `cost` comes to for `layout` (saturating at SIZE_MAX).
-KVCACHED_EXPORT std::size_t page_metadata_bytes(const KVLayout& layout, const PageMetadataCost& cost) noexcept;
+KVCACHED_EXPORT std::size_t page_metadata_bytes(const KVLayout& layout,
+                                                const PageMetadataCost& cost) noexcept;
 
 // The most bookkeeping one pool may keep: 4 GiB, or a quarter of the host's
 // physical memory if that is less.

@@ -51,7 +51,8 @@ PageMetadataCost BlockManager::page_metadata_cost(const KVLayout& layout) noexce
   // state_, free_slots_ (its bitmap while mapped), the best-fit index's free
   // count and bucket links, unmapped_'s bit (a byte, rounded up); block_state_ per block.
   const std::size_t bitmap_bytes = (layout.blocks_per_page() + 63) / 64 * sizeof(std::uint64_t);
-  const std::size_t per_page = sizeof(PageState) + sizeof(FreeSlots) + bitmap_bytes + 3 * sizeof(std::uint32_t) + 1;
+  const std::size_t per_page =
+      sizeof(PageState) + sizeof(FreeSlots) + bitmap_bytes + 3 * sizeof(std::uint32_t) + 1;
   return {per_page, sizeof(std::uint8_t)};
 }
 
