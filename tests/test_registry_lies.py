@@ -104,6 +104,19 @@ def test_honest_entries_at_the_limit_of_plausible_sizes_are_accepted():
     budget.release(2**55)
 
 
+def test_an_absurd_request_is_recorded_as_pressure_without_poisoning_the_file():
+    registry = make_registry(4)
+    with kvcached.KVPool(num_layers=1, block_bytes=PAGE_BYTES, num_blocks=8, device=DEVICE,
+                         page_bytes=PAGE_BYTES, background_worker=False) as pool:
+        for blocks in (2**40, 2**62):
+            with pytest.raises(OutOfMemoryError):
+                pool.alloc(blocks)
+        budget = registry.register("reporter")
+        budget.report_usage(2**62, 2**62)
+        names = [entry["name"] for entry in registry.entries()]  # the table is still believed
+        assert len(names) == 2 and "reporter" in names
+
+
 # ---- a registry moved away from its path --------------------------------------------
 
 

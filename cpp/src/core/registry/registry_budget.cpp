@@ -68,7 +68,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
   if (!granted) {
     segment_->check_table();  // refused because an entry lies? Say so instead.
     // Only a device-wide refusal is pressure on others; one's own limit is not.
-    entry->wanted_bytes.store(bytes, std::memory_order_relaxed);
+    entry->wanted_bytes.store(registry_detail::plausible_bytes(bytes), std::memory_order_relaxed);
     entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
     lock.confirm();
     return false;
@@ -140,8 +140,9 @@ void RegistryBudget::report_usage(std::size_t used_bytes, std::size_t mapped_byt
   EntryRecord* entry = owned_entry();
   if (entry == nullptr) return;
   // Display-only fields, each written by its owner alone: no lock needed.
-  entry->used_bytes.store(used_bytes, std::memory_order_relaxed);
-  entry->reported_mapped_bytes.store(mapped_bytes, std::memory_order_relaxed);
+  entry->used_bytes.store(registry_detail::plausible_bytes(used_bytes), std::memory_order_relaxed);
+  entry->reported_mapped_bytes.store(registry_detail::plausible_bytes(mapped_bytes),
+                                     std::memory_order_relaxed);
 }
 
 void RegistryBudget::report_worker_errors(std::uint64_t worker_errors) noexcept {
@@ -181,7 +182,8 @@ void RegistryBudget::want(std::size_t bytes) noexcept {
   const std::int64_t now = registry_detail::monotonic_now_ns();
   const bool recent = now - entry->wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
   const std::size_t wanted = entry->wanted_bytes.load(std::memory_order_relaxed);
-  entry->wanted_bytes.store(recent ? std::max(wanted, bytes) : bytes, std::memory_order_relaxed);
+  entry->wanted_bytes.store(registry_detail::plausible_bytes(recent ? std::max(wanted, bytes) : bytes),
+                            std::memory_order_relaxed);
   entry->wanted_at_ns.store(now, std::memory_order_relaxed);
 }
 

@@ -105,6 +105,12 @@ inline std::optional<std::size_t> limit_of(const EntryRecord& entry) noexcept {
 
 inline std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept { return a > b ? a - b : 0; }
 
+// What kvcached itself writes into a byte count: an absurd request (alloc of 2^40 blocks) is
+// recorded as the most any device has, never as a value table_lie would refuse the file for.
+inline std::size_t plausible_bytes(std::size_t bytes) noexcept {
+  return bytes < kMaxPlausibleBytes ? bytes : kMaxPlausibleBytes;
+}
+
 // Sum of every active entry's mapped bytes; SIZE_MAX (no room) if the sum
 // overflows, so a lock-free reader of a lying table errs on the safe side.
 std::size_t total_mapped_bytes(const Layout& layout) noexcept;
