@@ -109,7 +109,8 @@ def test_absurd_sizes_get_a_value_error_with_the_reason(kwargs, message):
     assert device.counters()["reserved_bytes"] == 0
 
 
-HUGE_GEOMETRY = dict(num_layers=1, num_buffers=1, block_bytes=4096, page_bytes=4096, device="cpu", register=False)
+HUGE_GEOMETRY = {"num_layers": 1, "num_buffers": 1, "block_bytes": 4096, "page_bytes": 4096, "device": "cpu",
+                 "register": False}
 
 
 @pytest.mark.parametrize("num_blocks", [2**28, 2**30, 2**32 - 1])

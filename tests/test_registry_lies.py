@@ -49,7 +49,7 @@ def test_two_entries_claiming_2_to_the_63_bytes_do_not_wrap_the_total_to_zero():
     # Read without the lock, the sum saturates: nothing is granted on a wrapped total.
     assert first.available_bytes == 0
     with pytest.raises(RegistryUnusableError, match=r"cannot be true \(slot \d+: mapped_bytes 9223372036854775808\)"):
-        registry.mapped_bytes
+        _ = registry.mapped_bytes
     with pytest.raises(RegistryUnusableError, match="cannot be true"):
         second.try_acquire(PAGE_BYTES)
     assert first.available_bytes == 0 and not first.registered, "every user of the file detached"
@@ -168,6 +168,6 @@ def test_a_pool_whose_registry_lies_says_so_instead_of_out_of_memory():
 def test_a_full_but_sound_registry_is_still_out_of_memory():
     make_registry(2)
     with kvcached.KVPool(num_layers=1, block_bytes=PAGE_BYTES, num_blocks=8, device=DEVICE,
-                         page_bytes=PAGE_BYTES, background_worker=False) as pool:
-        with pytest.raises(OutOfMemoryError, match="bound by the memory budget"):
-            pool.alloc(4)
+                         page_bytes=PAGE_BYTES, background_worker=False) as pool, \
+            pytest.raises(OutOfMemoryError, match="bound by the memory budget"):
+        pool.alloc(4)
