@@ -92,7 +92,11 @@ def test_a_budget_larger_than_any_device_is_refused_when_set_and_when_found():
     with pytest.raises(ValueError, match="larger than any device"):
         DeviceRegistry("cuda-index-3", 2**60)
     assert registry.budget_bytes == 4 * PAGE_BYTES
+    budget = registry.register("engine")
     write_u64(registry.path, LAYOUT["header.budget_bytes"], 2**63)
+    assert budget.available_bytes <= 2**56, "read without the lock, the hint stays plausible"
+    with pytest.raises(RegistryUnusableError, match="budget_bytes 9223372036854775808"):
+        budget.try_acquire(2**57)  # the page-by-page path never grants on it
     with pytest.raises(RegistryUnusableError, match="budget_bytes 9223372036854775808"):
         registry.entries()
 

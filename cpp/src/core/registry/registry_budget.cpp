@@ -46,6 +46,10 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
                              "judged dead); register again");
   }
   registry_detail::Layout& layout = segment_->layout();
+  // The one lie that would grant rather than refuse: a budget no device has.
+  if (layout.header.budget_bytes.load(std::memory_order_relaxed) > registry_detail::kMaxPlausibleBytes) {
+    segment_->check_table();
+  }
   const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
   const auto limit = registry_detail::limit_of(*entry);
   if (limit && bytes > saturating_sub(*limit, own_mapped)) {
@@ -102,7 +106,8 @@ std::size_t RegistryBudget::available_bytes() const {
   const EntryRecord* entry = owned_entry();
   if (entry == nullptr) return 0;
   const registry_detail::Layout& layout = segment_->layout();
-  const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  const std::size_t budget =
+      registry_detail::plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
   std::size_t available = saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
   if (const auto limit = registry_detail::limit_of(*entry)) {
     available = std::min(available,

@@ -34,9 +34,9 @@ inline constexpr std::int64_t kLockTimeoutNs = 5'000'000'000;
 // What a RegistryLock checks before taking the lock. Hot paths (a page's
 // try_acquire / release) skip the system calls: a shrunk file faults on the
 // lock itself (fault_guard.hpp), and confirm() checks the rest afterwards.
-// They also skip the scan for impossible values: a lie can only make them
-// refuse (sums saturate, a pid no process has is dead), and try_acquire scans
-// before it refuses.
+// They also skip the scan for impossible values: a lie in an entry can only
+// make them refuse (sums saturate, a pid no process has is dead); try_acquire
+// scans before it refuses, and when the budget itself is impossible.
 enum class LockCheck {
   attached,   // the segment is not detached and its header intact (memory reads)
   file,       // also fstat: whole, still linked, header intact; and the table scan
