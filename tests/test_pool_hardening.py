@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
@@ -106,6 +107,36 @@ def test_absurd_sizes_get_a_value_error_with_the_reason(kwargs, message):
     with pytest.raises(ValueError, match=message):
         kvcached.KVPool(options.pop("num_layers"), options.pop("block_bytes"), device=device, **options)
     assert device.counters()["reserved_bytes"] == 0
+
+
+HUGE_GEOMETRY = {"num_layers": 1, "num_buffers": 1, "block_bytes": 4096, "page_bytes": 4096, "device": "cpu",
+                 "register": False}
+
+
+@pytest.mark.parametrize("num_blocks", [2**28, 2**30, 2**32 - 1])
+def test_a_geometry_whose_bookkeeping_would_exhaust_the_host_is_refused_up_front(num_blocks):
+    # 2^28 page ids grew to ~22 GB before the first block (OOM-killed); 2^30 raised std::bad_alloc.
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    with pytest.raises(ValueError,
+                       match=rf"over {num_blocks} page ids \(.*\) keeps \d+ bytes of bookkeeping per page id.*"
+                             r"more than the \d+ bytes kvcached allows.*Use larger pages \(page_bytes\) or fewer blocks"):
+        kvcached.KVPool(num_blocks=num_blocks, **HUGE_GEOMETRY)
+    assert time.monotonic() - started < 2.0, "refused before sizing anything"
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kib < 64 << 10, "no bookkeeping was allocated"
+
+
+def test_a_device_less_block_manager_refuses_such_a_geometry_too():
+    layout = kvcached.KVLayout(1, 4096, 2**30, num_buffers=1, page_bytes=4096, device=_core.open_host_device(64 << 20))
+    with pytest.raises(ValueError, match=r"a block manager over 1073741824 page ids"):
+        kvcached.BlockManager(layout, mirrors=2)
+
+
+def test_a_large_but_sane_geometry_is_still_accepted():
+    with kvcached.KVPool(num_blocks=2**20, **HUGE_GEOMETRY) as pool:  # about 100 MB of bookkeeping
+        ids = pool.alloc(3)
+        assert sorted(ids) == [0, 1, 2], "the lowest page ids first"
+        pool.free(ids)
 
 
 def test_manager_alloc_after_close_raises_instead_of_answering_none():

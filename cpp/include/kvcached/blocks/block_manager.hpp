@@ -29,7 +29,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +42,7 @@
 #include "kvcached/blocks/page_op_log.hpp"
 #include "kvcached/blocks/reserve_policy.hpp"
 #include "kvcached/space/kv_layout.hpp"
+#include "kvcached/space/page_metadata.hpp"
 
 namespace kvcached {
 
@@ -85,7 +85,11 @@ class KVCACHED_EXPORT BlockManager {
   // Device-less: decisions recorded as PageOps for one mirror KV space per
   // entry of `mirrors`, each charged on its own budget.
   BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::vector<MirrorSpec> mirrors);
+  // Both refuse (InvalidArgument, before sizing anything) a layout whose
+  // bookkeeping, with a local space's, would pass the cap of page_metadata.hpp.
   ~BlockManager();
+  // What a block manager keeps per page id and per block id of `layout`.
+  static PageMetadataCost page_metadata_cost(const KVLayout& layout) noexcept;
   BlockManager(const BlockManager&) = delete;
   BlockManager& operator=(const BlockManager&) = delete;
 
@@ -262,7 +266,7 @@ class KVCACHED_EXPORT BlockManager {
   std::vector<FreeSlots> free_slots_;                    // per mapped page, lowest first
   std::vector<std::uint8_t> block_state_;
   BestFitIndex index_;                                   // mapped pages by free blocks
-  std::set<std::int64_t> unmapped_;                      // lowest id first
+  FreeSlots unmapped_;                                   // unmapped page ids, lowest first (a bitmap)
   std::vector<std::int64_t> reserved_;                   // try_reserve, handed out first
   std::size_t used_blocks_ = 0;
   std::size_t mapping_pages_ = 0, mapping_blocks_ = 0, unmapping_pages_ = 0, awaiting_ack_pages_ = 0;

@@ -72,6 +72,9 @@ class KVCACHED_EXPORT MirrorBudgets {
   std::optional<ExternalLimit> external_limit() const;
   // Some budget reports other pools waiting for memory.
   bool others_waiting() const noexcept;
+  // Throws the error of the first live mirror's budget that can no longer
+  // grant anything (MemoryBudget::check_usable).
+  void check_usable() const;
   // Publishes usage on every live mirror's budget (pages x that mirror's page cost).
   void report_usage(std::size_t used_pages) const noexcept;
   // Publishes the background worker's failure count on every live mirror's budget.

@@ -49,7 +49,7 @@ void BlockManager::with_mapper(Lock& lock, const std::function<void()>& call) {
 void BlockManager::undo_grow_locked(const std::vector<std::int64_t>& pages) {
   for (std::int64_t p : pages) {
     state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
+    unmapped_.give(static_cast<std::uint32_t>(p));
     mapping_blocks_ -= index_.capacity(static_cast<std::uint32_t>(p));
   }
   mapping_pages_ -= pages.size();
@@ -61,11 +61,9 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
   if (count == 0) return pages;
   if (wanted != nullptr) {
     pages = *wanted;
-    for (std::int64_t p : pages) unmapped_.erase(p);
+    for (std::int64_t p : pages) unmapped_.remove(static_cast<std::uint32_t>(p));
   } else {
-    auto it = unmapped_.begin();
-    for (std::size_t i = 0; i < count; ++i) pages.push_back(*it++);
-    unmapped_.erase(unmapped_.begin(), it);
+    unmapped_.take(count, 0, pages);
   }
   for (std::int64_t p : pages) {
     state_[p] = PageState::kMapping;
@@ -139,7 +137,7 @@ std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint3
     }
     for (std::int64_t p : outcome.unmapped) {
       state_[p] = PageState::kUnmapped;
-      unmapped_.insert(p);
+      unmapped_.give(static_cast<std::uint32_t>(p));
     }
     for (std::int64_t p : outcome.awaiting_ack) state_[p] = PageState::kAwaitingAck;
     awaiting_ack_pages_ += outcome.awaiting_ack.size();
@@ -180,7 +178,7 @@ void BlockManager::make_reusable_locked(const std::vector<std::int64_t>& pages) 
   for (std::int64_t p : pages) {
     if (state_[p] != PageState::kAwaitingAck) continue;  // defensive: only what the log handed out
     state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
+    unmapped_.give(static_cast<std::uint32_t>(p));
     --awaiting_ack_pages_;
   }
 }

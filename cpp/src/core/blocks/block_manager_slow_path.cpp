@@ -93,6 +93,7 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
           }
         }
         if (budget_room < plan.pages) {  // others' memory it is (not the device's): worth waiting for
+          budgets_.check_usable();  // a budget gone bad never gives memory back: no wait
           // Recorded before every wait: the holders decide each round whether anyone waits.
           probe_budget_for_pressure(lock, plan.pages);
           wait_for_budget_locked(lock, budget_room, deadline);  // at once if memory came back meanwhile
@@ -103,6 +104,7 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         }
       }
       if (plan.action == AllocPlan::kRefuse) {
+        budgets_.check_usable();  // a budget gone bad says so, rather than "bound by the memory budget"
         const std::size_t can = available_locked();
         std::string bound_by;
         growth_room_locked(&bound_by);
@@ -170,6 +172,7 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   if (!to_map.empty()) {
     std::string bound_by;
     if (growth_room_locked(&bound_by) < to_map.size()) {
+      budgets_.check_usable();
       throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) + " more page(s) for these blocks: " +
                             "bound by " + bound_by);
     }

@@ -37,7 +37,7 @@ void BlockManager::prepare_ahead() {
   {
     Lock lock(mutex_);
     if (closed_) return;
-    for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < want; ++it) frontier.push_back(*it);
+    unmapped_.lowest(want, 0, frontier);
   }
   // No lock of ours is held: the space takes its own one run at a time, so a
   // grow meanwhile waits for one split at most, never for the whole frontier.

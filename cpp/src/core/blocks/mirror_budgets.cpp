@@ -84,6 +84,12 @@ std::optional<MirrorBudgets::ExternalLimit> MirrorBudgets::external_limit() cons
   return tightest;
 }
 
+void MirrorBudgets::check_usable() const {
+  for (const Mirror& m : mirrors_) {
+    if (m.alive && m.budget) m.budget->check_usable();
+  }
+}
+
 bool MirrorBudgets::others_waiting() const noexcept {
   for (const Mirror& m : mirrors_) {
     if (m.alive && m.budget && m.budget->pressure_bytes() > 0) return true;

@@ -47,6 +47,63 @@ std::optional<RegistrySettings> configured_settings;  // guarded by settings_mut
 
 bool trusted_owner(uid_t owner) { return owner == geteuid() || owner == 0; }
 
+void check_parent(const std::string& parent, uid_t directory_owner, const AccessPolicy& policy,
+                  const std::string& setting) {
+  struct stat info {};
+  if (lstat(parent.c_str(), &info) != 0) {
+    if (errno == ENOENT) return;  // creating the directory says so, naming the missing parent
+    throw_os_error("lstat(" + parent + ")", errno);
+  }
+  // A link is as safe as the directory holding it (checked too) and where it
+  // leads (checked along the resolved path).
+  if (S_ISLNK(info.st_mode)) return;
+  const std::string where = "directory " + parent + " above the registry directory (" + setting + ")";
+  const bool sticky = info.st_mode & S_ISVTX;
+  if (!trusted_owner(info.st_uid) && info.st_uid != directory_owner) {
+    throw RegistryAccessDenied(where + " has " + describe_file(info) +
+                               ": its owner could move the registry directory away or replace "
+                               "it. Use a registry directory whose parents belong to root or "
+                               "to you" + kSecurityDoc);
+  }
+  if ((info.st_mode & S_IWOTH) && !sticky) {
+    throw RegistryAccessDenied(where + " is writable by every user without the sticky bit (mode " +
+                               octal_mode(info.st_mode) +
+                               "): anyone could rename the registry directory or replace it" +
+                               kSecurityDoc);
+  }
+  const bool group_trusted = policy.group && info.st_gid == *policy.group;
+  if ((info.st_mode & S_IWGRP) && !sticky && !group_trusted) {
+    throw RegistryAccessDenied(where + " is writable by group " + describe_group(info.st_gid) +
+                               " without the sticky bit, and " + group_hint(policy) +
+                               " does not name that group: its members could rename the registry "
+                               "directory or replace it" + kSecurityDoc);
+  }
+}
+
+// Whoever may rename an entry of a directory above the registry directory can
+// move the registry away from its path (engines already running keep using it,
+// new ones and kvctl see another) or put their own directory there. So every
+// directory above it must belong to root, the caller or the registry
+// directory's owner, and be writable by others only with the sticky bit (like
+// /tmp and /dev/shm: then only an entry's owner may rename it), by its group
+// only with the sticky bit or when that is the group of the setting. Both the
+// path as written and the one its symbolic links lead to are checked.
+void check_parents(const std::string& directory, uid_t directory_owner, const AccessPolicy& policy,
+                   const std::string& setting) {
+  std::vector<std::string> paths = {directory};
+  if (char* resolved = realpath(directory.c_str(), nullptr)) {
+    if (directory != resolved) paths.emplace_back(resolved);
+    std::free(resolved);
+  }
+  for (const std::string& path : paths) {
+    for (std::size_t slash = path.rfind('/'); slash != std::string::npos && slash > 0;
+         slash = path.rfind('/', slash - 1)) {
+      check_parent(path.substr(0, slash), directory_owner, policy, setting);
+    }
+    if (path.size() > 1) check_parent("/", directory_owner, policy, setting);
+  }
+}
+
 }  // namespace
 
 AccessPolicy AccessPolicy::configured() {
@@ -67,9 +124,11 @@ std::string registry_directory() {
 void prepare_directory(const std::string& directory, const AccessPolicy& policy, bool create) {
   const std::string setting = std::string(kRegistryDirEnv) + "=" + directory;
   struct stat info {};
-  if (stat(directory.c_str(), &info) != 0) {
-    const int error = errno;
-    if (error != ENOENT) throw_os_error("stat(" + directory + ")", error);
+  const bool exists = stat(directory.c_str(), &info) == 0;
+  if (!exists && errno != ENOENT) throw_os_error("stat(" + directory + ")", errno);
+  // Before anything is created in them; a directory about to be made is the caller's.
+  check_parents(directory, exists ? info.st_uid : geteuid(), policy, setting);
+  if (!exists) {
     const std::size_t slash = directory.rfind('/');
     const std::string parent = slash == 0 ? "/" : directory.substr(0, slash);
     if (!create) {

@@ -9,7 +9,9 @@
 // caller (no group set) or shared with exactly the named group. The directory
 // (KVCACHED_REGISTRY_DIR; created 0700 / 0770 when missing)
 // must belong to the caller, root or that group, and must not let others
-// replace files in it (writable by others only with the sticky bit). Every
+// replace files in it (writable by others only with the sticky bit); the
+// directories above it must not let others rename it (belong to root, the
+// caller or its owner; writable by others only with the sticky bit). Every
 // refusal names the file and the setting. docs/security.md is the user's view.
 // Both settings come from configure_registry() (registry_settings.hpp), not the environment.
 #pragma once
