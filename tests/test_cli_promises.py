@@ -73,10 +73,17 @@ def test_kvctl_never_creates_a_registry(env, tmp_path, args):
     assert list(tmp_path.iterdir()) == [], "kvctl made a registry"
 
 
-@pytest.mark.parametrize("target", ["9223372036854775808", "99999999999", "pid:0", "pid:-1", "pid:x", "name:"])
-def test_kvctl_refuses_a_target_that_names_no_instance_in_one_line(env, registry, target):
+@pytest.mark.parametrize("target, words", [
+    ("9223372036854775808", "is not a process id (1 to 2147483647); for an instance named so, write name:"),
+    ("99999999999", "is not a process id"),
+    ("pid:0", "is not a process id"),
+    ("pid:-1", "is not a process id: expected pid:<digits>"),
+    ("pid:x", "is not a process id: expected pid:<digits>"),
+    ("name:", "names no instance"),
+])
+def test_kvctl_refuses_a_target_that_can_name_no_instance_in_one_line(env, registry, target, words):
     done = run(env, "kvcached.kvctl", "set-limit", target, "1G", expect_rc=None)
-    assert_one_line(done, 1, repr(target))
+    assert_one_line(done, 1, f"{target!r} {words}")
     assert "bad_cast" not in done.stderr
 
 

@@ -89,15 +89,15 @@ def _checked_config(args: argparse.Namespace) -> Any:
 
     check_settings()  # every KVCACHED_* variable the engines will read
     budget_bytes = parse_bytes(args.budget, "--budget") if args.budget else DEFAULT_BUDGET_BYTES
-    config = DemoConfig(engines=args.engines, duration_s=args.duration, seed=args.seed, budget_bytes=budget_bytes,
-                        device=args.device.strip(), wait_timeout_s=args.wait_timeout)
-    config.validate()
     try:
-        device = resolve_device(config.device)
+        device = resolve_device(args.device)
     except (KvcachedError, ValueError) as error:
-        raise ValueError(f"--device {config.device!r}: {error}") from None
+        raise ValueError(f"--device {args.device!r}: {error}") from None
     if not device.local:
-        raise ValueError(f"--device {config.device!r}: name the device as this process sees it, e.g. cuda:0")
+        raise ValueError(f"--device {args.device!r}: name the device as this process sees it, e.g. cuda:0")
+    config = DemoConfig(engines=args.engines, duration_s=args.duration, seed=args.seed, budget_bytes=budget_bytes,
+                        device=device.local, wait_timeout_s=args.wait_timeout)
+    config.validate()
     _free_bytes, total_bytes = open_device(device.local).memory_info()
     if budget_bytes > total_bytes:
         capacity = " (KVCACHED_HOST_CAPACITY_BYTES sets it)" if device.local == "cpu" else ""
