@@ -205,15 +205,27 @@ def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path, env_without_t
     (("--seed", "-1"), {}, "--seed"),
     (("--plot", "/nonexistent/x.png"), {}, "--plot '/nonexistent/x.png'"),
     (("--json", "/nonexistent/x.json"), {}, "--json '/nonexistent/x.json'"),
-    ((), {"KVCACHED_REGISTRY_GROUP": "no-such-group-kvcached"}, "KVCACHED_REGISTRY_GROUP"),
-    ((), {"KVCACHED_PAGE_BYTES": "4GB"}, "KVCACHED_PAGE_BYTES"),
-    ((), {"KVCACHED_LAYOUT": "diagonal"}, "KVCACHED_LAYOUT"),
     ((), {"KVCACHED_HOST_CAPACITY_BYTES": "1M"}, "KVCACHED_HOST_CAPACITY_BYTES"),
 ])
-def test_demo_refuses_a_bad_option_or_setting_in_one_line_before_starting(tmp_path, args, variables, words):
+def test_demo_refuses_a_bad_option_in_one_line_before_starting(tmp_path, args, variables, words):
     done = _run_demo(tmp_path, *args, "--no-live", variables=variables)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert words in done.stderr, done.stderr
+    assert "starting engines" not in done.stdout, "refused before any engine starts"
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached"),
+    ("KVCACHED_PAGE_BYTES", "4GB"),
+    ("KVCACHED_LAYOUT", "diagonal"),
+    ("KVCACHED_ZERO_BACKING", "maybe"),
+])
+def test_demo_refuses_a_bad_setting_in_one_line_before_starting(tmp_path, variable, value):
+    done = _run_demo(tmp_path, "--no-live", variables={variable: value})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("kvcached: error: ") and f"{variable}={value!r}" in done.stderr, done.stderr
     assert "starting engines" not in done.stdout, "refused before any engine starts"
     assert list(tmp_path.iterdir()) == [], "nothing written"

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Iterable, NoReturn, Optional, Sequence
 
 from kvcached import config
+from kvcached.errors import ConfigurationError
 from kvcached.registry import printable
 
 EXIT_FAILED = 1
@@ -69,6 +70,11 @@ def check_settings(names: Optional[Iterable[str]] = None) -> None:
         config.get(name)
 
 
+def names_a_setting(error: BaseException) -> bool:
+    """Whether ``error`` is about a ``KVCACHED_*`` setting (kvcached's messages then start with its name)."""
+    return isinstance(error, ConfigurationError) or str(error).startswith("KVCACHED_")
+
+
 __all__ = [
     "EXIT_FAILED",
     "EXIT_USAGE",
@@ -76,6 +82,7 @@ __all__ = [
     "OneLineArgumentParser",
     "add_version_argument",
     "check_settings",
+    "names_a_setting",
     "one_line",
     "report_failure",
     "wants_json",

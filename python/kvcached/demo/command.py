@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from kvcached.cli_support import EXIT_USAGE, check_settings, report_failure
-from kvcached.errors import KvcachedError
+from kvcached.cli_support import EXIT_USAGE, check_settings, names_a_setting, report_failure
+from kvcached.errors import ConfigurationError, KvcachedError
 from kvcached.registry import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,8 @@ def _checked_config(args: argparse.Namespace) -> Any:
 def run_command(args: argparse.Namespace) -> int:
     """Runs the demo as the parsed options say; prints the summary. Exit status 0 if all checks passed.
 
-    Every bad option or ``KVCACHED_*`` setting is one line on stderr and exit status 2,
-    before any engine starts."""
+    Before any engine starts, a bad option is one line on stderr and exit status 2; a bad
+    ``KVCACHED_*`` setting raises ConfigurationError (``kvcached`` says it in one line, status 1)."""
     from kvcached.demo.live import make_view
     from kvcached.demo.run import DemoSetup
     from kvcached.demo.summary import format_summary, summarize
@@ -125,6 +125,8 @@ def run_command(args: argparse.Namespace) -> int:
             # Checks the budget against the device's page size; removes its directory on exit.
             setup = stack.enter_context(DemoSetup(config))
         except (KvcachedError, ValueError, OSError) as error:
+            if names_a_setting(error):  # kvcached's own one-line error for a bad setting, exit status 1
+                raise ConfigurationError(str(error)) from None
             report_failure("kvcached demo", str(error), as_json=False)
             return EXIT_USAGE
         print(f"kvcached demo: {config.engines} engines, {format_bytes(config.budget_bytes)} on {config.device}, "
