@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -240,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stream_snapshots(console: "Console", devices: Sequence[str], interval_s: float) -> None:
-    """Not a terminal (a pipe, a log file): one plain frame per interval, each after the last."""
+    """Not a terminal (a pipe, a log file): one plain frame per interval, each after the last.
+
+    A reader that goes away (``kvtop | head``) ends it quietly through rich (exit status 1)."""
     while True:
         console.print(frame(devices, console.width))
         console.file.flush()
@@ -277,8 +278,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 live.update(frame(devices, console.width), refresh=True)
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:  # `kvtop | head`: the reader is gone; exit quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
