@@ -66,7 +66,8 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["limit_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
   entry["mapped_bytes"] = info.mapped_bytes;
   entry["used_bytes"] = info.used_bytes;
-  entry["reserved_bytes"] = info.reserved_bytes;
+  // Mapped but free: "reserved" is kept for virtual reservations (pool stats, device counters).
+  entry["free_mapped_bytes"] = info.reserved_bytes;
   entry["wanted_bytes"] = info.wanted_bytes;
   entry["worker_errors"] = info.worker_errors;
   return entry;
@@ -87,7 +88,14 @@ nb::dict file_to_dict(const RegistryFileInfo& info) {
 // A pid (int), or a name (str, or bytes for names that are not UTF-8).
 std::variant<std::int64_t, std::string> name_or_pid_of(nb::handle target) {
   if (nb::isinstance<nb::bool_>(target)) throw InvalidArgument("name_or_pid must be an int pid or a name");
-  if (nb::isinstance<nb::int_>(target)) return nb::cast<std::int64_t>(target);
+  if (nb::isinstance<nb::int_>(target)) {
+    std::int64_t pid = 0;
+    if (!nb::try_cast(target, pid) || pid <= 0) {
+      throw InvalidArgument("pid must be a positive process id, got " +
+                            nb::cast<std::string>(nb::str(target)));
+    }
+    return pid;
+  }
   if (nb::isinstance<nb::str>(target)) return nb::cast<std::string>(target);
   if (nb::isinstance<nb::bytes>(target)) {
     const nb::bytes raw = nb::borrow<nb::bytes>(target);
