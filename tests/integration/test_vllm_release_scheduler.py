@@ -166,3 +166,22 @@ def test_blocks_freed_to_be_evicted_first_are_kvcacheds_first_evictions(start):
     pool.touch(blocks)
     pool.free_blocks(blocks, evict_first=True)  # another tier holds their contents
     assert list(pool._resident_free)[: len(blocks)] == dropped_blocks
+
+
+def _has_extensible_kv_cache() -> bool:
+    from vllm.config import CacheConfig
+
+    return "enable_extensible_kv_cache" in {f.name for f in __import__("dataclasses").fields(CacheConfig)}
+
+
+def test_vllms_own_extensible_kv_cache_is_off_by_default_and_refused_when_asked_for(model_dir):
+    if not _has_extensible_kv_cache():
+        pytest.skip(f"vLLM {vllm.__version__} has no extensible KV cache")
+    from kvcached.integration.vllm.v0_32.plan import UnsupportedVLLMConfig
+
+    drive.install()
+    assert drive.vllm_config(model_dir).cache_config.enable_extensible_kv_cache is False
+    config = drive.vllm_config(model_dir)
+    config.cache_config.enable_extensible_kv_cache = True  # as --enable-extensible-kv-cache leaves it
+    with pytest.raises(UnsupportedVLLMConfig, match="extensible KV cache"):
+        drive.plan_kv_cache(config, num_blocks=64)
