@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import re
+import sys
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -73,18 +74,20 @@ class PatchPoint:
     def resolve(self) -> Any:
         """The object, or raises PatchPointMoved. Raises ImportError for an optional point whose module's
         own imports fail (that part of the engine cannot run in this build)."""
-        try:
-            found = importlib.util.find_spec(self.module)
-        except ModuleNotFoundError:
-            found = None
-        if found is None:
-            raise PatchPointMoved(f"module {self.module} is gone (wanted {self.name})")
-        try:
-            target: Any = importlib.import_module(self.module)
-        except ImportError:
-            if self.optional:
-                raise
-            raise PatchPointMoved(f"module {self.module} does not import (wanted {self.name})") from None
+        target: Any = sys.modules.get(self.module)
+        if target is None:
+            try:
+                found = importlib.util.find_spec(self.module)
+            except ModuleNotFoundError:  # a parent package is gone
+                found = None
+            if found is None:
+                raise PatchPointMoved(f"module {self.module} is gone (wanted {self.name})")
+            try:
+                target = importlib.import_module(self.module)
+            except ImportError:
+                if self.optional:
+                    raise
+                raise PatchPointMoved(f"module {self.module} does not import (wanted {self.name})") from None
         for part in self.attribute.split("."):
             if not hasattr(target, part):
                 raise PatchPointMoved(f"{self.name} is gone")
