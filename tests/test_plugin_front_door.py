@@ -131,7 +131,7 @@ def test_the_plugin_installs_the_releases_package_once_per_process(engine, packa
     plugin = EnginePlugin(_policy(), lambda: engine.__version__, logging.getLogger("test.front_door"))
     plugin.register()
     plugin.register()
-    assert len(packages) == 1 and list(plugin.installed.values())[0].__name__.endswith("v1_4")
+    assert len(packages) == 1 and next(iter(plugin.installed.values())).__name__.endswith("v1_4")
 
 
 def test_nothing_is_installed_when_a_patch_point_moved_and_the_engine_runs_on(engine, packages, monkeypatch, caplog):

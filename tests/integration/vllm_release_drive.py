@@ -213,11 +213,10 @@ def start(model_dir: str, *, num_blocks: int = 256, ranks: int = 1, limit_bytes:
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvcached.integration.common.acks import AckBoard
-    from kvcached.integration.common.space import WorkerSpace
-    from kvcached.integration.vllm.v0_32.plan import PLAN_ATTR
-
     from kvcached.integration.common.settings import Settings
+    from kvcached.integration.common.space import WorkerSpace
     from kvcached.integration.vllm.v0_32 import plan as kvcached_plan
+    from kvcached.integration.vllm.v0_32.plan import PLAN_ATTR
 
     install()
     os.environ["KVCACHED_NAME"] = f"vllm-release-{next(_request_ids)}"
