@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import pickle
 
 import pytest
 
@@ -23,6 +24,12 @@ from kvcached.integration import vllm as plugin  # noqa: E402
 from kvcached.integration.common.front_door import PatchPointMoved, verify_patch_points  # noqa: E402
 
 pytestmark = pytest.mark.vllm_release
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept():
+    with drive.environment_kept():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +85,12 @@ def test_every_other_releases_package_is_refused_here_naming_what_moved():
 def test_every_block_vllm_holds_is_a_kvcached_block_mapped_on_every_rank(start):
     run = start(ranks=2, prefix_caching=False)
     a, b = run.add(40, 2), run.add(100, 2)
-    run.step()
+    output = run.step()
+    # The page ops ride on the SchedulerOutput that vLLM pickles to every worker.
+    from kvcached.integration.vllm.v0_32.plan import PAGE_OPS_ATTR
+
+    carried = getattr(pickle.loads(pickle.dumps(output)), PAGE_OPS_ATTR)
+    assert carried.seq == getattr(output, PAGE_OPS_ATTR).seq == run.held_ops[-1].seq
     held = set(run.block_ids(a)) | set(run.block_ids(b))
     assert len(held) == 3 + 7 and 0 not in held
     stats = run.engine.stats()

@@ -31,6 +31,12 @@ pytestmark = pytest.mark.vllm_release
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept():
+    with drive.environment_kept():
+        yield
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from tiny_llama import make_tiny_llama

@@ -14,6 +14,7 @@ compiled extension), which is all the scheduler and the KV views need.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -27,6 +28,20 @@ PAGE_BYTES = 64 << 10  # 8 blocks of 8 KiB per page and layer: memory visibly fo
 LAYOUT = "LBHNC"  # the CPU attention backend's one layout, and a layer-outermost one on GPUs
 
 _request_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def environment_kept() -> Any:
+    """Restores the environment and kvcached's vLLM settings that driving changed (for a test module)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        from kvcached.integration.vllm.v0_32 import plan
+
+        plan.use_settings(None)  # read from the environment again
 
 
 def install() -> Any:
@@ -237,4 +252,4 @@ def start(model_dir: str, *, num_blocks: int = 256, ranks: int = 1, limit_bytes:
     return Drive(scheduler=scheduler, spaces=spaces, configs=configs)
 
 
-__all__ = ["BLOCK_SIZE", "Drive", "NUM_LAYERS", "PAGE_BYTES", "install", "plan_kv_cache", "start", "vllm_config"]
+__all__ = ["BLOCK_SIZE", "Drive", "environment_kept", "NUM_LAYERS", "PAGE_BYTES", "install", "plan_kv_cache", "start", "vllm_config"]

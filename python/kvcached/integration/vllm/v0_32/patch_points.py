@@ -55,6 +55,8 @@ ENGINE_CORE_POINTS: tuple[PatchPoint, ...] = (
                ("self", "scheduler_output", "model_runner_output"), exact=True),
     PatchPoint(_SCHEDULER, "Scheduler", members=(
         "schedule", "_preempt_request", "shutdown", "get_num_unfinished_requests")),
+    # The step's page ops ride on it as an extra attribute, pickled to every worker with it.
+    PatchPoint("vllm.v1.core.sched.output", "SchedulerOutput"),
     PatchPoint("vllm.v1.kv_cache_interface", "create_kv_cache_views",
                ("raw", "spec", "num_blocks", "layout", "kv_cache_tensor", "kernel_block_size"), exact=True),
     PatchPoint("vllm.v1.kv_cache_interface", "KVCacheConfig", members=("num_blocks_of",)),
