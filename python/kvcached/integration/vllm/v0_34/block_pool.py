@@ -27,7 +27,7 @@ def make_block_pool_class(base: type) -> type:
             base.free_blocks(self, ordered_blocks, evict_first or self._evict_first_now)
 
     class KvcachedBlockPool(v0_32_block_pool.make_block_pool_class(_PassesEvictFirst)):  # type: ignore[misc]
-        __doc__ = v0_32_block_pool.make_block_pool_class.__doc__
+        """0.32's KvcachedBlockPool, with 0.34's weak block owners and ``evict_first``."""
 
         def _owns(self, block: Any) -> bool:
             return block.pool is None or block.pool is self._weak_self

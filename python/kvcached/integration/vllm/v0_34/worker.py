@@ -2,9 +2,10 @@
 
 0.34 added an ``allocate`` callback to ``allocate_kv_cache`` (Model Runner V2
 passes it, for vLLM's own extensible KV cache and HiSparse). kvcached's
-replacement accepts it: without a kvcached plan, or with a callback of
-vLLM's (only when kvcached is not planning, see ``refusals``), vLLM's own
-function runs; otherwise 0.32's replacement backs the views with kvcached.
+replacement accepts it: without a callback, 0.32's replacement backs the views
+with kvcached (or runs vLLM's own function for a cache kvcached did not plan);
+with one, vLLM's own function runs, and a cache kvcached planned is refused
+(``extensible`` keeps vLLM's extensible KV cache off while kvcached plans).
 """
 
 from __future__ import annotations
