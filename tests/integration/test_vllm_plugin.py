@@ -43,25 +43,27 @@ def test_register_is_a_no_op_when_disabled(no_flags):
     assert plugin._installed == before
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.25.0+cu124", "dev"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "0.25.0+cu124", "dev"])
 def test_other_vllm_versions_are_refused_by_name(version):
-    with pytest.raises(plugin.UnsupportedVLLMVersion, match="supported: 0.32.x"):
+    with pytest.raises(plugin.UnsupportedVLLMVersion, match="supported: 0.32.x, 0.33.x, 0.34.x"):
         plugin.patch_module_for(version)
 
 
 def test_supported_versions_resolve_to_one_module():
     assert plugin.patch_module_for("0.32.0").__name__.endswith(".v0_32")
     assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith(".v0_32")
+    assert plugin.patch_module_for("0.33.0").__name__.endswith(".v0_33")
+    assert plugin.patch_module_for("0.34.0").__name__.endswith(".v0_34")
 
 
 def test_register_logs_and_survives_an_unsupported_vllm(no_flags, caplog):
     vllm = pytest.importorskip("vllm")
     no_flags.setenv("KVCACHED_ENABLE", "1")
     no_flags.setattr(vllm, "__version__", "0.99.0")
-    no_flags.setattr(plugin, "_installed", {})
+    no_flags.setattr(plugin._plugin, "installed", {})
     with caplog.at_level(logging.ERROR, logger="vllm.kvcached"):
         plugin.register()  # must not raise: vLLM calls plugins unguarded
-    assert plugin._installed == {}
+    assert plugin._plugin.installed == {}
     assert "kvcached is NOT active" in caplog.text and "0.32.x" in caplog.text
 
 
@@ -75,7 +77,7 @@ def test_patches_install_once_and_bind_the_block_pool(no_flags):
     pytest.importorskip("vllm")
     import vllm
 
-    if plugin._vllm_release(vllm.__version__) not in plugin._PATCH_MODULES:
+    if plugin.POLICY.release_of(vllm.__version__) not in plugin.POLICY.releases:
         pytest.skip(f"vLLM {vllm.__version__} is not a supported version")
     from vllm.v1.core import kv_cache_coordinator
     from vllm.v1.core.block_pool import BlockPool

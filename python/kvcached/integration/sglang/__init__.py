@@ -4,10 +4,11 @@ SGLang runs :func:`register` in every process it starts (engine or HTTP server,
 schedulers, detokenizer) through the general-plugin entry point
 ``sglang.srt.plugins: kvcached = "kvcached.integration.sglang:register"``.
 Nothing happens unless ``KVCACHED_ENABLE=1`` (or ``ENABLE_KVCACHED=true``) is
-set. When enabled, :func:`register` checks ``sglang.__version__`` and registers
-the hooks of the one module written for that version (see ``_HOOK_MODULES``)
-with SGLang's ``HookRegistry``; any other version is refused with a message
-naming the supported ones, and SGLang runs without kvcached.
+set. When enabled, :func:`register` checks ``sglang.__version__``, verifies the
+SGLang names hooked by the package written for that release (see ``POLICY`` and
+:mod:`kvcached.integration.common.front_door`) and registers its hooks with
+SGLang's ``HookRegistry``; any other version, or a hooked name that moved, is
+refused with a message naming it, and SGLang runs without kvcached.
 
 How it works (SGLang 0.5.23; details in ``v0_5_23``): each scheduler process
 plans its KV cache for a large virtual capacity, backs SGLang's KV pool with a
@@ -18,64 +19,58 @@ makes requests wait or be retracted.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
-import re
 from types import ModuleType
 
-from kvcached.integration.common.settings import Settings, is_enabled
+from kvcached.integration.common.front_door import (
+    EnginePlugin,
+    PatchPointMoved,
+    UnsupportedEngineVersion,
+    VersionPolicy,
+)
+from kvcached.integration.common.settings import is_enabled
 
 logger = logging.getLogger("sglang.srt.kvcached")
 
-#: SGLang release -> the package holding every private SGLang name kvcached touches.
-_HOOK_MODULES: dict[tuple[int, int, int], str] = {
-    (0, 5, 23): "v0_5_23",
-}
-SUPPORTED_VERSIONS = ", ".join(".".join(map(str, v)) for v in sorted(_HOOK_MODULES))
 
-
-class UnsupportedSGLangVersion(RuntimeError):
+class UnsupportedSGLangVersion(UnsupportedEngineVersion):
     """The installed SGLang is not one kvcached has hooks for."""
 
 
-_installed: dict[int, ModuleType] = {}  # pid -> hook module (fork-safe idempotence)
+#: SGLang release (major, minor, patch) -> the package holding every private SGLang name kvcached touches.
+POLICY = VersionPolicy(
+    engine="SGLang",
+    package=__name__,
+    releases={(0, 5, 23): "v0_5_23"},
+    release_parts=3,
+    error=UnsupportedSGLangVersion,
+)
+SUPPORTED_VERSIONS = POLICY.supported
 
 
-def _sglang_release(version: str) -> tuple[int, int, int]:
-    """(major, minor, patch) of an SGLang version string such as ``0.5.23`` or ``0.5.23.post1``."""
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    if match is None:
-        raise UnsupportedSGLangVersion(f"cannot parse SGLang version {version!r}; supported: {SUPPORTED_VERSIONS}")
-    return int(match.group(1)), int(match.group(2)), int(match.group(3))
+def _sglang_version() -> str:
+    import sglang
+
+    return sglang.__version__
+
+
+_plugin = EnginePlugin(POLICY, _sglang_version, logger)
+_installed = _plugin.installed  # pid -> version package (fork-safe idempotence)
 
 
 def hook_module_for(version: str) -> ModuleType:
-    """The hook module for an SGLang version; raises :class:`UnsupportedSGLangVersion`."""
-    name = _HOOK_MODULES.get(_sglang_release(version))
-    if name is None:
-        raise UnsupportedSGLangVersion(
-            f"kvcached does not support SGLang {version}; supported: {SUPPORTED_VERSIONS}. "
-            "Install a supported SGLang or unset KVCACHED_ENABLE."
-        )
-    return importlib.import_module(f"{__name__}.{name}")
+    """The version package for an SGLang version; raises :class:`UnsupportedSGLangVersion`."""
+    return POLICY.package_for(version)
 
 
 def install_hooks() -> ModuleType:
-    """Registers the hooks for the running SGLang (idempotent per process).
+    """Verifies the hook targets and registers the hooks for the running SGLang (idempotent per process).
 
-    Raises :class:`UnsupportedSGLangVersion` for other versions. Most callers
+    Raises :class:`UnsupportedSGLangVersion` for other versions and
+    :class:`PatchPointMoved` when a hooked SGLang name moved. Most callers
     want :func:`register`, which also honours ``KVCACHED_ENABLE``.
     """
-    pid = os.getpid()
-    if pid in _installed:
-        return _installed[pid]
-    import sglang
-
-    module = hook_module_for(sglang.__version__)
-    module.install(Settings.from_env())
-    _installed[pid] = module
-    return module
+    return _plugin.install()
 
 
 def register() -> None:
@@ -83,15 +78,7 @@ def register() -> None:
 
     Never raises: a failure is logged and SGLang runs without kvcached.
     """
-    if not is_enabled():
-        return
-    try:
-        module = install_hooks()
-        logger.info("kvcached: elastic KV cache enabled for SGLang (%s)", module.__name__)
-    except UnsupportedSGLangVersion as exc:
-        logger.error("kvcached is NOT active: %s", exc)
-    except Exception:  # noqa: BLE001 - a plugin must not take SGLang down
-        logger.exception("kvcached is NOT active: registering the SGLang hooks failed")
+    _plugin.register()
 
 
 __all__ = [
@@ -99,6 +86,8 @@ __all__ = [
     "install_hooks",
     "hook_module_for",
     "UnsupportedSGLangVersion",
+    "PatchPointMoved",
+    "POLICY",
     "SUPPORTED_VERSIONS",
     "is_enabled",
 ]

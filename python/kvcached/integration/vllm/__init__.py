@@ -4,11 +4,13 @@ vLLM loads :func:`register` in every process it starts (front end, EngineCore,
 workers, the model-registry helper) through the entry point
 ``vllm.general_plugins: kvcached = "kvcached.integration.vllm:register"``.
 Nothing happens unless ``KVCACHED_ENABLE=1`` (or ``ENABLE_KVCACHED=true``) is
-set. When enabled, :func:`register` checks ``vllm.__version__`` and installs the
-patches of the one package written for that version (see ``_PATCH_MODULES``);
-any other version is refused with a message naming the supported ones.
+set. When enabled, :func:`register` checks ``vllm.__version__``, verifies every
+vLLM name the package written for that release patches (see ``POLICY`` and
+:mod:`kvcached.integration.common.front_door`), then installs it; any other
+version, or a name that moved, is refused with a message naming it.
 
-How it works (vLLM 0.32; details in ``v0_32``):
+How it works (vLLM 0.32 to 0.34; details in ``v0_32``, what differs in ``v0_33``
+and ``v0_34``):
 
 - every worker describes its device; workers report a *virtual* KV capacity
   instead of profiled free memory, and back vLLM's KV views with a kvcached KV
@@ -23,71 +25,61 @@ How it works (vLLM 0.32; details in ``v0_32``):
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from types import ModuleType
 from typing import Any
 
-from kvcached.errors import KvcachedError
-
-from kvcached.integration.common.settings import Settings, is_enabled
+from kvcached.integration.common.front_door import (
+    EnginePlugin,
+    PatchPointMoved,
+    UnsupportedEngineVersion,
+    VersionPolicy,
+)
+from kvcached.integration.common.settings import is_enabled
 
 # A child of vLLM's logger, so messages appear in vLLM's log stream and format.
 logger = logging.getLogger("vllm.kvcached")
 
-#: vLLM minor version -> module holding every private vLLM name kvcached touches.
-_PATCH_MODULES: dict[tuple[int, int], str] = {
-    (0, 32): "v0_32",
-}
-SUPPORTED_VERSIONS = ", ".join(f"{a}.{b}.x" for a, b in sorted(_PATCH_MODULES))
 
-
-class UnsupportedVLLMVersion(KvcachedError, RuntimeError):
+class UnsupportedVLLMVersion(UnsupportedEngineVersion):
     """The installed vLLM is not one kvcached has patches for."""
 
 
-_installed: dict[int, ModuleType] = {}  # pid -> patch module (fork-safe idempotence)
+#: vLLM release (major, minor) -> the package holding every private vLLM name kvcached touches.
+POLICY = VersionPolicy(
+    engine="vLLM",
+    package=__name__,
+    releases={(0, 32): "v0_32", (0, 33): "v0_33", (0, 34): "v0_34"},
+    release_parts=2,
+    error=UnsupportedVLLMVersion,
+)
+SUPPORTED_VERSIONS = POLICY.supported
 
 
-def _vllm_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a vLLM version string such as ``0.32.0+cpu``."""
-    parts = version.split("+", 1)[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        raise UnsupportedVLLMVersion(
-            f"cannot parse vLLM version {version!r}; supported: {SUPPORTED_VERSIONS}"
-        ) from None
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+_plugin = EnginePlugin(POLICY, _vllm_version, logger)
+_installed = _plugin.installed  # pid -> version package (fork-safe idempotence)
 
 
 def patch_module_for(version: str) -> ModuleType:
-    """The patch module for a vLLM version; raises :class:`UnsupportedVLLMVersion`."""
-    release = _vllm_release(version)
-    name = _PATCH_MODULES.get(release)
-    if name is None:
-        raise UnsupportedVLLMVersion(
-            f"kvcached does not support vLLM {version}; supported: {SUPPORTED_VERSIONS}. "
-            "Install a supported vLLM or unset KVCACHED_ENABLE."
-        )
-    return importlib.import_module(f"{__name__}.{name}")
+    """The version package for a vLLM version; raises :class:`UnsupportedVLLMVersion`."""
+    return POLICY.package_for(version)
 
 
 def apply_patches() -> ModuleType:
-    """Installs the patches for the running vLLM (idempotent per process).
+    """Verifies and installs the patches for the running vLLM (idempotent per process).
 
-    Raises :class:`UnsupportedVLLMVersion` for other vLLM versions. Most callers
-    want :func:`register`, which also honours ``KVCACHED_ENABLE``.
+    Raises :class:`UnsupportedVLLMVersion` for other vLLM versions and
+    :class:`PatchPointMoved` when a vLLM name the package patches moved. Most
+    callers want :func:`register`, which also honours ``KVCACHED_ENABLE``.
     """
-    pid = os.getpid()
-    if pid in _installed:
-        return _installed[pid]
-    import vllm
-
-    module = patch_module_for(vllm.__version__)
-    module.install(Settings.from_env())
-    _installed[pid] = module
-    return module
+    return _plugin.install()
 
 
 def register() -> None:
@@ -96,15 +88,7 @@ def register() -> None:
     Never raises: vLLM calls plugins without a guard, and an exception here would
     kill the process. Failures are logged; vLLM then runs without kvcached.
     """
-    if not is_enabled():
-        return
-    try:
-        module = apply_patches()
-        logger.info("kvcached: elastic KV cache enabled for vLLM (%s)", module.__name__)
-    except UnsupportedVLLMVersion as exc:
-        logger.error("kvcached is NOT active: %s", exc)
-    except Exception:  # noqa: BLE001 - a plugin must not take vLLM down
-        logger.exception("kvcached is NOT active: installing the vLLM patches failed")
+    _plugin.register()
 
 
 def worker_kv_stats(worker: Any = None) -> dict | None:
@@ -123,6 +107,8 @@ __all__ = [
     "patch_module_for",
     "worker_kv_stats",
     "UnsupportedVLLMVersion",
+    "PatchPointMoved",
+    "POLICY",
     "SUPPORTED_VERSIONS",
     "is_enabled",
 ]

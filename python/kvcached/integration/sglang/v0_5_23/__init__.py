@@ -84,6 +84,7 @@ from typing import Any, Optional
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+from kvcached.integration.common.front_door import PatchPoint
 from kvcached.integration.common.settings import Settings
 
 from . import plan as _plan_module
@@ -196,6 +197,22 @@ HOOKS: list[tuple[str, Any, str]] = [
     (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),
 ]
 
+
+
+def _hooked(target: str) -> PatchPoint:
+    """The SGLang name a hook target string ``module.Class.method`` names."""
+    module_and_class, method = target.rsplit(".", 1)
+    module, cls = module_and_class.rsplit(".", 1)
+    return PatchPoint(module, f"{cls}.{method}")
+
+
+#: Every SGLang name kvcached hooks, verified by the plugin front door before any hook is registered.
+PATCH_POINTS: tuple[PatchPoint, ...] = tuple(_hooked(target) for target, _, _ in HOOKS) + (
+    PatchPoint("sglang.srt.plugins.hook_registry", "HookRegistry", members=("register",)),
+    PatchPoint("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool"),
+    PatchPoint("sglang.srt.mem_cache.memory_pool", "MLATokenToKVPool"),
+)
+
 _registered_pid: Optional[int] = None
 
 
@@ -222,6 +239,7 @@ __all__ = [
     "KvcachedPagedTokenToKVPoolAllocator",
     "KvcachedPrefillBudget",
     "KvcachedTokenToKVPoolAllocator",
+    "PATCH_POINTS",
     "Plan",
     "building",
     "install",

@@ -38,17 +38,22 @@ another host than the EngineCore, and pipeline parallelism with a
 block-outermost KV layout. Written for the V1 and V2 model runners and for
 CPU, CUDA and ROCm workers; the CPU build with the V1 runner has run (one
 worker, tensor parallelism 2, pipeline parallelism 2).
+
+Every vLLM name patched here is declared in ``patch_points`` and verified by
+the plugin front door before anything is patched. ``v0_33`` and ``v0_34``
+reuse this package and hold only what differs.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 from kvcached.integration.common.settings import Settings
 
 from . import block_pool, plan, scheduler, worker
 from .block_pool import KVCachePoolExhausted
+from .patch_points import KV_TENSOR_SITES, PATCH_POINTS, KVTensorSites
 from .plan import UnsupportedVLLMConfig, logger
 from .worker import worker_kv_stats
 
@@ -73,22 +78,29 @@ def _set(owner: Any, name: str, value: Any) -> None:
         setattr(owner, name, value)
 
 
-def install(settings: Settings) -> None:
-    """Installs every patch; pure attribute swaps, safe in every vLLM process."""
+def install(settings: Settings, *, sites: KVTensorSites = KV_TENSOR_SITES,
+            block_pool_factory: Callable[[type], type] = block_pool.make_block_pool_class,
+            allocate_wrapper: Callable[[Any], Any] = worker.wrap_allocate_kv_cache,
+            configs_wrapper: Callable[[Any], Any] = plan.wrap_get_kv_cache_configs) -> None:
+    """Installs every patch; pure attribute swaps, safe in every vLLM process.
+
+    A later release's package passes where its workers build KV tensors
+    (``sites``) and its own block pool, ``allocate_kv_cache`` or
+    ``get_kv_cache_configs`` wrapper.
+    """
     plan.use_settings(settings)
 
     from vllm.v1.core import block_pool as vllm_block_pool
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
     from vllm.v1.core.sched import scheduler as vllm_scheduler
     from vllm.v1.engine import core
-    from vllm.v1.worker import gpu_model_runner, gpu_worker
-    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker import gpu_worker
 
     # EngineCore: the ranks' devices, planning, block pool, ordering, idle flush.
     _patch(core.EngineCore, "_initialize_kv_caches", plan.wrap_initialize_kv_caches)
-    _patch(core, "get_kv_cache_configs", plan.wrap_get_kv_cache_configs)
+    _patch(core, "get_kv_cache_configs", configs_wrapper)
     if not getattr(kv_cache_coordinator.BlockPool, _MARKER, False):
-        pool_class = block_pool.make_block_pool_class(vllm_block_pool.BlockPool)
+        pool_class = block_pool_factory(vllm_block_pool.BlockPool)
         setattr(pool_class, _MARKER, True)
         kv_cache_coordinator.BlockPool = pool_class
     Scheduler = vllm_scheduler.Scheduler
@@ -112,25 +124,41 @@ def install(settings: Settings) -> None:
     _patch(Worker, "execute_model", worker.wrap_execute_model)
     _set(Worker, "kvcached_apply_page_ops", worker.worker_apply_page_ops)
     _set(Worker, "kvcached_kv_stats", worker.worker_kv_stats)
-    _patch(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", worker.wrap_initialize_kv_cache)
-    for module in (gpu_model_runner, worker_utils):
-        _patch(module, "allocate_kv_cache", worker.wrap_allocate_kv_cache)
-    optional = {
-        "vllm.v1.worker.cpu_worker": lambda m: _set(
-            m.CPUWorker, "determine_available_memory", worker.cpu_determine_available_memory
-        ),
-        "vllm.v1.worker.gpu.attn_utils": lambda m: _patch(m, "allocate_kv_cache", worker.wrap_allocate_kv_cache),
-        "vllm.v1.worker.gpu.model_runner": lambda m: _patch(
-            m.GPUModelRunner, "initialize_kv_cache", worker.wrap_initialize_kv_cache
-        ),
-    }
-    for name, apply in optional.items():
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:  # that worker / runner is not part of this build
-            logger.debug("kvcached: skipping %s (%s)", name, exc)
-            continue
-        apply(module)
+    cpu_worker = _import("vllm.v1.worker.cpu_worker", optional=True)
+    if cpu_worker is not None:
+        _set(cpu_worker.CPUWorker, "determine_available_memory", worker.cpu_determine_available_memory)
+    install_kv_tensor_sites(sites, allocate_wrapper)
 
 
-__all__ = ["KVCachePoolExhausted", "UnsupportedVLLMConfig", "install", "worker_kv_stats"]
+def _import(name: str, *, optional: bool) -> Any:
+    """The module, or None for an optional one whose own imports fail in this build."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if not optional:
+            raise
+        logger.debug("kvcached: skipping %s (%s)", name, exc)  # that worker / runner is not part of this build
+        return None
+
+
+def install_kv_tensor_sites(sites: KVTensorSites, allocate_wrapper: Callable[[Any], Any]) -> None:
+    """Backs vLLM's KV views with kvcached wherever ``sites`` says workers build them."""
+    for name in sites.allocators:
+        module = _import(name, optional=name in sites.optional)
+        if module is not None:
+            _patch(module, "allocate_kv_cache", allocate_wrapper)
+    for runner in sites.runners:
+        name, cls = runner.split(":")
+        module = _import(name, optional=name in sites.optional)
+        if module is not None:
+            _patch(getattr(module, cls), "initialize_kv_cache", worker.wrap_initialize_kv_cache)
+
+
+__all__ = [
+    "PATCH_POINTS",
+    "KVCachePoolExhausted",
+    "UnsupportedVLLMConfig",
+    "install",
+    "install_kv_tensor_sites",
+    "worker_kv_stats",
+]

@@ -137,7 +137,7 @@ def make_block_pool_class(base: type) -> type:
             super().free_blocks(blocks)
             release: dict[int, None] = {}
             for block in blocks:
-                if block.pool is not None and block.pool is not self:
+                if not self._owns(block):
                     continue
                 if block.ref_cnt != 0 or block.is_null:
                     continue
@@ -149,6 +149,10 @@ def make_block_pool_class(base: type) -> type:
             if release:
                 self._blocks.free(list(release))
                 self._available_seen = None
+
+        def _owns(self, block: Any) -> bool:
+            """Whether this pool frees ``block`` (vLLM forwards blocks of other pools to them)."""
+            return block.pool is None or block.pool is self
 
         def touch(self, blocks: Any) -> None:
             super().touch(blocks)
