@@ -39,7 +39,7 @@ def _environment_kept():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
+    from kvcached.testing.tiny_llama import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("vllm-release-worker") / "model")
 
