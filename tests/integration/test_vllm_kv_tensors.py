@@ -125,3 +125,49 @@ def test_host_resident_tensors_are_refused_by_name():
     )
     with pytest.raises(UnsupportedVLLMConfig, match="FullAttentionSpec.*host-resident"):
         footprint(config)
+
+
+def _engine_config(kv_cache_memory_bytes):
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=kv_cache_memory_bytes),
+        model_config=SimpleNamespace(enable_sleep_mode=False), kv_transfer_config=None,
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
+
+
+def _plan_refused(kv_cache_memory_bytes, calls):
+    """kvcached's planning wrapper around a vLLM planner that lays the model out in a refused layout."""
+    from kvcached.integration.vllm.v0_32 import plan
+
+    refused = _config([KVCacheGroupSpec(["a", "b"], FULL)], KVCacheLayout.LHBNC)
+
+    def original(vllm_config, specs, available_memory):
+        calls.append(list(available_memory))
+        return [refused]
+
+    token = plan._described.set([object()])
+    try:
+        return plan.wrap_get_kv_cache_configs(original)(_engine_config(kv_cache_memory_bytes), {}, [1 << 30])
+    finally:
+        plan._described.reset(token)
+
+
+def test_a_refused_model_runs_on_vllms_own_cache_of_the_size_set(caplog):
+    from kvcached.integration.vllm.v0_32 import plan
+
+    calls: list = []
+    plan.logger.addHandler(caplog.handler)
+    try:
+        configs = _plan_refused(64 << 20, calls)
+    finally:
+        plan.logger.removeHandler(caplog.handler)
+    # vLLM planned again for the size the user set, not kvcached's virtual capacity ...
+    assert calls == [[1 << 30], [64 << 20]]
+    # ... and nothing marks the configs as kvcached's: scheduler, pool and workers stay vLLM's own.
+    assert not hasattr(configs[0], plan.PLAN_ATTR)
+    assert "kvcached is NOT active for this engine" in caplog.text and "cannot cover" in caplog.text
+
+
+def test_a_refused_model_without_a_kv_size_is_refused_with_what_to_set():
+    with pytest.raises(UnsupportedVLLMConfig, match="cannot cover.*set kv_cache_memory_bytes"):
+        _plan_refused(None, [])

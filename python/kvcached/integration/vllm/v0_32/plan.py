@@ -143,6 +143,24 @@ def wrap_initialize_kv_caches(original: Any) -> Any:
     return _initialize_kv_caches
 
 
+def _without_kvcached(original: Any, vllm_config: Any, kv_cache_specs: Any, available_memory: Any,
+                      refusal: UnsupportedVLLMConfig) -> Any:
+    """A model kvcached refuses runs on vLLM's own static KV cache, of the size the user set.
+
+    The workers reported kvcached's virtual capacity, so vLLM needs a real size
+    to fall back to: ``kv_cache_memory_bytes`` (vLLM's CPU build sets it from
+    ``VLLM_CPU_KVCACHE_SPACE``). Without one the refusal stands, saying so.
+    """
+    static_bytes = vllm_config.cache_config.kv_cache_memory_bytes
+    if not static_bytes:
+        raise UnsupportedVLLMConfig(
+            f"{refusal} (to run it on vLLM's own KV cache with kvcached enabled, set kv_cache_memory_bytes)"
+        ) from refusal
+    logger.error("kvcached is NOT active for this engine: %s; vLLM serves it from its own static KV cache "
+                 "of %d bytes per worker", refusal, static_bytes)
+    return original(vllm_config, kv_cache_specs, [min(static_bytes, m) for m in available_memory])
+
+
 def wrap_get_kv_cache_configs(original: Any) -> Any:
     def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any) -> Any:
         refuse_unsupported(vllm_config)
@@ -153,7 +171,10 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
         if ranks is None:
             raise RuntimeError("kvcached: vLLM planned its KV cache without asking the workers for their devices")
         page_bytes = settings().page_bytes
-        layout = layout_of(configs[0], page_bytes)
+        try:
+            layout = layout_of(configs[0], page_bytes)
+        except UnsupportedVLLMConfig as exc:
+            return _without_kvcached(original, vllm_config, kv_cache_specs, available_memory, exc)
         rounded = _blocks_in_whole_pages(layout)
         if rounded < 2:
             raise RuntimeError(
