@@ -39,9 +39,14 @@ PROMPT_TOKENS, NEW_TOKENS = 500, 32
 FAMILIES = {
     "gemma3": dict(requests=8, limit_bytes=12 * MiB, prefix_caching=True, sliding_groups=5, other_groups=1),
     "gpt_oss": dict(requests=8, limit_bytes=16 * MiB, prefix_caching=True, sliding_groups=1, other_groups=1),
+    # Gated DeltaNet state (CPU kernels need bf16): 192 KiB blocks, 6 MiB page ids of 32 blocks.
+    "qwen3_next": dict(requests=16, limit_bytes=6 * MiB, prefix_caching=False, dtype="bfloat16", state_groups=3),
+    "granite_hybrid": dict(requests=8, limit_bytes=8 * MiB, prefix_caching=False, dtype="bfloat16",
+                           state_groups=3),
 }
 ALL = sorted(FAMILIES)
 SLIDING = sorted(name for name, options in FAMILIES.items() if options.get("sliding_groups"))
+STATE = sorted(name for name, options in FAMILIES.items() if options.get("state_groups"))
 
 
 def _run_family(workdir: Path, family: str) -> dict[str, dict]:
@@ -131,3 +136,13 @@ def test_sliding_window_groups_free_blocks_behind_the_window(family_runs):
     assert used[-1] <= requests * (5 * options["other_groups"] + 2 * options["sliding_groups"])
     assert used[-1] < requests * 5 * groups  # every layer at full attention
 
+
+@pytest.mark.parametrize("family_runs", STATE, indirect=True)
+def test_mamba_state_blocks_come_from_kvcached(family_runs):
+    """Each running request holds one state block per Mamba / GDN group and at
+    least one attention block, all counted by kvcached; idle, all are back."""
+    family, _, kv, _ = family_runs
+    options = FAMILIES[family]
+    used = [p["engine_used_blocks"] for p in _running(kv)]
+    assert max(used) >= options["requests"] * (options["state_groups"] + 1), used
+    assert probe(kv, "phase1_done")["engine"]["engine_used_blocks"] == 0
