@@ -39,8 +39,9 @@ PROMPT_TOKENS, NEW_TOKENS = 500, 32
 FAMILIES = {
     "gemma3": dict(requests=8, limit_bytes=12 * MiB, prefix_caching=True, sliding_groups=5, other_groups=1),
     "gpt_oss": dict(requests=8, limit_bytes=16 * MiB, prefix_caching=True, sliding_groups=1, other_groups=1),
-    # Gated DeltaNet state (CPU kernels need bf16): 192 KiB blocks, 6 MiB page ids of 32 blocks.
-    "qwen3_next": dict(requests=16, limit_bytes=6 * MiB, prefix_caching=False, dtype="bfloat16", state_groups=3),
+    # Gated DeltaNet state (CPU kernels need bf16): 192 KiB blocks, 6 MiB page ids of 32 blocks;
+    # prefix caching puts its state in vLLM's "align" mode (state blocks at block boundaries).
+    "qwen3_next": dict(requests=16, limit_bytes=6 * MiB, prefix_caching=True, dtype="bfloat16", state_groups=3),
     "granite_hybrid": dict(requests=8, limit_bytes=8 * MiB, prefix_caching=False, dtype="bfloat16",
                            state_groups=3),
 }
@@ -146,3 +147,29 @@ def test_mamba_state_blocks_come_from_kvcached(family_runs):
     used = [p["engine_used_blocks"] for p in _running(kv)]
     assert max(used) >= options["requests"] * (options["state_groups"] + 1), used
     assert probe(kv, "phase1_done")["engine"]["engine_used_blocks"] == 0
+
+
+@pytest.fixture(scope="module")
+def gemma3_tp2(vllm_workdir):
+    """Gemma 3 with tensor parallelism 2 (two worker processes), without and with kvcached."""
+    model = make_tiny_hybrid("gemma3", vllm_workdir / "gemma3")
+    registry = vllm_workdir / "registry-gemma3-tp2"
+    registry.mkdir()
+    load = {"prompts": prompt_ids(8, PROMPT_TOKENS, seed=11), "max_tokens": NEW_TOKENS, "probe_during": True}
+    spec = {"model": model, "phases": [SHARED, load], "max_num_batched_tokens": 8192, "tensor_parallel_size": 2,
+            "gpu_memory_utilization": 0.15}
+    return run_side_by_side(vllm_workdir, {"tp2_base": (spec, engine_env(False, registry)),
+                                           "tp2_kv": (spec, engine_env(True, registry))})
+
+
+def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3_tp2):
+    base, kv = gemma3_tp2["tp2_base"], gemma3_tp2["tp2_kv"]
+    assert kv["outputs"] == base["outputs"]
+    page_costs = [m["page_id_bytes"] for m in probe(kv, "phase1_done")["engine"]["mirrors"]]
+    running = [p for p in kv["probes"] if p["label"] == "phase1_running"]
+    for rank, cost in enumerate(page_costs):
+        # Each rank maps the same page ids for every group, in its own process.
+        assert max(p["workers"][rank]["mapped_bytes"] for p in running) >= 3 * cost
+    done = probe(kv, "phase1_done")
+    assert [w["mapped_bytes"] for w in done["workers"]] == page_costs
+    assert [m["acked_seq"] for m in done["engine"]["mirrors"]] == [done["engine"]["sent_seq"]] * 2

@@ -86,14 +86,14 @@ def _granite_hybrid() -> tuple[Any, Any]:
 
 
 def _deepseek_v2() -> tuple[Any, Any]:
-    """DeepSeek-V2 style multi-head latent attention: a 256 latent + 64 rope cell per token
-    (vLLM's MLA takes cells of 320, 512 or 576)."""
+    """DeepSeek-V2 style multi-head latent attention: a 512 latent + 64 rope cell per token
+    (vLLM's CPU MLA decode kernel takes only 576-wide cells, a 512 value head and 16-token blocks)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     common = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
     config = DeepseekV2Config(
-        **common, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=256, q_lora_rank=None,
-        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=2,
+        **common, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=512, first_k_dense_replace=2,
         n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=128, num_experts_per_tok=2,
     )
     return config, DeepseekV2ForCausalLM
