@@ -90,7 +90,7 @@ def run(spec: dict) -> dict:
     spec keys: model (dir), prefix_caching (bool), kv_cache_bytes (vLLM's
     ``kv_cache_memory_bytes`` per worker: its KV size without kvcached, each
     rank's limit with it), max_num_seqs, tensor_parallel_size,
-    pipeline_parallel_size, enforce_eager (default true),
+    pipeline_parallel_size, enforce_eager (default true), dtype (default float32),
     gpu_memory_utilization, phases: a list of {prompts: [[ids]], max_tokens,
     probe_during (bool), wait_for (file), signal (file), settle_s}. A phase
     without prompts only waits, pauses ``settle_s`` and probes if given, and signals.
@@ -102,7 +102,7 @@ def run(spec: dict) -> dict:
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=spec.get("max_num_seqs", 16),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),

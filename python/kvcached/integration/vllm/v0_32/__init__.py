@@ -30,14 +30,25 @@ Approach
   memory). A rank whose process is gone, or that acknowledges nothing for
   ``KVCACHED_RANK_ACK_TIMEOUT_S``, is declared lost: its budget returns.
 
+Hybrid models
+-------------
+vLLM's hybrid KV cache manager keeps several KV cache groups (full attention,
+sliding window, chunked local, Mamba / GDN state, ...) in one allocation over
+one ``BlockPool``; ``kv_tensors`` covers that allocation with one kvcached
+space whose block ``b`` holds every group's block ``b``, every group's views
+are carved over it, and every group's blocks (including those a sliding
+window drops and Mamba state blocks) come from and go back to kvcached's
+block pool. The model families that have run are listed in ``docs/models.md``.
+
 Limitations
 -----------
-Refused with a clear error: hybrid models (several KV cache groups or tensors
-overlaying one allocation), sleep mode, KV connectors, HiSparse, workers on
-another host than the EngineCore, and pipeline parallelism with a
-block-outermost KV layout. Written for the V1 and V2 model runners and for
-CPU, CUDA and ROCm workers; the CPU build with the V1 runner has run (one
-worker, tensor parallelism 2, pipeline parallelism 2).
+Refused with a clear error: KV tensors outside the block pool (host-resident
+HiSparse pools, raw state buffers) and KV layouts one block-id space cannot
+cover, sleep mode, KV connectors, HiSparse, workers on another host than the
+EngineCore, and pipeline parallelism with a block-outermost KV layout. Written
+for the V1 and V2 model runners and for CPU, CUDA and ROCm workers; the CPU
+build with the V1 runner has run (one worker, tensor parallelism 2, pipeline
+parallelism 2).
 
 Every vLLM name patched here is declared in ``patch_points`` and verified by
 the plugin front door before anything is patched. ``v0_33`` and ``v0_34``

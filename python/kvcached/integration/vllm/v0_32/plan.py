@@ -18,12 +18,14 @@ import logging
 import socket
 from typing import Any, Optional, Sequence
 
-from kvcached.errors import KvcachedError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.devices import RankDevice
 from kvcached.integration.common.geometry import engine_layout
 from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
+
+from .errors import UnsupportedVLLMConfig
+from .kv_tensors import describe_groups, footprint
 
 logger = logging.getLogger("vllm.kvcached")
 
@@ -31,10 +33,6 @@ logger = logging.getLogger("vllm.kvcached")
 PLAN_ATTR = "kvcached_plan"  # on each KVCacheConfig: the EnginePlan (the scheduler's deep copy keeps it)
 RANK_ATTR = "kvcached_rank"  # on each KVCacheConfig: which of the plan's ranks its worker is
 PAGE_OPS_ATTR = "kvcached_page_ops"  # on SchedulerOutput: the step's PageOps batch
-
-
-class UnsupportedVLLMConfig(KvcachedError, RuntimeError):
-    """A vLLM feature kvcached does not support is enabled."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,43 +88,19 @@ def refuse_unsupported(vllm_config: Any) -> None:
 
 
 def layout_of(kv_cache_config: Any, page_bytes: int) -> KVLayout:
-    """The kvcached layout of one worker's KVCacheConfig; refuses hybrid layouts.
+    """The kvcached layout of one worker's KVCacheConfig, every KV cache group included.
 
-    Layer-outermost layouts (LBHNC, LBNHC, LHBNC): one kvcached layer per vLLM
-    layer, ``block_bytes`` = one layer's page of one block. Block-outermost
-    layouts (BLHNC, ...): a block is one contiguous run holding every layer, so
-    the space has one "layer" and ``block_bytes`` = the packed block. One
-    buffer: vLLM keeps K||V in one cell.
+    Layer-outermost layouts (LBHNC, LBNHC): one kvcached layer per layer slot
+    of vLLM's allocation (the groups overlay the slots), ``block_bytes`` = one
+    (padded) page. Block-outermost layouts (BLHNC, ...): a block is one
+    contiguous run holding every layer, so the space has one "layer" and
+    ``block_bytes`` = the packed block. One buffer: vLLM keeps K||V in one
+    cell. See :mod:`.kv_tensors`; raises UnsupportedVLLMConfig for layouts
+    one block-id space cannot cover.
     """
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    groups = kv_cache_config.kv_cache_groups
-    tensors = kv_cache_config.kv_cache_tensors
-    if len(groups) != 1 or len(tensors) != 1:
-        raise UnsupportedVLLMConfig(
-            f"kvcached supports models with one KV cache group and one KV tensor; this model "
-            f"has {len(groups)} groups and {len(tensors)} tensors (hybrid attention overlays "
-            "several groups on one allocation). Unset KVCACHED_ENABLE for this model."
-        )
-    spec = groups[0].kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = next(iter(spec.kv_cache_specs.values()))
-    tensor = tensors[0]
-    if not getattr(spec, "has_layer_views", True) or tensor.host_resident or tensor.offset:
-        raise UnsupportedVLLMConfig(
-            f"kvcached cannot back KV cache spec {type(spec).__name__} "
-            "(raw state buffers, host-resident or offset tensors)"
-        )
-    num_blocks = kv_cache_config.num_blocks
-    num_layers = len(tensor.layers)
-    if tensor.block_stride * num_blocks <= tensor.layer_stride:
-        block_bytes, layers = tensor.block_stride, num_layers
-    elif tensor.layer_stride * num_layers <= tensor.block_stride:
-        block_bytes, layers = tensor.block_stride, 1
-    else:
-        raise UnsupportedVLLMConfig(f"unexpected KV strides (layer {tensor.layer_stride}, block {tensor.block_stride})")
-    return engine_layout(num_blocks=num_blocks, block_bytes=block_bytes, num_layers=layers, num_buffers=1,
-                         page_bytes=page_bytes)
+    found = footprint(kv_cache_config)
+    return engine_layout(num_blocks=kv_cache_config.num_blocks, block_bytes=found.block_bytes,
+                         num_layers=found.num_layers, num_buffers=1, page_bytes=page_bytes)
 
 
 def _check_ranks(ranks: Sequence[RankDevice], layouts: Sequence[KVLayout]) -> None:
@@ -169,6 +143,24 @@ def wrap_initialize_kv_caches(original: Any) -> Any:
     return _initialize_kv_caches
 
 
+def _without_kvcached(original: Any, vllm_config: Any, kv_cache_specs: Any, available_memory: Any,
+                      refusal: UnsupportedVLLMConfig) -> Any:
+    """A model kvcached refuses runs on vLLM's own static KV cache, of the size the user set.
+
+    The workers reported kvcached's virtual capacity, so vLLM needs a real size
+    to fall back to: ``kv_cache_memory_bytes`` (vLLM's CPU build sets it from
+    ``VLLM_CPU_KVCACHE_SPACE``). Without one the refusal stands, saying so.
+    """
+    static_bytes = vllm_config.cache_config.kv_cache_memory_bytes
+    if not static_bytes:
+        raise UnsupportedVLLMConfig(
+            f"{refusal} (to run it on vLLM's own KV cache with kvcached enabled, set kv_cache_memory_bytes)"
+        ) from refusal
+    logger.error("kvcached is NOT active for this engine: %s; vLLM serves it from its own static KV cache "
+                 "of %d bytes per worker", refusal, static_bytes)
+    return original(vllm_config, kv_cache_specs, [min(static_bytes, m) for m in available_memory])
+
+
 def wrap_get_kv_cache_configs(original: Any) -> Any:
     def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any) -> Any:
         refuse_unsupported(vllm_config)
@@ -179,7 +171,10 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
         if ranks is None:
             raise RuntimeError("kvcached: vLLM planned its KV cache without asking the workers for their devices")
         page_bytes = settings().page_bytes
-        layout = layout_of(configs[0], page_bytes)
+        try:
+            layout = layout_of(configs[0], page_bytes)
+        except UnsupportedVLLMConfig as exc:
+            return _without_kvcached(original, vllm_config, kv_cache_specs, available_memory, exc)
         rounded = _blocks_in_whole_pages(layout)
         if rounded < 2:
             raise RuntimeError(
@@ -203,9 +198,9 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
             setattr(config, PLAN_ATTR, plan)
             setattr(config, RANK_ATTR, rank)
         logger.info(
-            "kvcached: virtual KV cache of %d blocks (%s layers x %d B per block, %d B pages) on %s",
+            "kvcached: virtual KV cache of %d blocks (%s layers x %d B per block, %d B pages; groups: %s) on %s",
             layouts[0].num_blocks, "+".join(str(l.num_layers) for l in layouts), layouts[0].block_bytes,
-            layouts[0].page_bytes, ", ".join(f"{r.label} ({r.device})" for r in ranks),
+            layouts[0].page_bytes, describe_groups(configs[0]), ", ".join(f"{r.label} ({r.device})" for r in ranks),
         )
         return configs
 

@@ -6,9 +6,10 @@
 * Tensors (``allocate_kv_cache``): instead of ``torch.zeros(size)`` the flat int8
   buffer is this rank's :class:`~kvcached.integration.common.space.WorkerSpace`
   (its own layout: a pipeline stage holds only its layers) with vLLM's strides,
-  and vLLM's own ``create_kv_cache_views`` carves the per-layer views the
-  attention backend expects. Minimal caches built for CUDA-graph memory
-  profiling go through vLLM's original code.
+  and vLLM's own ``create_kv_cache_views`` carves the per-layer views of every
+  KV cache group over it (the groups overlay, as in vLLM's own buffer; see
+  :mod:`.kv_tensors`). Minimal caches built for CUDA-graph memory profiling
+  go through vLLM's original code.
 * A CPU worker, which runs the model in its own process, keeps its freed heap
   (``KVCACHED_HOST_HEAP_KEEP_BYTES``, :mod:`kvcached.integration.common.heap`).
 * Page ops: ``Worker.execute_model`` applies the step's batch before the model
@@ -29,6 +30,7 @@ from kvcached.integration.common.devices import RankDevice, describe_rank
 from kvcached.integration.common.heap import keep_freed_heap
 from kvcached.integration.common.space import WorkerSpace
 
+from .kv_tensors import describe_groups, footprint, views_over
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, RANK_ATTR, settings
 
 logger = logging.getLogger("vllm.kvcached")
@@ -65,9 +67,6 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
         plan = getattr(kv_cache_config, PLAN_ATTR, None)
         if plan is None or getattr(_passthrough, "active", False):
             return original(kv_cache_config, device, layout, kernel_block_sizes)
-        import torch
-        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
-
         from kvcached.devices import device_name_from_torch, parse_device
 
         rank = getattr(kv_cache_config, RANK_ATTR)
@@ -77,39 +76,46 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
             keep_freed_heap(settings().host_heap_keep_bytes, logger)
         board = AckBoard.attach(plan.board_path, len(plan.ranks))
         space = WorkerSpace(plan.layouts[rank], device=kv_device, rank=rank, board=board)
-        (tensor,) = kv_cache_config.kv_cache_tensors
-        (group,) = kv_cache_config.kv_cache_groups
-        kv_layout = space.space.kv_layout
-        if kv_layout.num_layers > 1 and (
-            kv_layout.layer_stride_bytes != tensor.layer_stride or kv_layout.block_stride_bytes != tensor.block_stride
-        ):
+        try:
+            flat = _flat_for(space, kv_cache_config, device)
+            # Every group's layers are views over the one space (groups overlay, as in vLLM's buffer).
+            views = views_over(flat, kv_cache_config, layout, kernel_block_sizes)
+        except BaseException:
             space.close()
-            raise RuntimeError(
-                f"kvcached KV space strides (layer {kv_layout.layer_stride_bytes}, block "
-                f"{kv_layout.block_stride_bytes}) differ from vLLM's ({tensor.layer_stride}, {tensor.block_stride})"
-            )
-        flat = space.flat_bytes().view(torch.int8)
-        if flat.numel() < tensor.size or flat.device != torch.device(device):
-            space.close()
-            raise RuntimeError(
-                f"kvcached KV space ({flat.numel()} B on {flat.device}) cannot hold vLLM's "
-                f"KV tensor ({tensor.size} B on {device})"
-            )
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = spec.kv_cache_specs[tensor.layers[0]]
-        kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
-        views = create_kv_cache_views(flat, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor,
-                                      kernel_block_size=kernel_block_size)
+            raise
         _spaces[os.getpid()] = space
         device_info = plan.ranks[rank]
         logger.info(
-            "kvcached: KV cache of %d layers x %d blocks is a virtual %d-byte space on %s (rank %d, %s)",
-            len(tensor.layers), kv_layout.num_blocks, flat.numel(), device_info.local_device, rank, device_info.device,
+            "kvcached: KV cache of %d layers (%s) x %d blocks is a virtual %d-byte space on %s (rank %d, %s)",
+            len(views), describe_groups(kv_cache_config), space.space.kv_layout.num_blocks, flat.numel(),
+            device_info.local_device, rank, device_info.device,
         )
-        return dict(zip(tensor.layers, views))
+        return views
 
     return allocate_kv_cache
+
+
+def _flat_for(space: WorkerSpace, kv_cache_config: Any, device: Any) -> Any:
+    """The space as vLLM's flat int8 buffer, once its strides are checked against vLLM's tensors."""
+    import torch
+
+    kv_layout = space.space.kv_layout
+    found = footprint(kv_cache_config)
+    if kv_layout.num_layers > 1 and (
+        kv_layout.layer_stride_bytes != found.layer_stride or kv_layout.block_stride_bytes != found.block_bytes
+    ):
+        raise RuntimeError(
+            f"kvcached KV space strides (layer {kv_layout.layer_stride_bytes}, block "
+            f"{kv_layout.block_stride_bytes}) differ from vLLM's ({found.layer_stride}, {found.block_bytes})"
+        )
+    flat = space.flat_bytes().view(torch.int8)
+    size = kv_cache_config.kv_cache_tensors[0].size
+    if flat.numel() < size or flat.device != torch.device(device):
+        raise RuntimeError(
+            f"kvcached KV space ({flat.numel()} B on {flat.device}) cannot hold vLLM's "
+            f"KV tensors ({size} B on {device})"
+        )
+    return flat
 
 
 def wrap_initialize_kv_cache(original: Any) -> Any:

@@ -1,0 +1,133 @@
+"""Tiny random-weight hybrid models (several vLLM KV cache groups) for the vLLM integration tests.
+
+Each family is written by transformers from a fixed seed (no download), with
+the tiny Llama's vocabulary so that ``tiny_llama.prompt_ids`` prompts fit.
+Sizes keep a 2 MiB kvcached page a handful of 128-token blocks, so memory
+visibly follows load, and the models fast enough for two CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from tiny_llama import TINY_LLAMA
+
+#: Tokens a sliding-window layer keeps: one 128-token block (vLLM keeps the blocks the window touches).
+SLIDING_WINDOW = 128
+
+_COMMON = dict(
+    vocab_size=TINY_LLAMA["vocab_size"],
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _gemma3(sliding: bool = True) -> tuple[Any, Any]:
+    """Gemma 3 text: five sliding-window layers to one full-attention layer (or all full)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    first = "sliding_attention" if sliding else "full_attention"
+    config = Gemma3TextConfig(
+        **_COMMON, num_hidden_layers=6, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=64,
+        layer_types=[first] * 5 + ["full_attention"],
+    )
+    return config, Gemma3ForCausalLM
+
+
+def _gpt_oss() -> tuple[Any, Any]:
+    """gpt-oss: alternating sliding-window and full attention, attention sinks, MoE."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    common = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
+    config = GptOssConfig(
+        **common, intermediate_size=256, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    return config, GptOssForCausalLM
+
+
+def _qwen3_next() -> tuple[Any, Any]:
+    """Qwen3-Next: Gated DeltaNet linear attention (head dim 128) and full attention, MoE."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **{**_COMMON, "num_key_value_heads": 2}, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=2, linear_num_value_heads=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+    )
+    return config, Qwen3NextForCausalLM
+
+
+def _granite_hybrid() -> tuple[Any, Any]:
+    """Granite 4.0 hybrid: Mamba2 layers and attention layers."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        **{k: v for k, v in _COMMON.items() if k != "head_dim"}, num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "mamba", "attention"],
+        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=64, num_local_experts=0, shared_intermediate_size=512,
+        position_embedding_type="rope",
+    )
+    return config, GraniteMoeHybridForCausalLM
+
+
+def _deepseek_v2() -> tuple[Any, Any]:
+    """DeepSeek-V2 style multi-head latent attention: a 512 latent + 64 rope cell per token
+    (vLLM's CPU MLA decode kernel takes only 576-wide cells, a 512 value head and 16-token blocks)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    common = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
+    config = DeepseekV2Config(
+        **common, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=512, first_k_dense_replace=2,
+        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=128, num_experts_per_tok=2,
+    )
+    return config, DeepseekV2ForCausalLM
+
+
+FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
+    "gemma3": _gemma3,
+    "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
+    "gpt_oss": _gpt_oss,
+    "qwen3_next": _qwen3_next,
+    "granite_hybrid": _granite_hybrid,
+    "deepseek_v2": _deepseek_v2,
+}
+
+
+def make_tiny_hybrid(family: str, path: str | os.PathLike, seed: int = 0) -> str:
+    """Writes the tiny random-weight checkpoint of ``family`` to ``path`` (once) and returns it."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    import torch
+
+    config, model_class = FAMILIES[family]()
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = model_class(config)
+    # As the tiny Llama: larger weights keep greedy decoding off near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "conv" not in name:
+                p.normal_(0.0, 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+__all__ = ["FAMILIES", "SLIDING_WINDOW", "make_tiny_hybrid"]
