@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvcached.testing.sglang_env import sglang_cpu_env
 from kvcached.testing.tiny_llama import prompt_ids
+from kvcached.testing.vllm_runs import HARNESS as VLLM_HARNESS
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900
@@ -58,7 +59,8 @@ def start(workdir: Path, label: str, spec: dict, env: dict, python: str = sys.ex
     spec_path, out_path = workdir / f"{label}.spec.json", workdir / f"{label}.out.json"
     spec_path.write_text(json.dumps(spec))
     log = open(workdir / f"{label}.log", "w")
-    proc = subprocess.Popen([python, str(HERE / harness), str(spec_path), str(out_path)],
+    script = HERE / harness if harness == "sglang_harness.py" else VLLM_HARNESS
+    proc = subprocess.Popen([python, str(script), str(spec_path), str(out_path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     return proc, out_path
 

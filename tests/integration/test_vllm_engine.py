@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-from vllm_runs import (  # noqa: E402
+from kvcached.testing.vllm_runs import (  # noqa: E402
     ENGINE_TIMEOUT_S,
     PAGE_ID_BYTES,
     PHASES,

@@ -11,7 +11,6 @@ a tight limit that makes requests wait or be preempted without changing outputs.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,9 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_hybrids import SLIDING_WINDOW, make_tiny_hybrid  # noqa: E402
-from tiny_llama import prompt_ids  # noqa: E402
-from vllm_runs import MiB, engine_env, peak, probe, run_side_by_side  # noqa: E402
+from kvcached.testing.tiny_hybrids import SLIDING_WINDOW, make_tiny_hybrid  # noqa: E402
+from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
+from kvcached.testing.vllm_runs import MiB, engine_env, peak, probe, run_side_by_side  # noqa: E402
 
 # A shared prefix (prefix hits across the groups), then long prompts: 500
 # tokens grow past 512 while decoding, so every sliding-window group drops the

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-from vllm_runs import PHASES, engine_env, peak, probe, run_side_by_side  # noqa: E402
+from kvcached.testing.vllm_runs import PHASES, engine_env, peak, probe, run_side_by_side  # noqa: E402
 
 MiB = 1 << 20
 # Two ranks on one 2-core machine: vLLM's CPU worker checks a fraction of the

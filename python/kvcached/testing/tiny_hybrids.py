@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from tiny_llama import TINY_LLAMA
+from kvcached.testing.tiny_llama import TINY_LLAMA
 
 #: Tokens a sliding-window layer keeps: one 128-token block (vLLM keeps the blocks the window touches).
 SLIDING_WINDOW = 128

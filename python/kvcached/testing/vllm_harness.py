@@ -3,7 +3,7 @@
 Used as a script so that every engine lives in its own process (vLLM's CPU build
 starts its EngineCore and worker with ``spawn``, which re-imports ``__main__``):
 
-    python tests/integration/vllm_harness.py SPEC.json RESULT.json
+    python python/kvcached/testing/vllm_harness.py SPEC.json RESULT.json
 
 SPEC is a JSON object (see ``run``); RESULT receives the generated token ids and
 the kvcached probes taken along the way. The model is built with transformers
