@@ -16,7 +16,7 @@
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/registry/device_registry.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "../../cpp/src/host/host_backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 

@@ -7,9 +7,8 @@
 
 #include <memory>
 
-#include "../../src/host/host_backend.hpp"
-#include "../../src/host/host_populator.hpp"
 #include "bindings.hpp"
+#include "kvcached/backends/host_backend.hpp"
 #include "kvcached/device/device.hpp"
 
 namespace nb = nanobind;

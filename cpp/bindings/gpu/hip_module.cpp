@@ -6,7 +6,7 @@
 
 #include "error_translation.hpp"
 #include "gpu/backend_capsule.hpp"
-#include "hip/hip_backend.hpp"
+#include "kvcached/backends/hip_backend.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
