@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcached import _core
 from kvcached.devices import default_device, open_device
-from kvcached.errors import OutOfMemoryError
+from kvcached.errors import InvalidArgumentError, InvalidTypeError, OutOfMemoryError
 from kvcached.layout import KVLayout, block_manager_options
 from kvcached.pool import KVPool
 
@@ -29,9 +29,9 @@ _UNITS = {"bytes": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+        raise InvalidArgumentError(f"{name} must be positive, got {value}")
     return int(value)
 
 
@@ -107,9 +107,9 @@ class KVCacheManager:
         back is waited for, never reported short. Raises ValueError once closed.
         """
         if need_size.__class__ is not int and (isinstance(need_size, bool) or not isinstance(need_size, np.integer)):
-            raise TypeError(f"need_size must be an int, got {type(need_size).__name__}")
+            raise InvalidTypeError(f"need_size must be an int, got {type(need_size).__name__}")
         if need_size < 0:
-            raise ValueError(f"need_size must not be negative, got {need_size}")
+            raise InvalidArgumentError(f"need_size must not be negative, got {need_size}")
         try:
             return self._alloc(need_size)
         except OutOfMemoryError:
@@ -140,7 +140,7 @@ class KVCacheManager:
         try:
             scale = _UNITS[unit.lower()]
         except KeyError:
-            raise ValueError(f"unit must be one of {sorted(_UNITS)}, got {unit!r}") from None
+            raise InvalidArgumentError(f"unit must be one of {sorted(_UNITS)}, got {unit!r}") from None
         mapped = self.pool.stats()["mapped_bytes"]
         return mapped if scale == 1 else mapped / scale
 
@@ -154,9 +154,9 @@ class KVCacheManager:
         if new_mem_size is None:
             return self.pool.resize(None)
         if isinstance(new_mem_size, bool) or not isinstance(new_mem_size, (int, np.integer)):
-            raise TypeError(f"new_mem_size must be an int or None, got {type(new_mem_size).__name__}")
+            raise InvalidTypeError(f"new_mem_size must be an int or None, got {type(new_mem_size).__name__}")
         if new_mem_size < 0:
-            raise ValueError(f"new_mem_size must not be negative, got {new_mem_size}")
+            raise InvalidArgumentError(f"new_mem_size must not be negative, got {new_mem_size}")
         return self.pool.resize(int(new_mem_size) * self.num_layers * self.num_kv_buffers)
 
     def trim(self) -> None:
@@ -181,12 +181,12 @@ class KVCacheManager:
         """
         import torch
 
-        from kvcached.geometry import strided_bytes_view
+        from kvcached.tensor_views import strided_bytes_view
 
         dtype = torch.uint8 if dtype is None else dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.cell_size % itemsize:
-            raise ValueError(f"cell_size {self.cell_size} is not a multiple of {dtype}'s {itemsize} bytes")
+            raise InvalidArgumentError(f"cell_size {self.cell_size} is not a multiple of {dtype}'s {itemsize} bytes")
         space = self.pool.space
         flat = torch.from_dlpack(space.tensor())
         shape = [self.num_kv_buffers, self.num_blocks, self.block_size, self.cell_size // itemsize]

@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "bindings.hpp"
+#include "error_translation.hpp"
 #include "kv_values.hpp"
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
@@ -31,7 +32,7 @@ using AnyArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu>;
 using IdArrayOut = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 
 [[noreturn]] void not_integer_ids(const std::string& what) {
-  throw nb::type_error(("block ids must be integers, got " + what).c_str());
+  throw_invalid_type("block ids must be integers, got " + what);
 }
 
 template <typename T>

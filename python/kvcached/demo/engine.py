@@ -32,6 +32,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvcached.demo.traffic import Request
+from kvcached.errors import DemoError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class BlockPattern:
         self._torch = torch
         space = pool.space
         if space.block_stride_bytes % WORD_BYTES or space.block_bytes % WORD_BYTES:
-            raise ValueError("block sizes must be multiples of 8 bytes for the demo's pattern")
+            raise InvalidArgumentError("block sizes must be multiples of 8 bytes for the demo's pattern")
         words = torch.from_dlpack(pool.tensor()).view(torch.int64)
         shape = (space.num_layers, space.num_buffers, space.num_blocks, space.block_bytes // WORD_BYTES)
         strides = tuple(
@@ -124,7 +125,7 @@ class BlockPattern:
                     expected = layer * space.layer_stride_bytes + buffer * space.buffer_stride_bytes
                     expected += block * space.block_stride_bytes
                     if space.offset_of(layer, buffer, block) != expected:
-                        raise ValueError(f"layout {space.layout!r} has no uniform block stride; use per_layer")
+                        raise InvalidArgumentError(f"layout {space.layout!r} has no uniform block stride; use per_layer")
         self.kv = words.as_strided(shape, strides)
         self.device = self.kv.device
 
@@ -323,7 +324,7 @@ def _next_command(commands: Any) -> tuple:
         except queue.Empty:
             parent = multiprocessing.parent_process()
             if parent is not None and not parent.is_alive():
-                raise SystemExit(0)
+                raise SystemExit(0) from None
 
 
 def _serve_one_run(engine: int, name: str, shape: PoolShape, spec: RunSpec, commands: Any, events: Any) -> None:
@@ -351,7 +352,7 @@ def _serve_one_run(engine: int, name: str, shape: PoolShape, spec: RunSpec, comm
             events.put(("ready", engine, spec.run_name, None))
             command, start_monotonic = _next_command(commands)
             if command != "go":
-                raise RuntimeError(f"engine {engine}: expected 'go', got {command!r}")
+                raise DemoError(f"engine {engine}: expected 'go', got {command!r}")
             scheduler.run(start_monotonic)
             result = scheduler.result()
             result["used_blocks_at_end"] = pool.stats()["used_blocks"]
@@ -384,7 +385,7 @@ def engine_main(
             if message[0] == "stop":
                 return
             if message[0] != "run":
-                raise RuntimeError(f"engine {engine}: unknown command {message[0]!r}")
+                raise DemoError(f"engine {engine}: unknown command {message[0]!r}")
             _serve_one_run(engine, name, shape, message[1], commands, events)
     except BaseException:
         events.put(("error", engine, None, traceback.format_exc()))

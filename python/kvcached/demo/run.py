@@ -21,6 +21,7 @@ from typing import Any, Optional, Protocol
 
 from kvcached.demo.engine import PoolShape, RunSpec, engine_main
 from kvcached.demo.traffic import TrafficProfile, generate, make_profile
+from kvcached.errors import DemoError, InvalidArgumentError
 from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry, registry_for
 
 logger = logging.getLogger(__name__)
@@ -65,13 +66,13 @@ class DemoConfig:
     def validate(self) -> None:
         """Raises ValueError on settings the demo cannot run with."""
         if self.engines < 1:
-            raise ValueError(f"--engines must be at least 1, got {self.engines}")
+            raise InvalidArgumentError(f"--engines must be at least 1, got {self.engines}")
         if self.duration_s <= 0:
-            raise ValueError(f"--duration must be positive, got {self.duration_s}")
+            raise InvalidArgumentError(f"--duration must be positive, got {self.duration_s}")
         if self.wait_timeout_s < 0:
-            raise ValueError(f"--wait-timeout must not be negative, got {self.wait_timeout_s}")
+            raise InvalidArgumentError(f"--wait-timeout must not be negative, got {self.wait_timeout_s}")
         if self.budget_bytes <= 0:
-            raise ValueError("--budget must be positive")
+            raise InvalidArgumentError("--budget must be positive")
 
 
 @dataclasses.dataclass
@@ -138,7 +139,7 @@ def measure_geometry(config: DemoConfig) -> Geometry:
     finally:
         probe.close()
     if config.budget_bytes < page_id_bytes * config.engines:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"--budget {config.budget_bytes} bytes is too small: each of {config.engines} engines needs at "
             f"least one page id of {page_id_bytes} bytes in the static split"
         )
@@ -206,10 +207,10 @@ class EngineFleet:
         except queue.Empty:
             event = None
         if event is not None and event[0] == "error":
-            raise RuntimeError(f"{engine_name(event[1])} failed:\n{event[3]}")
+            raise DemoError(f"{engine_name(event[1])} failed:\n{event[3]}")
         for process in self.processes:
             if event is None and process.exitcode not in (None, 0):
-                raise RuntimeError(f"{process.name} exited with code {process.exitcode}")
+                raise DemoError(f"{process.name} exited with code {process.exitcode}")
         return event
 
     def stop(self) -> None:
@@ -271,7 +272,7 @@ def _drive_run(
     ready_deadline = time.monotonic() + READY_TIMEOUT_S
     while len(ready) < config.engines:
         if time.monotonic() > ready_deadline:
-            raise RuntimeError(f"engines not ready after {READY_TIMEOUT_S:.0f} s")
+            raise DemoError(f"engines not ready after {READY_TIMEOUT_S:.0f} s")
         event = fleet.next_event(timeout_s=1.0)
         if event is not None and event[0] == "ready":
             ready.add(event[1])
@@ -287,7 +288,7 @@ def _drive_run(
     while len(finished) < config.engines:
         now = time.monotonic()
         if now > run_deadline:
-            raise RuntimeError(f"the {run_name} run did not finish in time")
+            raise DemoError(f"the {run_name} run did not finish in time")
         if now >= next_sample:
             mapped = _sample(registry, names, counters, record, now - start)
             if observer is not None:

@@ -24,9 +24,13 @@ import os
 import re
 from types import ModuleType
 
+from kvcached.errors import KvcachedError
+from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.settings import Settings, is_enabled
 
-logger = logging.getLogger("sglang.srt.kvcached")
+# Under kvcached's logger, and also written through SGLang's handlers, if it has its own.
+logger = logging.getLogger(__name__)
+route_to_engine_log(logger, "sglang")
 
 #: SGLang release -> the package holding every private SGLang name kvcached touches.
 _HOOK_MODULES: dict[tuple[int, int, int], str] = {
@@ -35,7 +39,7 @@ _HOOK_MODULES: dict[tuple[int, int, int], str] = {
 SUPPORTED_VERSIONS = ", ".join(".".join(map(str, v)) for v in sorted(_HOOK_MODULES))
 
 
-class UnsupportedSGLangVersion(RuntimeError):
+class UnsupportedSGLangVersion(KvcachedError, RuntimeError):
     """The installed SGLang is not one kvcached has hooks for."""
 
 

@@ -30,11 +30,12 @@ from types import ModuleType
 from typing import Any
 
 from kvcached.errors import KvcachedError
-
+from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.settings import Settings, is_enabled
 
-# A child of vLLM's logger, so messages appear in vLLM's log stream and format.
-logger = logging.getLogger("vllm.kvcached")
+# Under kvcached's logger, and also written through vLLM's handlers (vLLM's stream and format).
+logger = logging.getLogger(__name__)
+route_to_engine_log(logger, "vllm")
 
 #: vLLM minor version -> module holding every private vLLM name kvcached touches.
 _PATCH_MODULES: dict[tuple[int, int], str] = {

@@ -24,14 +24,15 @@ import os
 import threading
 from typing import Any
 
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.acks import AckBoard
-from kvcached.integration.common.devices import RankDevice, describe_rank
 from kvcached.integration.common.heap import keep_freed_heap
+from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.space import WorkerSpace
 
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, RANK_ATTR, settings
 
-logger = logging.getLogger("vllm.kvcached")
+logger = logging.getLogger(__name__)
 
 _spaces: dict[int, WorkerSpace] = {}  # pid -> this worker's space (a forked child must not reuse its parent's)
 _passthrough = threading.local()  # set while vLLM builds a throw-away profiling cache
@@ -40,7 +41,7 @@ _passthrough = threading.local()  # set while vLLM builds a throw-away profiling
 def _current_space() -> WorkerSpace:
     space = _spaces.get(os.getpid())
     if space is None:
-        raise RuntimeError("kvcached: page ops reached a worker that has no kvcached KV space")
+        raise IntegrationError("kvcached: page ops reached a worker that has no kvcached KV space")
     return space
 
 
@@ -84,14 +85,14 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
             kv_layout.layer_stride_bytes != tensor.layer_stride or kv_layout.block_stride_bytes != tensor.block_stride
         ):
             space.close()
-            raise RuntimeError(
+            raise IntegrationError(
                 f"kvcached KV space strides (layer {kv_layout.layer_stride_bytes}, block "
                 f"{kv_layout.block_stride_bytes}) differ from vLLM's ({tensor.layer_stride}, {tensor.block_stride})"
             )
         flat = space.flat_bytes().view(torch.int8)
         if flat.numel() < tensor.size or flat.device != torch.device(device):
             space.close()
-            raise RuntimeError(
+            raise IntegrationError(
                 f"kvcached KV space ({flat.numel()} B on {flat.device}) cannot hold vLLM's "
                 f"KV tensor ({tensor.size} B on {device})"
             )
