@@ -83,6 +83,7 @@ def engine_and_root():
     logging.getLogger().removeHandler(root_handler)
     integration.handlers.clear()
     integration.setLevel(logging.NOTSET)
+    engine.setLevel(logging.NOTSET)
 
 
 def test_an_integration_logger_writes_through_the_engine_handlers_once(engine_and_root):
@@ -95,6 +96,22 @@ def test_an_integration_logger_writes_through_the_engine_handlers_once(engine_an
     logging.getLogger("kvcached.integration.test_engine.v1.worker").info("kv space ready")
     assert engine_handler.messages == ["kv space ready"]
     assert root_handler.messages == ["kv space ready"]  # by propagation, not twice
+
+
+def test_an_integration_logger_follows_the_engine_level_unless_it_has_its_own(engine_and_root):
+    integration, engine_handler, _ = engine_and_root
+    engine = logging.getLogger("test_engine")
+    engine.setLevel(logging.NOTSET)  # the engine has not configured its logging yet
+    route_to_engine_log(integration, "test_engine")
+    worker = logging.getLogger("kvcached.integration.test_engine.v1.worker")
+    worker.info("before the engine configured its logging")  # the root's WARNING applies
+    engine.setLevel(logging.INFO)  # as vLLM does when it configures logging, after plugins loaded
+    worker.info("kv space ready")
+    engine.setLevel(logging.ERROR)
+    worker.warning("dropped at the engine's level")
+    integration.setLevel(logging.DEBUG)  # a level set on kvcached's logger wins
+    worker.debug("asked for by the user")
+    assert engine_handler.messages == ["kv space ready", "asked for by the user"]
 
 
 def test_an_engine_propagating_to_the_root_is_not_written_twice(engine_and_root):
