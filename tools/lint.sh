@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # Lint and format checks: ruff (Python, configured in pyproject.toml) and
-# clang-format (C++, .clang-format). Checks only; `tools/lint.sh --fix` applies
-# the automatic fixes. Needs ruff and clang-format (pip install ruff clang-format).
-set -euo pipefail
+# clang-format (C++, .clang-format). `tools/lint.sh` checks and fails if any
+# check fails; `tools/lint.sh --fix` applies the automatic fixes, then reports
+# what is left to fix by hand. Needs ruff and clang-format (pip install ruff clang-format).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-
-fix=0
-if [[ "${1:-}" == "--fix" ]]; then fix=1; fi
 
 # Every C and C++ source kvcached keeps in git (cpp/, tests/, bench/).
 mapfile -t cxx_files < <(git ls-files -- '*.c' '*.h' '*.cpp' '*.hpp')
 
-if (( fix )); then
-  ruff check --fix .
-  ruff format .
+if [[ "${1:-}" == "--fix" ]]; then
+  ruff check --fix --quiet . >/dev/null
+  ruff format --quiet .
   clang-format -i "${cxx_files[@]}"
-else
-  ruff check .
-  ruff format --check .
-  clang-format --dry-run -Werror "${cxx_files[@]}"
 fi
+
+failed=0
+ruff check . || failed=1
+ruff format --check . || failed=1
+clang-format --dry-run -Werror "${cxx_files[@]}" || failed=1
+exit "$failed"
