@@ -13,7 +13,7 @@ the first one finished, on memory the first one gave back.
     # CPU, no download: two tiny random-weight Llamas on SGLang's CPU engine. With
     # SGLang from PyPI (no sgl-kernel CPU build) that needs the import stub and
     # torchvision shim the tests use:
-    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/integration/sglang_cpu \\
+    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=python/kvcached/testing/sglang_cpu \\
         python examples/sglang_two_engines.py --tiny
 
 Watch the device while it runs: ``kvtop`` (or ``kvctl list``).
@@ -28,21 +28,6 @@ import tempfile
 import threading
 import time
 from typing import Any
-
-
-def make_tiny_llama(path: str, seed: int) -> str:
-    """A random-weight 2-layer Llama, so the example runs with nothing downloaded."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=4096, torch_dtype="float32",
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def mapped_bytes(device: str, name: str) -> int:
@@ -105,6 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="kvcached-sglang-")
     if args.tiny:
+        from kvcached.testing.tiny_llama import make_tiny_llama  # random weights: nothing downloaded
+
         models = [make_tiny_llama(os.path.join(workdir, f"tiny-{i}"), seed=i) for i in range(2)]
     elif args.model_a and args.model_b:
         models = [args.model_a, args.model_b]

@@ -26,21 +26,6 @@ import time
 from typing import Any
 
 
-def make_tiny_llama(path: str, seed: int) -> str:
-    """A random-weight 2-layer Llama, so the example runs with nothing downloaded."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=4096, torch_dtype="float32",
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def run_engine(name: str, model: str, args: argparse.Namespace, ready: Any, delay_s: float) -> None:
     os.environ["KVCACHED_ENABLE"] = "1"  # read by the plugin in every vLLM process
     os.environ["KVCACHED_NAME"] = name  # how kvctl and kvtop show this engine
@@ -96,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         workdir = tempfile.mkdtemp(prefix="kvcached-example-")
+        from kvcached.testing.tiny_llama import make_tiny_llama  # random weights: nothing downloaded
+
         args.model_a = make_tiny_llama(os.path.join(workdir, "a"), seed=0)
         args.model_b = make_tiny_llama(os.path.join(workdir, "b"), seed=1)
     elif not (args.model_a and args.model_b):

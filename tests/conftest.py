@@ -23,6 +23,17 @@ def private_registry(tmp_path_factory):
         os.environ["KVCACHED_REGISTRY_DIR"] = previous
 
 
+@pytest.fixture
+def env_without_torch(tmp_path) -> dict[str, str]:
+    """An environment for child processes in which ``import torch`` fails, as where it is not
+    installed (a package of that name that raises ImportError comes first on the path)."""
+    hidden = tmp_path / "torch-hidden"
+    (hidden / "torch").mkdir(parents=True)
+    (hidden / "torch" / "__init__.py").write_text('raise ImportError("torch is hidden by this test")\n')
+    path = os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 @pytest.fixture(params=available_device_specs())
 def device(request) -> "kvcached._core.Device":
     return kvcached.open_device(request.param)

@@ -5,7 +5,7 @@ they see; each must land in the registry of the physical GPU behind each index
 (one registry per physical GPU), and ``kvctl list --all`` / ``kvtop --once``
 must show each GPU once with every instance and the index its process sees.
 Used by the GPU tests and their emulated twins; run as a script, it prints the
-check's kvctl / kvtop snapshot (bench/run_gpu_multi.sh keeps that output)::
+check's kvctl / kvtop snapshot (bench/gpu/run_gpu_multi.sh keeps that output)::
 
     python tests/landing_check.py [--backend cuda] [--gpus N]
 

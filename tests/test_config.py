@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
 
 import pytest
 
-from kvcached import config
+from kvcached import config, config_doc
 from kvcached.errors import ConfigurationError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
-OPTIONS_HEADING = "## Options (`kvcached.config.OPTIONS`)"
-
-
-def _documented_options() -> dict[str, str]:
-    """Option name -> variable, from the rows of the doc's options table."""
-    section = DOC.read_text().split(OPTIONS_HEADING, 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \| `(KVCACHED_\w+)` \|", section, flags=re.MULTILINE)
-    return dict(rows)
 
 
 def test_every_option_is_documented_with_its_default():
@@ -30,8 +23,29 @@ def test_every_option_is_documented_with_its_default():
         assert f"`{name}`" in text, f"option {name} is missing from docs/configuration.md"
 
 
-def test_the_doc_table_and_the_options_table_are_the_same():
-    assert _documented_options() == {name: option.env for name, option in config.OPTIONS.items()}
+def test_the_doc_table_is_the_one_generated_from_the_options():
+    """Names, variables, values, defaults and meanings: docs/configuration.md shows OPTIONS exactly."""
+    assert config_doc.documented_table(DOC.read_text()) == config_doc.options_table(), (
+        "run: python -m kvcached.config_doc --write docs/configuration.md"
+    )
+    assert config_doc.main(["--check", str(DOC)]) == 0
+
+
+def test_the_doc_check_fails_when_a_default_differs(tmp_path, monkeypatch):
+    monkeypatch.setitem(config.OPTIONS, "max_reserve_pages",
+                        dataclasses.replace(config.OPTIONS["max_reserve_pages"], default=5))
+    copy = tmp_path / "configuration.md"
+    copy.write_text(DOC.read_text())
+    assert config_doc.main(["--check", str(copy)]) == 1
+    config_doc.main(["--write", str(copy)])
+    assert "| `KVCACHED_MAX_RESERVE_PAGES` |" in copy.read_text() and config_doc.main(["--check", str(copy)]) == 0
+
+
+@pytest.mark.parametrize("name", ["host_memory", "host_populate", "layout"])
+def test_every_choice_is_in_the_doc(name):
+    row = next(line for line in DOC.read_text().splitlines() if line.startswith(f"| `{name}` |"))
+    *others, last = config.OPTIONS[name].parse.choices
+    assert row.split(" | ")[2] == f"one of {', '.join(others)} or {last}"
 
 
 def test_every_variable_the_package_reads_is_documented():
@@ -163,7 +177,7 @@ def test_a_relative_registry_dir_is_refused(monkeypatch):
     from kvcached.registry import registry_for
 
     monkeypatch.setenv("KVCACHED_REGISTRY_DIR", "relative/dir")
-    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_DIR='relative/dir' must be an absolute path"):
+    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_DIR='relative/dir' is invalid: must be an absolute path"):
         registry_for("cpu", total_bytes=1 << 20)
 
 

@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEMO_TIMEOUT_S = 240
 MIN_PNG_BYTES = 10_000
 MAX_PNG_BYTES = 5_000_000
+# How long the kvctl command the demo prints may take to show its engines (they start in seconds).
+KVCTL_WAIT_S = 120
 
 
 # -- traffic ---------------------------------------------------------------------------
@@ -81,26 +84,80 @@ def test_block_pattern_catches_a_corrupted_block():
         pool.free(ids)
 
 
+def test_block_pattern_on_the_host_needs_no_torch(monkeypatch):
+    from kvcached.demo.block_pattern import BlockPattern
+    from kvcached.pool import KVPool
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now fails, as where it is missing
+    with KVPool(num_layers=2, block_bytes=64 << 10, num_blocks=64, device="cpu", layout="per_layer") as pool:
+        pattern = BlockPattern(pool)
+        ids = [int(i) for i in pool.alloc(5)]
+        values = np.arange(100, 105, dtype=np.int64)
+        pattern.write(ids, values)
+        assert pattern.count_mismatches(ids, values) == 0
+        flat = np.from_dlpack(pool.tensor())
+        flat[pool.space.offset_of(1, 1, ids[2]) + 17] ^= 0xFF  # one byte of one block goes wrong
+        assert pattern.count_mismatches(ids, values) == 1
+        pool.free(ids)
+
+
 # -- the whole demo, through its real entry point ----------------------------------------
 
 
-def _run_demo(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "120"}
+def _demo_env(base=None) -> dict:
+    env = {**(base or os.environ), "COLUMNS": "120"}
     env.pop("KVCACHED_REGISTRY_DIR", None)  # the demo makes its own private registry
+    return env
+
+
+def _run_demo(tmp_path, *args: str, variables=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvcached", "demo", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S,
+        cwd=tmp_path, env={**_demo_env(), **(variables or {})}, check=False, capture_output=True, text=True,
+        timeout=DEMO_TIMEOUT_S,
     )
 
 
+def _kvctl_lists_the_demo_engines(demo: subprocess.Popen, header: list[str]) -> list[str]:
+    """Runs the kvctl command the demo printed (``KVCACHED_REGISTRY_DIR=... kvctl list``) with
+    ``--json`` while the demo runs, until it shows the engines; returns their names."""
+    (line,) = [text for text in header if "kvctl list" in text]
+    assignment, command = line.strip().split(": ")[-1].split(" ", 1)
+    variable, directory = assignment.split("=", 1)
+    assert (variable, command) == ("KVCACHED_REGISTRY_DIR", "kvctl list"), line
+    env = {**os.environ, variable: directory}
+    deadline = time.monotonic() + KVCTL_WAIT_S
+    while demo.poll() is None and time.monotonic() < deadline:
+        listing = subprocess.run([sys.executable, "-m", "kvcached.kvctl", "list", "--json"], env=env,
+                                 check=False, capture_output=True, text=True, timeout=KVCTL_WAIT_S)
+        names = sorted(entry["name"] for entry in json.loads(listing.stdout).get("instances", []))
+        if any(name.startswith("demo-engine-") for name in names):
+            return names
+        time.sleep(0.2)
+    return []
+
+
 @pytest.mark.slow
-def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path):
+def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path, env_without_torch):
+    """Also: on the host it runs without torch, and the kvctl command it prints lists its engines."""
     summary_path, plot_path = tmp_path / "out.json", tmp_path / "out.png"
     # Phases of 2.5 s, like the default run's: the peaks take turns (seed 1's are marked).
-    done = _run_demo(tmp_path, "--engines", "2", "--duration", "5", "--seed", "1",
-                     "--json", str(summary_path), "--plot", str(plot_path), "--no-live")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "admitted at once" in done.stdout and "elastic" in done.stdout and "static" in done.stdout
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvcached", "demo", "--engines", "2", "--duration", "5", "--seed", "1",
+         "--json", str(summary_path), "--plot", str(plot_path), "--no-live"],
+        cwd=tmp_path, env=_demo_env(env_without_torch), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        header = [demo.stdout.readline() for _ in range(2)]
+        listed = _kvctl_lists_the_demo_engines(demo, header)
+        out, err = demo.communicate(timeout=DEMO_TIMEOUT_S)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 0, "".join(header) + out + err
+    assert "Traceback" not in err, err
+    assert listed and all(name.startswith("demo-engine-") for name in listed), (header, listed)
+    assert "admitted at once" in out and "elastic" in out and "static" in out
 
     summary = json.loads(summary_path.read_text())
     assert summary["ok"] is True
@@ -134,10 +191,41 @@ def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path):
     assert 600 <= width <= 4000 and 400 <= height <= 4000
 
 
-def test_demo_rejects_bad_options(tmp_path):
-    done = _run_demo(tmp_path, "--engines", "0", "--no-live", "--plot", "")
-    assert done.returncode == 2
-    assert "--engines" in done.stderr
-    done = _run_demo(tmp_path, "--budget", "lots", "--no-live", "--plot", "")
-    assert done.returncode == 2
-    assert "not a size" in done.stderr
+@pytest.mark.parametrize("args, variables, words", [
+    (("--engines", "0"), {}, "--engines"),
+    (("--engines", "100000"), {}, "--engines"),
+    (("--budget", "lots"), {}, "not a size"),
+    (("--budget", "1M"), {}, "--budget"),
+    (("--budget", "1T"), {}, "--budget"),
+    (("--device", "bogus"), {}, "--device 'bogus'"),
+    (("--device", "cuda:77"), {}, "--device 'cuda:77'"),
+    (("--duration", "nan"), {}, "--duration"),
+    (("--duration", "inf"), {}, "--duration"),
+    (("--wait-timeout", "inf"), {}, "--wait-timeout"),
+    (("--seed", "-1"), {}, "--seed"),
+    (("--plot", "/nonexistent/x.png"), {}, "--plot '/nonexistent/x.png'"),
+    (("--json", "/nonexistent/x.json"), {}, "--json '/nonexistent/x.json'"),
+    ((), {"KVCACHED_HOST_CAPACITY_BYTES": "1M"}, "KVCACHED_HOST_CAPACITY_BYTES"),
+])
+def test_demo_refuses_a_bad_option_in_one_line_before_starting(tmp_path, args, variables, words):
+    done = _run_demo(tmp_path, *args, "--no-live", variables=variables)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert words in done.stderr, done.stderr
+    assert "starting engines" not in done.stdout, "refused before any engine starts"
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached"),
+    ("KVCACHED_PAGE_BYTES", "4GB"),
+    ("KVCACHED_LAYOUT", "diagonal"),
+    ("KVCACHED_ZERO_BACKING", "maybe"),
+])
+def test_demo_refuses_a_bad_setting_in_one_line_before_starting(tmp_path, variable, value):
+    done = _run_demo(tmp_path, "--no-live", variables={variable: value})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("kvcached: error: ") and f"{variable}={value!r}" in done.stderr, done.stderr
+    assert "starting engines" not in done.stdout, "refused before any engine starts"
+    assert list(tmp_path.iterdir()) == [], "nothing written"

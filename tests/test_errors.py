@@ -152,7 +152,7 @@ def test_a_block_id_of_the_wrong_type_is_an_invalid_type_error_and_still_a_type_
     with kvcached.KVPool(
         2, 4096, num_blocks=8, page_bytes=16 << 10, device=host_device, background_worker=False
     ) as pool:
-        with pytest.raises(errors.InvalidTypeError, match="integers") as raised:
+        with pytest.raises(errors.InvalidTypeError, match="integer") as raised:
             pool.free(["one"])
         assert isinstance(raised.value, TypeError)
 

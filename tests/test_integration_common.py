@@ -311,6 +311,39 @@ def test_a_rank_that_stops_acknowledging_is_declared_lost_after_the_timeout(two_
     assert "acknowledged no page operations" in engine.mirrors.lost[1]
 
 
+@pytest.mark.parametrize("word", [2**64 - 1, 2**63, "next"])
+def test_a_rank_whose_word_names_a_batch_never_handed_out_is_declared_lost(two_ranks, caplog, word):
+    """A corrupt or hostile acknowledgement costs that rank, never the deciding process."""
+    engine, ranks, name = two_ranks
+    engine.alloc(40)
+    _send(engine, ranks)
+    seq = engine.stats()["last_seq"]
+    engine.mirrors.board.publish(1, seq + 1 if word == "next" else word)
+    with caplog.at_level("ERROR"):
+        engine.poll_acknowledgements()  # no exception
+        engine.poll_acknowledgements()  # and none on the next step either
+    assert engine.stats()["lost_ranks"].keys() == {1}
+    assert "was never handed out" in engine.mirrors.lost[1]
+    assert "rank 1 (cpu on cpu) is lost" in caplog.text
+    assert _entry(name, "rank1-cpu")["mapped_bytes"] == 0  # its memory is no longer charged
+    assert engine.stats()["mirrors"][0]["acked_seq"] == seq  # the good rank still acknowledged
+    engine.free(engine.alloc(16))  # the decider goes on
+    _send(engine, ranks[:1])
+    engine.poll_acknowledgements()
+    assert engine.stats()["mirrors"][0]["acked_seq"] == engine.stats()["last_seq"]
+
+
+def test_a_rank_whose_word_goes_back_is_declared_lost(two_ranks):
+    engine, ranks, name = two_ranks
+    engine.alloc(40)
+    _send(engine, ranks)
+    engine.poll_acknowledgements()
+    engine.mirrors.board.publish(1, 0)
+    engine.poll_acknowledgements()
+    assert "went back" in engine.mirrors.lost[1]
+    assert _entry(name, "rank1-cpu")["mapped_bytes"] == 0
+
+
 @pytest.mark.emulation
 def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
     """Two rank processes seeing one emulated GPU under different indices land in one registry."""

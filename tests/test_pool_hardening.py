@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
@@ -108,6 +109,36 @@ def test_absurd_sizes_get_a_value_error_with_the_reason(kwargs, message):
     assert device.counters()["reserved_bytes"] == 0
 
 
+HUGE_GEOMETRY = {"num_layers": 1, "num_buffers": 1, "block_bytes": 4096, "page_bytes": 4096, "device": "cpu",
+                 "register": False}
+
+
+@pytest.mark.parametrize("num_blocks", [2**28, 2**30, 2**32 - 1])
+def test_a_geometry_whose_bookkeeping_would_exhaust_the_host_is_refused_up_front(num_blocks):
+    # 2^28 page ids grew to ~22 GB before the first block (OOM-killed); 2^30 raised std::bad_alloc.
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    with pytest.raises(ValueError,
+                       match=rf"over {num_blocks} page ids \(.*\) keeps \d+ bytes of bookkeeping per page id.*"
+                             r"more than the \d+ bytes kvcached allows.*Use larger pages \(page_bytes\) or fewer blocks"):
+        kvcached.KVPool(num_blocks=num_blocks, **HUGE_GEOMETRY)
+    assert time.monotonic() - started < 2.0, "refused before sizing anything"
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kib < 64 << 10, "no bookkeeping was allocated"
+
+
+def test_a_device_less_block_manager_refuses_such_a_geometry_too():
+    layout = kvcached.KVLayout(1, 4096, 2**30, num_buffers=1, page_bytes=4096, device=_core.open_host_device(64 << 20))
+    with pytest.raises(ValueError, match=r"a block manager over 1073741824 page ids"):
+        kvcached.BlockManager(layout, mirrors=2)
+
+
+def test_a_large_but_sane_geometry_is_still_accepted():
+    with kvcached.KVPool(num_blocks=2**20, **HUGE_GEOMETRY) as pool:  # about 100 MB of bookkeeping
+        ids = pool.alloc(3)
+        assert sorted(ids) == [0, 1, 2], "the lowest page ids first"
+        pool.free(ids)
+
+
 def test_manager_alloc_after_close_raises_instead_of_answering_none():
     m = make_manager()
     m.close()
@@ -138,3 +169,96 @@ def test_worker_failures_are_counted_and_visible_in_stats():
         pool.free(ids)
     finally:
         pool.close()
+
+
+# --------------------------------------------------------------------------- #
+# Counts of blocks: bools refused, numpy integers taken, negatives a clear error
+# --------------------------------------------------------------------------- #
+
+
+def _block_manager() -> kvcached.BlockManager:
+    return kvcached.BlockManager(kvcached.KVLayout(2, BLOCK_BYTES, 64, page_bytes=PAGE_BYTES))
+
+
+@pytest.mark.parametrize("kind", ["block_manager", "pool", "manager"])
+def test_block_counts_are_checked_naming_the_argument_and_change_nothing(kind):
+    obj = {"block_manager": _block_manager, "pool": lambda: make_pool(background_worker=False),
+           "manager": lambda: make_manager(background_worker=False)}[kind]()
+    with obj:
+        pool = obj.pool if kind == "manager" else obj
+        alloc = obj.alloc
+        reserve = obj.try_to_reserve if kind == "manager" else obj.try_reserve
+        name = "need_size" if kind == "manager" else "n"
+        ids = alloc(3)
+        before = pool.stats()
+        for call in (alloc, reserve) + (() if kind == "manager" else (obj.alloc_list,)):
+            with pytest.raises(ValueError, match=f"{name} must not be negative, got -1"):
+                call(-1)
+            with pytest.raises(TypeError, match=f"{name} must be an int.*bool"):
+                call(True)
+            with pytest.raises(TypeError, match=f"{name} must be an int.*float"):
+                call(2.0)
+            with pytest.raises(ValueError, match=f"{name}=18446744073709551616 is too large"):
+                call(2**64)
+            assert pool.stats() == before
+        taken = alloc(np.int64(2))  # a numpy integer is an int
+        assert len(taken) == 2
+        assert reserve(np.uint8(1))
+        pool.release_reserved()
+        obj.free(list(ids) + list(taken))
+        assert pool.stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("one_id", [1, np.int64(1), np.uint32(1)])
+def test_free_of_a_single_id_says_to_pass_a_sequence(one_id):
+    with make_pool(background_worker=False) as pool:
+        ids = pool.alloc(4)
+        before = pool.stats()
+        with pytest.raises(TypeError, match=r"ids must be a sequence or 1-D array of block ids.*pass \[1\]"):
+            pool.free(one_id)
+        assert pool.stats() == before
+        pool.free(ids)
+
+
+# --------------------------------------------------------------------------- #
+# The limit in force, wherever it was set
+# --------------------------------------------------------------------------- #
+
+
+def test_stats_report_a_limit_set_from_outside_and_the_tighter_of_two():
+    from kvcached.registry import registry_for
+
+    with make_pool(background_worker=False) as pool:
+        page = pool.page_id_bytes
+        registry = registry_for("cpu")
+        assert pool.stats()["limit_bytes"] is None
+        assert registry.set_limit(pool.name, 3 * page + 1) == 1  # what kvctl set-limit does
+        stats = pool.stats()
+        assert (stats["limit_bytes"], stats["limit_pages"]) == (3 * page + 1, 3)
+        assert pool.available() == 3 * pool.blocks_per_page  # and it is obeyed
+        pool.resize(2 * page)  # the pool's own limit, tighter
+        assert pool.stats()["limit_bytes"] == 2 * page
+        pool.resize(5 * page)  # looser than the outside one: that one is in force
+        assert pool.stats()["limit_bytes"] == 3 * page + 1
+        registry.set_limit(pool.name, None)
+        assert pool.stats()["limit_bytes"] == 5 * page
+        pool.resize(None)
+        assert pool.stats()["limit_bytes"] is None
+
+
+# --------------------------------------------------------------------------- #
+# available() accounts for every bound alloc applies
+# --------------------------------------------------------------------------- #
+
+
+def test_available_is_bound_by_the_device_before_the_first_alloc():
+    """72 MiB of host memory, a 1 GiB budget, 256 MiB of virtual capacity in 16 MiB page ids."""
+    device = _core.open_host_device(72 << 20)
+    with kvcached.KVPool(num_layers=4, block_bytes=32 << 10, capacity_bytes=256 << 20, device=device,
+                         budget=_core.FixedBudget(1 << 30)) as pool:
+        assert pool.page_id_bytes == 16 << 20
+        assert pool.available() == 4 * pool.blocks_per_page  # 4 page ids fit in 72 MiB, not 16
+        ids = pool.alloc(pool.available())
+        with pytest.raises(kvcached.OutOfMemoryError):
+            pool.alloc(1)
+        pool.free(ids)

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -155,3 +155,29 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPool = PoolMachine.TestCase
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=st.sampled_from(["per_layer", "contiguous"]), num_layers=st.integers(1, 3),
+       device_bytes=st.integers(1, 16 * 4 * PAGE_BYTES * 3), budget_pages=st.none() | st.integers(0, 14),
+       limit_pages=st.none() | st.integers(0, 14), first=st.integers(0, 20), worker=st.booleans())
+def test_alloc_of_what_available_reports_succeeds_whatever_binds(layout, num_layers, device_bytes, budget_pages,
+                                                                  limit_pages, first, worker):
+    """available() applies every bound alloc applies (device memory, budget, limit, page ids), so an
+    alloc of what it reports succeeds and one block more is refused, before and after other allocs."""
+    kv_layout = kvcached.KVLayout(num_layers, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind=layout)
+    page = kv_layout.page_id_bytes
+    device = _core.open_host_device(-(-device_bytes // 4096) * 4096)  # whole host pages
+    budget = None if budget_pages is None else _core.FixedBudget(budget_pages * page + page // 3)
+    with kvcached.KVPool(kv_layout=kv_layout, device=device, budget=budget,
+                         limit_bytes=None if limit_pages is None else limit_pages * page + page // 2,
+                         background_worker=worker, register=False) as pool:
+        held = []
+        for count in (min(first, pool.available()), None):
+            n = pool.available() if count is None else count
+            held.append(pool.alloc(n))
+        assert pool.available() == 0
+        with pytest.raises(kvcached.OutOfMemoryError):
+            pool.alloc(1)
+        for ids in held:
+            pool.free(ids)

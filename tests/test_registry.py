@@ -147,7 +147,7 @@ def test_entries_report_identity_and_usage():
     assert entry["name"] == "llama" and entry["pid"] == os.getpid() and entry["alive"]
     assert entry["start_time_ticks"] > 0 and entry["instance_id"] == budget.instance_id
     assert (entry["limit_bytes"], entry["mapped_bytes"]) == (6 * PAGE_BYTES, 3 * PAGE_BYTES)
-    assert (entry["used_bytes"], entry["reserved_bytes"]) == (PAGE_BYTES, 2 * PAGE_BYTES)
+    assert (entry["used_bytes"], entry["free_mapped_bytes"]) == (PAGE_BYTES, 2 * PAGE_BYTES)
 
 
 def test_unregister_frees_the_slot_and_returns_its_bytes():

@@ -73,7 +73,7 @@ def test_the_group_setting_creates_shared_files_and_refuses_private_ones(monkeyp
 
 def test_an_unknown_group_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached")
-    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_GROUP='no-such-group-kvcached' names no group"):
+    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_GROUP='no-such-group-kvcached' is invalid: it names no group"):
         DeviceRegistry("cpu", PAGE_BYTES)
 
 
@@ -90,6 +90,32 @@ def test_a_directory_where_others_could_swap_files_is_refused(isolated_registry_
         registry_for("cpu", total_bytes=PAGE_BYTES)
     directory.chmod(mode | 0o1000)  # the sticky bit: like /dev/shm and /tmp
     assert registry_for("cpu", total_bytes=PAGE_BYTES).budget_bytes == PAGE_BYTES
+
+
+@pytest.mark.parametrize("mode, message", [
+    (0o777, r"directory .*/above above the registry directory .* writable by every user without the sticky bit"),
+    (0o775, r"directory .*/above above the registry directory .* writable by group .* without the sticky bit"),
+])
+def test_a_parent_where_others_could_move_the_registry_directory_is_refused(isolated_registry_dir, mode, message):
+    above = isolated_registry_dir / "above"
+    (above / "mid").mkdir(parents=True)
+    above.chmod(mode)
+    os.environ["KVCACHED_REGISTRY_DIR"] = str(above / "mid" / "registry")  # restored by the fixture's monkeypatch
+    with pytest.raises(RegistryAccessError, match=message):
+        registry_for("cpu", total_bytes=PAGE_BYTES)
+    assert not (above / "mid" / "registry").exists(), "refused before anything is created"
+    above.chmod(mode | 0o1000)  # sticky, and ours: only an entry's owner may rename it
+    assert registry_for("cpu", total_bytes=PAGE_BYTES).budget_bytes == PAGE_BYTES
+
+
+def test_a_parent_reached_through_a_symbolic_link_is_checked_where_the_link_leads(isolated_registry_dir):
+    loose = isolated_registry_dir / "loose"
+    (loose / "registry").mkdir(parents=True)
+    loose.chmod(0o777)
+    (isolated_registry_dir / "tidy").symlink_to(loose)
+    os.environ["KVCACHED_REGISTRY_DIR"] = str(isolated_registry_dir / "tidy" / "registry")
+    with pytest.raises(RegistryAccessError, match=rf"directory {loose} above .* without the sticky bit"):
+        registry_for("cpu", total_bytes=PAGE_BYTES)
 
 
 # ---- a second user ---------------------------------------------------------------------------
@@ -219,3 +245,17 @@ def test_a_group_shares_a_registry_with_its_members_only(accounts, shared_dir, m
     code, _, stderr = kvctl_as(accounts["outsider"], shared_dir, "set-budget", "0", group=SHARED_GROUP)
     assert code == 1 and "you are not a member of it" in stderr, stderr
     assert registry.budget_bytes == 8 * PAGE_BYTES
+
+
+@as_root
+def test_a_parent_owned_by_another_user_is_refused_even_with_the_sticky_bit(accounts, shared_dir, monkeypatch):
+    theirs = shared_dir / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, accounts["outsider"].pw_uid, -1)
+    theirs.chmod(0o1777)
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(theirs / "registry"))
+    try:
+        with pytest.raises(RegistryAccessError, match=rf"directory {theirs} above .*owner {OUTSIDER}.*could move"):
+            DeviceRegistry("cpu", PAGE_BYTES)
+    finally:
+        shutil.rmtree(theirs)

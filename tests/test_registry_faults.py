@@ -182,10 +182,11 @@ def test_a_sigbus_elsewhere_still_ends_the_process(tmp_path):
     assert child.exitcode == -signal.SIGBUS, "kvcached only catches faults in its own mappings"
     # A fresh interpreter, where the handler before kvcached's is the default action.
     other.write_bytes(b"x" * 4096)
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); import test_registry_faults as t; "
-            "t.child_fault_outside_any_registry(sys.argv[1])")
-    done = subprocess.run([sys.executable, "-c", code, str(other), str(Path(__file__).parent)],
-                          capture_output=True, timeout=CHILD_TIMEOUT_S)
+    code = "import sys, test_registry_faults as t; t.child_fault_outside_any_registry(sys.argv[1])"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", code, str(other)], env=env, capture_output=True,
+                          timeout=CHILD_TIMEOUT_S)
     assert done.returncode == -signal.SIGBUS, done.stderr
 
 

@@ -89,12 +89,13 @@ class Barrier {
 
 std::shared_ptr<kvcached::VmmBackend> open_backend(const std::string& name) {
   using namespace kvcached;
-  if (name == "host") return make_host_backend();
+  // kvcached.config's defaults, passed explicitly: the C++ core reads no environment.
+  if (name == "host") return make_host_backend({0, HostMemory::kSharedFiles, HostPopulate::kBackground});
 #ifdef KVCACHED_BENCH_CUDA
   if (name == "cuda") return make_cuda_backend(0);
 #endif
 #ifdef KVCACHED_BENCH_HIP
-  if (name == "hip") return make_hip_backend(0);
+  if (name == "hip") return make_hip_backend(0, std::chrono::microseconds(2000));
 #endif
   throw kvcached::BackendUnavailable("backend '" + name + "' is not compiled into bench_vmm");
 }

@@ -7,14 +7,16 @@
 // maps one page, sets access, then at once fills it with GPU work (hipMemset,
 // a blit kernel) and copies it back (hipMemcpy). It counts the pages whose fill
 // did not land, first without the backend's fence, then with
-// fence_new_mappings() (KVCACHED_HIP_MAPPING_SETTLE_US) before the fill.
+// fence_new_mappings() before the fill, with the settle time --settle-us gives
+// (kvcached.config's default for KVCACHED_HIP_MAPPING_SETTLE_US, 2000, unless told).
 //
-//   probe_fresh_mapping [--iters N] [--page-mib M]
+//   probe_fresh_mapping [--iters N] [--page-mib M] [--settle-us U]
 //
 // Exit code 1 if any page is lost *with* the fence (kvcached's path is then
 // unsafe on this machine); the count without it is information.
 #include <hip/hip_runtime_api.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -61,6 +63,7 @@ bool fill_lands(kvcached::VmmBackend& backend, std::size_t page_bytes, bool fenc
 int main(int argc, char** argv) {
   int iterations = 200;
   std::size_t page_mib = 0;  // 0: the recommended granularity
+  long settle_us = 2000;      // kvcached.config's default: the C++ core reads no environment
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const long value = std::strtol(argv[i + 1], nullptr, 10);
@@ -68,21 +71,22 @@ int main(int argc, char** argv) {
       iterations = static_cast<int>(value);
     } else if (flag == "--page-mib" && value > 0) {
       page_mib = static_cast<std::size_t>(value);
+    } else if (flag == "--settle-us" && value >= 0) {
+      settle_us = value;
     } else {
-      std::fprintf(stderr, "usage: probe_fresh_mapping [--iters N] [--page-mib M]\n");
+      std::fprintf(stderr, "usage: probe_fresh_mapping [--iters N] [--page-mib M] [--settle-us U]\n");
       return 2;
     }
   }
   if (argc % 2 == 0) {
-    std::fprintf(stderr, "usage: probe_fresh_mapping [--iters N] [--page-mib M]\n");
+    std::fprintf(stderr, "usage: probe_fresh_mapping [--iters N] [--page-mib M] [--settle-us U]\n");
     return 2;
   }
   try {
-    std::shared_ptr<kvcached::VmmBackend> backend = kvcached::make_hip_backend(0);
+    std::shared_ptr<kvcached::VmmBackend> backend = kvcached::make_hip_backend(0, std::chrono::microseconds(settle_us));
     const std::size_t page_bytes =
         page_mib != 0 ? page_mib * kBytesPerMiB : backend->granularity().recommended_bytes;
     std::vector<unsigned char> host(page_bytes);
-    const char* settle = std::getenv("KVCACHED_HIP_MAPPING_SETTLE_US");
     std::printf("== hip device 0 (%s): %d fresh page(s) of %.1f MiB each filled by GPU work "
                 "(hipMemset) right after map + set_access, then copied back\n",
                 backend->physical_device_name().c_str(), iterations,
@@ -96,8 +100,8 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("without the fence: %d of %d page(s) lost the fill\n", lost[0], iterations);
-    std::printf("with fence_new_mappings (KVCACHED_HIP_MAPPING_SETTLE_US=%s): %d of %d page(s) lost the fill\n",
-                settle != nullptr ? settle : "default 2000", lost[1], iterations);
+    std::printf("with fence_new_mappings (settle %ld us): %d of %d page(s) lost the fill\n",
+                settle_us, lost[1], iterations);
     return lost[1] == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());

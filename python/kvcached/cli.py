@@ -8,9 +8,16 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from kvcached import config
+from kvcached.cli_support import (
+    EXIT_FAILED,
+    OneLineArgumentParser,
+    add_version_argument,
+    report_failure,
+    wants_json,
+)
 from kvcached.demo.command import add_arguments as add_demo_arguments
 from kvcached.demo.command import run_command as run_demo_command
-from kvcached import config
 from kvcached.devices import backends, canonical_device_name, open_device
 from kvcached.errors import KvcachedError
 from kvcached.layout import default_layout
@@ -105,11 +112,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcached", description="Elastic KV cache for LLM serving.")
+def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``kvcached`` parser; ``json_errors``: a usage error is also JSON on stdout (``info --json``)."""
+    parser = OneLineArgumentParser(prog="kvcached", description="Elastic KV cache for LLM serving.",
+                                   json_errors=json_errors)
+    add_version_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="backends, devices, granularity and memory")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
+    info = sub.add_parser("info", help="backends, devices, granularity and memory", json_errors=json_errors)
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
     demo = sub.add_parser("demo", help="engines sharing one device elastically vs a static split, live")
@@ -119,14 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    """Runs ``kvcached``; a bad argument or ``KVCACHED_*`` setting is one line on stderr (and,
+    with ``info --json``, a JSON object on stdout) and a non-zero exit, never a traceback."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(json_errors=wants_json(words) and "info" in words)  # demo's --json is a path
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return int(args.func(args))
     except KvcachedError as exc:
-        print(f"kvcached: error: {exc}", file=sys.stderr)
-        return 1
+        report_failure("kvcached", str(exc), args.command == "info" and args.json)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """kvcached's options: one table, each overridable by one ``KVCACHED_*`` environment variable.
 
-Values are read when a pool (or device budget) is created, so a process can
-set them before it builds its KV cache. ``docs/configuration.md`` documents the
-same table; a test keeps the two in step.
+This table is the only place an option's default, its values and its meaning are written:
+``docs/configuration.md`` is generated from it (``python -m kvcached.config_doc --write``; a
+test fails when they differ), and the C++ core reads no environment variable: Python passes
+it the values from here when it opens a device or a registry. Values are read when a pool (or
+device budget) is created, so a process can set them before it builds its KV cache.
 """
 
 from __future__ import annotations
@@ -12,247 +14,277 @@ import os
 from typing import Callable, Generic, Optional, TypeVar
 
 from kvcached.errors import ConfigurationError
-from kvcached.sizes import parse_bytes
+from kvcached.option_values import (
+    AbsolutePath,
+    Boolean,
+    Choice,
+    Count,
+    Fraction,
+    GroupName,
+    InstanceName,
+    Seconds,
+    Size,
+)
 
 T = TypeVar("T")
 
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def _parse_size(text: str) -> int:
-    """A size in the package's one grammar (:mod:`kvcached.sizes`): 4096, 512MiB, 8G, 2GB."""
-    return parse_bytes(text)
-
-
-def _parse_positive_size(text: str) -> int:
-    value = parse_bytes(text)
-    if value == 0:
-        raise ValueError("expected more than 0 bytes")
-    return value
-
-
-def _parse_text(text: str) -> str:
-    return text
-
-
-def _parse_instance_name(text: str) -> str:
-    from kvcached._core import validate_instance_name
-
-    validate_instance_name(text)
-    return text
-
-
-def _parse_directory(text: str) -> str:
-    if not text.startswith("/"):
-        raise ValueError("expected an absolute path (processes started elsewhere would disagree)")
-    return text
-
-
-def _parse_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number in (0, 1], e.g. 0.9, got {text!r}") from None
-    if not 0.0 < value <= 1.0:  # also refuses nan
-        raise ValueError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
-
-
-def _parse_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, e.g. 120, got {text!r}") from None
-    if not value > 0.0 or value == float("inf"):  # also refuses nan
-        raise ValueError(f"expected a positive, finite number of seconds, got {text!r}")
-    return value
-
-
-def _parse_seconds_or_zero(text: str) -> float:
-    """A number of seconds >= 0 (0 meaning "at once")."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, e.g. 5, got {text!r}") from None
-    if not value >= 0.0 or value == float("inf"):  # also refuses nan
-        raise ValueError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return value
-
-
-def _parse_layout(text: str) -> str:
-    value = text.strip().lower()
-    if value not in ("per_layer", "contiguous"):
-        raise ValueError(f"expected 'per_layer' or 'contiguous', got {text!r}")
-    return value
-
-
+LAYOUTS = ("per_layer", "contiguous")
 HOST_MEMORY_KINDS = ("anonymous", "huge_pages", "shared_files")
 HOST_POPULATE_WAYS = ("background", "on_touch")
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
-    """A parser accepting exactly one of ``choices``."""
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
-        return text
-    return parse
-
-
-def _parse_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"expected a non-negative integer, got {text!r}")
-    return value
+# What the shell counts as surrounding whitespace; stripped the same way for every option.
+_WHITESPACE = " \t\n\r\f\v"
 
 
 @dataclasses.dataclass(frozen=True)
 class Option(Generic[T]):
-    """One option: its variable, its default (used when unset or empty), its parser and meaning."""
+    """One option: its variable, its default (used when unset or empty), its grammar
+    (:mod:`kvcached.option_values`), its meaning and what reads it."""
 
     env: str
     default: T
     parse: Callable[[str], T]
     doc: str
+    #: What reads the option, for the docs ("pools", "device registry", ...).
+    read_by: str = ""
+    #: What the default means, for the docs (for an unset default: what happens then).
+    default_note: str = ""
     #: Older names still honoured when ``env`` is unset.
     aliases: tuple[str, ...] = ()
 
     def get(self) -> T:
+        """The variable's value (surrounding whitespace ignored), else the default when it is
+        unset or empty. A value the grammar refuses raises :class:`ConfigurationError` naming
+        the variable, its text and what is expected."""
         env = next((name for name in (self.env, *self.aliases) if os.environ.get(name)), self.env)
-        text = os.environ.get(env)
-        if text is None or text == "":
+        raw = os.environ.get(env)
+        text = raw.strip(_WHITESPACE) if raw is not None else ""
+        if not text:
             return self.default
         try:
             return self.parse(text)
         except ValueError as exc:
-            reason = str(exc)
-            if reason.startswith(f"{text!r} "):  # the size parser quotes the text itself
-                raise ConfigurationError(f"{env}={reason}") from None
-            raise ConfigurationError(f"{env}={text!r} is invalid: {reason}") from None
+            shown = raw.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            raise ConfigurationError(f"{env}={shown!r} is invalid: {exc}") from None
 
 
 OPTIONS: dict[str, Option] = {
     "page_bytes": Option(
-        "KVCACHED_PAGE_BYTES", 0, _parse_size,
-        "Page size per layer and buffer (0: the device's recommended granularity, 2 MiB on CUDA and host).",
+        "KVCACHED_PAGE_BYTES", 0,
+        Size(minimum=4 << 10, maximum=1 << 30, multiple_of=4 << 10, zero_means="the device's recommended granularity"),
+        "Page size per layer and buffer; a multiple of the device granularity and of the block size.",
+        read_by="pools",
+        default_note="device granularity: 2 MiB on CUDA and host",
     ),
     "layout": Option(
-        "KVCACHED_LAYOUT", None, _parse_layout,
-        "KV layout: per_layer (each layer's blocks packed) or contiguous (one compound page per page id); "
-        "unset: the device kind's default (kvcached.layout.DEFAULT_LAYOUTS: contiguous everywhere).",
+        "KVCACHED_LAYOUT", None, Choice(LAYOUTS),
+        ("`per_layer`: each layer's K and V blocks packed (`2·L` allocations per page id). "
+         "`contiguous`: one compound page per page id spanning all layers (O(1) driver calls to grow)."
+         " Why contiguous by default: below. The vLLM and SGLang integrations choose the layout from "
+         "the engine's own tensor strides, not from this option."),
+        read_by="pools",
+        default_note=("the device kind's default, `contiguous` on CUDA, HIP and host "
+                      "(`kvcached.layout.DEFAULT_LAYOUTS`; `kvcached info` shows it)"),
     ),
     "zero_backing": Option(
-        "KVCACHED_ZERO_BACKING", True, _parse_bool,
+        "KVCACHED_ZERO_BACKING", True, Boolean(),
         "Unmapped regions read as zeros, so stray reads by kernels never fault.",
+        read_by="pools",
     ),
     "zero_chunk_bytes": Option(
-        "KVCACHED_ZERO_CHUNK_BYTES", 256 << 20, _parse_size,
-        "Largest zero-filled allocation used for zero backing on GPUs (shared by the pools of a process).",
+        "KVCACHED_ZERO_CHUNK_BYTES", 256 << 20, Size(minimum=4 << 10),
+        ("Largest zero-filled allocation used for zero backing on GPUs; one set per device and "
+         "process, shared by its pools."),
+        read_by="pools",
     ),
     "min_reserve_pages": Option(
-        "KVCACHED_MIN_RESERVE_PAGES", 1, _parse_count,
-        "Mapped free pages the background worker keeps ready for alloc.",
+        "KVCACHED_MIN_RESERVE_PAGES", 1, Count(),
+        "Mapped free pages the background worker keeps ready, so `alloc` rarely waits on the driver.",
+        read_by="pools",
     ),
     "max_reserve_pages": Option(
-        "KVCACHED_MAX_RESERVE_PAGES", 4, _parse_count,
+        "KVCACHED_MAX_RESERVE_PAGES", 4, Count(),
         "Mapped free pages beyond which the worker gives memory back.",
+        read_by="pools",
     ),
     "min_spare_pages": Option(
-        "KVCACHED_MIN_SPARE_PAGES", 1, _parse_count,
-        "Pre-created (unmapped) physical allocations the worker keeps ready, so a grow rarely creates.",
+        "KVCACHED_MIN_SPARE_PAGES", 1, Count(),
+        ("Pre-created (unmapped) physical allocations, in page ids, that the worker keeps ready, so a "
+         "grow maps without creating (`cuMemCreate` off the path). Counted in the pool's budget."),
+        read_by="pools",
     ),
     "max_spare_pages": Option(
-        "KVCACHED_MAX_SPARE_PAGES", 2, _parse_count,
-        "Unmapped allocations kept for reuse; more are released by the worker's next round.",
+        "KVCACHED_MAX_SPARE_PAGES", 2, Count(),
+        ("Unmapped allocations kept for reuse. A shrink keeps everything it unmaps as spares, so it "
+         "never waits for `cuMemRelease`; the worker's next round (within 50 ms) releases what is "
+         "beyond this many, and releases at once when other pools wait for memory, under a limit, on "
+         "`trim()` and at close. Spares are counted in the budget. The KV spaces of engine ranks that "
+         "do not decide blocks (vLLM's workers) keep none: their budget is released when they "
+         "acknowledge an unmap."),
+        read_by="pools",
     ),
     "zero_frontier_pages": Option(
-        "KVCACHED_ZERO_FRONTIER_PAGES", 64, _parse_count,
-        "Unmapped page ids kept split ahead of use on GPUs (zero backing), at least; the worker keeps "
-        "twice the largest recent grow.",
+        "KVCACHED_ZERO_FRONTIER_PAGES", 64, Count(),
+        ("Unmapped page ids kept split ahead of use, so a grow never splits a zero chunk: set-up "
+         "splits the first ones (up to 512 allocations' worth: 64 page ids contiguous, 8 per-layer "
+         "with 32 layers), the worker keeps at least this many ready, and twice the largest of the "
+         "last 16 grows. Costs a zero mapping per allocation (no memory)."),
+        read_by="pools (GPU zero backing)",
     ),
     "gpu_utilization": Option(
-        "KVCACHED_GPU_UTILIZATION", 0.9, _parse_fraction,
-        "Share of device memory the kvcached instances of one device may map together.",
+        "KVCACHED_GPU_UTILIZATION", 0.9, Fraction(),
+        ("Share of device memory, in (0, 1], that the kvcached instances of one GPU may map together "
+         "(the registry's budget). Checked on every device, host included."),
+        read_by="device registry",
     ),
     "virtual_capacity_bytes": Option(
-        "KVCACHED_VIRTUAL_CAPACITY_BYTES", 0, _parse_size,
-        "Virtual KV capacity of a pool when none is given (0: the device's total memory).",
+        "KVCACHED_VIRTUAL_CAPACITY_BYTES", 0, Size(zero_means="the device's total memory"),
+        "Virtual KV capacity of a pool given neither `num_blocks` nor `capacity_bytes`.",
+        read_by="pools, vLLM integration",
+        default_note="the device's total memory",
     ),
     "host_capacity_bytes": Option(
-        "KVCACHED_HOST_CAPACITY_BYTES", None, _parse_positive_size,
-        "Physical memory the host backend may create (unset: half of the machine's or cgroup's memory).",
+        "KVCACHED_HOST_CAPACITY_BYTES", None, Size(minimum=4 << 10),
+        ("Bytes of physical memory the host backend may create; a size, more than 0. "
+         "`kvcached._core.open_host_device(capacity)` overrides it."),
+        read_by="host backend, when a host device is opened",
+        default_note="half of the machine's (or cgroup's) memory limit",
     ),
     "host_memory": Option(
-        "KVCACHED_HOST_MEMORY", "shared_files", _one_of(HOST_MEMORY_KINDS),
-        "What host backend allocations are: shared_files (memfd files mapped shared, faulted in by first "
-        "use), anonymous (4 KiB pages allocated at create) or huge_pages (2 MiB pages allocated at create).",
+        "KVCACHED_HOST_MEMORY", "shared_files", Choice(HOST_MEMORY_KINDS),
+        ("What the host backend's allocations are. `shared_files`: `memfd` files mapped shared, each 4"
+         " KiB page faulted in by its first use. `anonymous`: private anonymous memory in 4 KiB pages,"
+         " allocated when an allocation is created (as `cuMemCreate` does on a GPU) and moved into "
+         "place with `mremap`, freed at once on release; running out of memory is a `MemoryError` at "
+         "create. Whichever kind, a child of `fork()` inherits none of it "
+         "([allocator.md](allocator.md#fork)). `huge_pages`: `anonymous` in 2 MiB transparent"
+         " huge pages where the kernel allows them: far cheaper per page where the kernel has free "
+         "huge pages at hand, far dearer on a VM whose host reclaims the guest's free 2 MiB blocks "
+         "(free page reporting). Why `shared_files` is the default, and figures for all three: "
+         "[gpu-backends.md](gpu-backends.md), `bench/probes/host_page_cost.py`."),
+        read_by="host backend, when a host device is opened",
     ),
     "host_populate": Option(
-        "KVCACHED_HOST_POPULATE", "background", _one_of(HOST_POPULATE_WAYS),
-        "When shared_files host pages are allocated: background (as soon as they are mapped, on a thread of "
-        "their own on CPUs the mapping thread is not bound to; if it is bound to none, as on_touch) or "
-        "on_touch (by the first write's page faults).",
+        "KVCACHED_HOST_POPULATE", "background", Choice(HOST_POPULATE_WAYS),
+        ("When the pages of `shared_files` allocations get their memory. `background`: when the "
+         "mapping thread is bound to some of the CPUs (a CPU engine's worker, as vLLM binds it), as "
+         "soon as access is granted, by `madvise(MADV_POPULATE_WRITE)` on one thread per process "
+         "running on the other CPUs, so the engine's forward pass does not take a page fault and zero "
+         "a page for each 4 KiB it writes first; a range unmapped before its turn is skipped; a "
+         "mapping thread free to run on every CPU has none to spare, and its pages fault in on first "
+         "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated"
+         " at create either way. Figures: [gpu-backends.md](gpu-backends.md)."),
+        read_by="host backend, when a host device is opened",
+    ),
+    "hip_mapping_settle_us": Option(
+        "KVCACHED_HIP_MAPPING_SETTLE_US", 2000, Count(maximum=10_000_000),
+        ("How old (µs) the newest `hipMemSetAccess` must be before fresh mappings are handed to GPU "
+         "work (`fence_new_mappings`); `0` turns the fence off. See `docs/amd.md`."),
+        read_by="HIP backend, when a device is opened",
     ),
     "registry_dir": Option(
-        "KVCACHED_REGISTRY_DIR", "/dev/shm", _parse_directory,
-        "Directory of the per-device registry files (created with the registry's mode if missing).",
+        "KVCACHED_REGISTRY_DIR", "/dev/shm", AbsolutePath(),
+        ("Absolute path of the directory holding the per-device registry files that `kvctl` and "
+         "`kvtop` read. Created (mode 0700, or 0770 with a group) when the first engine registers, if "
+         "its parent exists. See [security.md](security.md)."),
+        read_by="device registry",
     ),
     "registry_group": Option(
-        "KVCACHED_REGISTRY_GROUP", None, _parse_text,
-        "Group (name or gid) that shares the registries; unset: private to the creating user.",
+        "KVCACHED_REGISTRY_GROUP", None, GroupName(),
+        ("A group (name or gid) whose members share the registries: files are made mode 0660 and owned"
+         " by it. Every engine and tool sharing a device must set the same value. See "
+         "[security.md](security.md)."),
+        read_by="device registry",
+        default_note="registries are private to their creator",
     ),
     "enable": Option(
-        "KVCACHED_ENABLE", False, _parse_bool,
-        "Switch kvcached on in a vLLM or SGLang engine (ENABLE_KVCACHED=true works too).",
+        "KVCACHED_ENABLE", False, Boolean(),
+        "Switches kvcached on in a vLLM or SGLang engine; `ENABLE_KVCACHED=true` works too.",
+        read_by="vLLM and SGLang integrations",
         aliases=("ENABLE_KVCACHED",),
     ),
     "name": Option(
-        "KVCACHED_NAME", None, _parse_instance_name,
-        "An engine's name in the device registry (kvctl, kvtop); unset: derived from the model.",
+        "KVCACHED_NAME", None, InstanceName(),
+        ("The engine's name in the device registries (one entry per rank) (`kvctl set-limit NAME`, "
+         "`kvtop`): 1–63 bytes of UTF-8, no control characters."),
+        read_by="vLLM and SGLang integrations",
+        default_note="derived from the model",
     ),
     "limit_bytes": Option(
-        "KVCACHED_LIMIT_BYTES", None, _parse_size,
-        "An engine's own limit on physical KV memory; unset: vLLM's kv_cache_memory_bytes, else none.",
+        "KVCACHED_LIMIT_BYTES", None, Size(),
+        ("The engine's own limit on physical KV memory of each rank, beside the device's shared "
+         "budget; `kvctl set-limit` changes it while the engine runs."),
+        read_by="vLLM and SGLang integrations",
+        default_note="vLLM's `kv_cache_memory_bytes` if given, else none",
     ),
     "idle_cache_bytes": Option(
-        "KVCACHED_IDLE_CACHE_BYTES", 0, _parse_size,
-        "Prefix-cache memory an idle engine keeps (0: an engine with no requests returns all its KV memory).",
+        "KVCACHED_IDLE_CACHE_BYTES", 0, Size(),
+        ("Prefix-cache memory an idle engine keeps; with 0 an engine with no requests returns all of "
+         "its KV memory."),
+        read_by="vLLM and SGLang integrations",
     ),
     "idle_release_s": Option(
-        "KVCACHED_IDLE_RELEASE_S", 5.0, _parse_seconds_or_zero,
-        "Seconds an idle engine keeps its KV memory before giving it back (a hold that ran out just before "
-        "work came back grows, see KVCACHED_IDLE_RELEASE_MAX_S); at once when another instance on the device "
-        "is refused memory or the engine is over its limit (0: as soon as idle).",
+        "KVCACHED_IDLE_RELEASE_S", 5.0, Seconds(zero_means="as soon as the engine is idle"),
+        ("Seconds an idle engine keeps its KV memory before giving it back (down to "
+         "`idle_cache_bytes`). This is the first hold: one that ran out before work came back within "
+         "`idle_release_max_s` of the spell's start grows to 1.5 times that spell (the spell before "
+         "the engine's first work teaches nothing), and a longer spell sets it back to this value. It "
+         "gives it back at once when another instance on the same device is refused memory (the "
+         "registry's pressure) or when it holds more than its limit (`kvctl set-limit`, `set-budget`),"
+         " within about 10 ms. `0`: as soon as the engine is idle. An in-process vLLM EngineCore "
+         "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the same way (the watching thread gives the "
+         "memory back). Why: taking memory back costs page faults or driver calls per page, which "
+         "bursts a few seconds apart would pay every time "
+         "(`python/kvcached/integration/common/idle.py`)."),
+        read_by="vLLM (EngineCore) and SGLang (scheduler) integrations",
     ),
     "idle_release_max_s": Option(
-        "KVCACHED_IDLE_RELEASE_MAX_S", 30.0, _parse_seconds_or_zero,
-        "The longest an idle engine's hold grows to when its work came back soon after it gave its memory "
-        "back: the next hold covers 1.5 times such an idle spell (at most KVCACHED_IDLE_RELEASE_S: a fixed hold).",
+        "KVCACHED_IDLE_RELEASE_MAX_S", 30.0, Seconds(zero_means="a fixed hold of idle_release_s"),
+        ("The longest a learnt idle hold grows to; at most `idle_release_s`: the hold stays fixed. "
+         "Why: an engine whose bursts come 5–20 s apart would otherwise take its memory back after "
+         "every idle spell (in `bench/e2e/vllm_e2e_paired.py` each engine idles about 10 s while the other"
+         " serves, and with the hold fixed at 5 s its output tokens/s read 0.959× of an engine without"
+         " kvcached, against 0.972× with the learnt hold — 0.941× against 0.982× pooled — on the "
+         "2-core development VM, `bench/RESULTS.md`)."),
+        read_by="vLLM (EngineCore) and SGLang (scheduler) integrations",
     ),
     "keep_freed_while_busy": Option(
-        "KVCACHED_KEEP_FREED_WHILE_BUSY", True, _parse_bool,
-        "SGLang: pages an engine frees (a flushed cache, aborted requests) stay mapped for its next requests; "
-        "they go back with the rest at the end of its idle hold, at once when another instance waits for "
-        "memory, or over its limit. Off: beyond KVCACHED_MAX_RESERVE_PAGES they go back at the end of the step.",
+        "KVCACHED_KEEP_FREED_WHILE_BUSY", True, Boolean(),
+        ("Pages the engine frees (a flushed radix cache, aborted requests) stay mapped for its next "
+         "requests; they go back with the rest of its memory at the end of its idle hold "
+         "(`idle_release_s`), at once when another instance on the device waits for memory, or when it"
+         " holds more than its limit. Off: beyond `max_reserve_pages` they go back at the end of the "
+         "step. Why: a burst of frees followed by a burst of allocs would otherwise unmap pages and "
+         "map them again, paying the page faults or driver calls of every page twice: in "
+         "`bench/e2e/sglang_e2e_paired.py --flush-cache` the engine mapped about 8 pages inline in every "
+         "pass, and with both engines running kvcached, keeping them read 1.036× (pooled 1.029×) the "
+         "output tokens/s of not keeping them on the 2-core development VM (`bench/RESULTS.md`)."),
+        read_by="SGLang integration (scheduler)",
     ),
     "host_heap_keep_bytes": Option(
-        "KVCACHED_HOST_HEAP_KEEP_BYTES", 256 << 20, _parse_size,
-        "SGLang on the CPU: freed heap memory the scheduler keeps for its next step instead of glibc trimming "
-        "it and faulting it in again (glibc's trim threshold; 0: glibc's own behaviour).",
+        "KVCACHED_HOST_HEAP_KEEP_BYTES", 256 << 20, Size(zero_means="glibc's own behaviour"),
+        ("Freed heap memory the process that runs the model (SGLang's scheduler, vLLM's CPU worker) "
+         "keeps for its next step: glibc's trim threshold is fixed at this size and its mmap threshold"
+         " at glibc's own ceiling, 32 MiB (`mallopt`; fixing either stops glibc adjusting both). `0`: "
+         "glibc's own behaviour. Not glibc (tcmalloc or jemalloc preloaded, musl): left as it is. The "
+         "KV cache is not on this heap and stays elastic. Why: on the CPU the scheduler also runs the "
+         "model, whose temporaries come from glibc's heap each step; with kvcached handing out the "
+         "slots, glibc gave the top of that heap back and faulted it in again every step (about 250 "
+         "000 minor page faults a pass against about 2 000 without kvcached, in "
+         "`bench/e2e/sglang_e2e_paired.py`; SGLang without kvcached did the same in three of six engine "
+         "pairs, `bench/RESULTS.md`). With the setting, SGLang's output tokens/s with kvcached read "
+         "1.012× of without over six engine pairs (0.954× before); with both engines keeping their "
+         "heap, 0.985×. vLLM's CPU worker did the same in-process (+182 faults a step with no page "
+         "mapped; `bench/e2e/vllm_e2e_paired.py --lockstep --in-process`): 0.949× before, 0.998× with the "
+         "setting, 0.990× with both engines keeping their heap."),
+        read_by="SGLang integration (scheduler) and vLLM integration (each worker), KV cache on the CPU",
     ),
     "rank_ack_timeout_s": Option(
-        "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, _parse_seconds,
-        "A rank that acknowledges no page operations for this long is declared lost (its budget returns).",
+        "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, Seconds(),
+        ("Seconds after which a rank (tensor-parallel worker or pipeline stage) that has not "
+         "acknowledged a page-op batch is declared lost: its budget is given back and its "
+         "acknowledgements are no longer awaited. A rank whose process is gone is declared lost at "
+         "once."),
+        read_by="vLLM integration (EngineCore)",
     ),
 }
 
@@ -262,4 +294,4 @@ def get(name: str) -> Optional[object]:
     return OPTIONS[name].get()
 
 
-__all__ = ["OPTIONS", "Option", "get"]
+__all__ = ["HOST_MEMORY_KINDS", "HOST_POPULATE_WAYS", "LAYOUTS", "OPTIONS", "Option", "get"]

@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any, Optional
 
-from kvcached import _core, config
+from kvcached import _core
 from kvcached.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError, KvcachedError
 
 logger = logging.getLogger(__name__)
@@ -169,10 +169,7 @@ def open_device(spec: Any = "cpu") -> _core.Device:
     if device is not None:
         return device
     if backend == "host":
-        # The core reads these too; checked here first, a bad value is a ConfigurationError naming it.
-        config.get("host_memory")
-        config.get("host_populate")
-        config.get("host_capacity_bytes")
+        # The binding hands the core KVCACHED_HOST_* from kvcached.config (ConfigurationError if invalid).
         device = _core.open_host_device()
     else:
         status = backend_status(backend)

@@ -2,30 +2,48 @@
 
     kvctl list                          instances, their usage and limits
     kvctl list --all                    the same for every device with a registry, each once
-    kvctl set-limit NAME|PID SIZE       cap one instance (it shrinks lazily)
-    kvctl clear-limit NAME|PID          remove that cap
-    kvctl set-budget SIZE               change the device-wide budget
+    kvctl set-limit TARGET SIZE         cap a live instance (it shrinks lazily)
+    kvctl clear-limit TARGET            remove that cap
+    kvctl set-budget SIZE               change the budget of a device's registry
     kvctl clean                         reclaim dead instances and unusable registry files
     kvctl files                         every registry file in the directory, with its status
 
 Every command takes ``--device`` (default cpu; a GPU as this process sees it,
 ``cuda:0``, or its registry name, ``cuda-GPU-<uuid>``) and ``--json``
 (machine-readable output). Sizes are exact: 4096, 512MiB, 8G (powers of 1024)
-or 2GB (powers of 1000); see docs/configuration.md. Every failure is one line
-on stderr and a non-zero exit (1: the operation failed, 2: bad usage). Also
-runs as ``python -m kvcached.kvctl``.
+or 2GB (powers of 1000); see docs/configuration.md.
+
+TARGET names instances: ``pid:1234`` (by process id), ``name:llama`` (by
+name, whatever its characters), or bare: all digits is a pid, anything else a
+name. Only live instances can be limited; ``kvctl clean`` reclaims dead ones.
+
+kvctl never creates a registry: the first engine on a device does. Every
+failure is one line on stderr and a non-zero exit (1: the operation failed or
+a KVCACHED_* setting is bad, 2: bad usage); with ``--json`` the same line is
+also printed on stdout as ``{"error": ...}``. ``--version`` prints the version.
+Also runs as ``python -m kvcached.kvctl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pwd
 import sys
-from typing import Any, NoReturn, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
-from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
+from kvcached.cli_support import (
+    EXIT_FAILED,
+    REGISTRY_OPTIONS,
+    OneLineArgumentParser,
+    add_version_argument,
+    check_settings,
+    report_failure,
+    wants_json,
+)
+from kvcached.errors import InvalidArgumentError, KvcachedError, RegistryNotFoundError, RegistryUnusableError
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,
@@ -35,27 +53,42 @@ from kvcached.registry import (
     printable,
     registry_dir,
     registry_files,
-    registry_for,
     resolve_device,
 )
 from kvcached.sizes import parse_bytes
 
 EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line (and exit code 2) instead of usage + error."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see {self.prog.split()[0]} --help)", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+PID_PREFIX, NAME_PREFIX = "pid:", "name:"
+# Process ids are positive and fit pid_t (Linux's own ceiling is 2**22).
+MAX_PID = 2**31 - 1
 
 
 def _target(text: str) -> Union[int, bytes]:
-    """An instance is named by pid (all digits) or by name (bytes, so names that are not UTF-8 match)."""
-    return int(text) if text.isdigit() else os.fsencode(text)
+    """The instance(s) TARGET names: ``pid:N``, ``name:TEXT``, or bare (all digits: a pid).
+
+    Names are bytes, so names that are not UTF-8 match as stored."""
+    if text.startswith(NAME_PREFIX):
+        name = text[len(NAME_PREFIX):]
+        if not name:
+            raise InvalidArgumentError(f"{text!r} names no instance: give a name after {NAME_PREFIX!r}")
+        return os.fsencode(name)
+    digits = text.removeprefix(PID_PREFIX)
+    if not (digits.isascii() and digits.isdigit()):
+        if text.startswith(PID_PREFIX):
+            raise InvalidArgumentError(f"{text!r} is not a process id: expected {PID_PREFIX}<digits>")
+        return os.fsencode(text)
+    pid = int(digits)
+    if not 0 < pid <= MAX_PID:
+        raise InvalidArgumentError(f"{text!r} is not a process id (1 to {MAX_PID}); "
+                         f"for an instance named so, write {NAME_PREFIX}{digits}")
+    return pid
+
+
+def _matches(entry: dict[str, Any], target: Union[int, bytes]) -> bool:
+    if isinstance(target, int):
+        return entry["pid"] == target
+    # entries() decodes names the way this does, so equal bytes give equal text.
+    return entry["name"] == target.decode("utf-8", "backslashreplace")
 
 
 def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
@@ -63,10 +96,7 @@ def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
 
 
 def _fail(as_json: bool, payload: dict[str, Any], message: str) -> int:
-    line = printable(" ".join(message.split()))
-    if as_json:
-        print(json.dumps({**payload, "error": line}, indent=2, sort_keys=True))
-    print(f"kvctl: {line}", file=sys.stderr)
+    report_failure("kvctl", message, as_json, payload)
     return EXIT_FAILED
 
 
@@ -90,7 +120,7 @@ def _user_name(uid: int) -> str:
 
 
 def _instances_table(entries: list[dict[str, Any]]) -> str:
-    header = ("NAME", "PID", "USER", "AS", "STATE", "USED", "RESERVED", "MAPPED", "LIMIT", "WANTS", "ERRORS")
+    header = ("NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "LIMIT", "WANTS", "ERRORS")
     rows = [header] + [
         (
             printable(entry["name"]),
@@ -99,7 +129,7 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
             printable(entry["local_device"]) or "-",
             "alive" if entry["alive"] else "dead",
             format_bytes(entry["used_bytes"]),
-            format_bytes(entry["reserved_bytes"]),
+            format_bytes(entry["free_mapped_bytes"]),
             format_bytes(entry["mapped_bytes"]),
             format_bytes(entry["limit_bytes"]),
             format_bytes(entry["wanted_bytes"]) if entry["wanted_bytes"] else "-",
@@ -175,18 +205,34 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
+    target = _target(args.target)
     payload: dict[str, Any] = {"device": args.device, "target": args.target, "limit_bytes": limit_bytes}
     registry = open_existing(args.device)
     if registry is None:
-        return _fail(args.json, {**payload, "matched": 0}, f"no registry for device {args.device!r}")
+        return _fail(args.json, {**payload, "matched": 0}, _no_registry(args.device))
     payload["device"] = registry.device
-    matched = registry.set_limit(_target(args.target), limit_bytes)
+    found = [entry for entry in registry.entries() if _matches(entry, target)]
+    if not found:
+        return _fail(args.json, {**payload, "matched": 0},
+                     f"no instance named or with pid {args.target!r} on {registry.device}")
+    if not any(entry["alive"] for entry in found):
+        # Its process is gone: a limit would change nothing (and say "done" for nothing).
+        pids = ", ".join(sorted({str(entry["pid"]) for entry in found}))
+        return _fail(args.json, {**payload, "matched": 0},
+                     f"{args.target!r} on {registry.device} is a dead instance (pid {pids}): "
+                     "nothing to limit; 'kvctl clean' reclaims its memory")
+    matched = registry.set_limit(target, limit_bytes)
     payload["matched"] = matched
-    if matched == 0:
+    if matched == 0:  # every match exited meanwhile
         return _fail(args.json, payload, f"no instance named or with pid {args.target!r} on {registry.device}")
     action = f"limit {format_bytes(limit_bytes)}" if limit_bytes is not None else "limit cleared"
     _emit(args.json, payload, f"{registry.device}: {printable(args.target)}: {action} ({matched} instance(s))")
     return EXIT_OK
+
+
+def _no_registry(device: str) -> str:
+    return (f"no registry for device {device!r} under {registry_dir()}: the first engine on the device "
+            "creates it (check KVCACHED_REGISTRY_DIR)")
 
 
 def cmd_set_limit(args: argparse.Namespace) -> int:
@@ -199,18 +245,12 @@ def cmd_clear_limit(args: argparse.Namespace) -> int:
 
 def cmd_set_budget(args: argparse.Namespace) -> int:
     budget_bytes = parse_bytes(args.size, "SIZE")
-    existing = open_existing(args.device)
-    previous = existing.budget_bytes if existing is not None else None
-    if existing is not None:
-        registry = existing
-        registry.budget_bytes = budget_bytes
-    elif resolve_device(args.device).local:
-        # A device this process sees and nobody uses yet: its registry starts with this budget.
-        registry = registry_for(args.device, budget_bytes=budget_bytes)
-    else:
-        raise RegistryNotFoundError(
-            f"no registry for device {args.device!r}: it is created by the first engine on that device "
-            "(or name the device as this machine sees it, e.g. cuda:0)")
+    registry = open_existing(args.device)
+    if registry is None:
+        # kvctl never creates a registry: a typo in KVCACHED_REGISTRY_DIR must not start a new one.
+        raise RegistryNotFoundError(_no_registry(args.device) + "; set its budget once it exists")
+    previous = registry.budget_bytes
+    registry.budget_bytes = budget_bytes
     payload = {**_device_summary(registry), "previous_budget_bytes": previous}
     over = payload["mapped_bytes"] > budget_bytes
     note = " (over budget: instances shrink as they free memory)" if over else ""
@@ -255,7 +295,11 @@ def cmd_files(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
+TARGET_HELP = "pid:1234, name:NAME, or bare (all digits: a pid; else a name)"
+
+
+def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """kvctl's parser; ``json_errors``: usage errors are also JSON on stdout (``--json`` given)."""
     # --device/--json are accepted both before and after the command; SUPPRESS
     # keeps a subcommand's unset copy from overwriting the top-level value.
     common = argparse.ArgumentParser(add_help=False)
@@ -263,17 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"device: cpu, cuda:0, or a registry name such as cuda-GPU-<uuid> (default {HOST_DEVICE})")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    parser = OneLineArgumentParser(prog="kvctl", description=__doc__.split("\n\n")[0], parents=[common])
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser)
+    parser = OneLineArgumentParser(prog="kvctl", description=__doc__.split("\n\n")[0], parents=[common],
+                                   json_errors=json_errors)
+    add_version_argument(parser)
+    subparser = functools.partial(OneLineArgumentParser, json_errors=json_errors)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=subparser)
     list_ = commands.add_parser("list", parents=[common], help="list instances")
     list_.add_argument("--all", action="store_true", help="every device with a registry (not with --device)")
     list_.set_defaults(handler=cmd_list)
     set_limit = commands.add_parser("set-limit", parents=[common], help="set an instance's limit")
-    set_limit.add_argument("target", metavar="NAME|PID")
+    set_limit.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     set_limit.add_argument("size", metavar="SIZE", help="e.g. 8G, 512MiB, 4096, 2GB")
     set_limit.set_defaults(handler=cmd_set_limit)
     clear_limit = commands.add_parser("clear-limit", parents=[common], help="remove an instance's limit")
-    clear_limit.add_argument("target", metavar="NAME|PID")
+    clear_limit.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     clear_limit.set_defaults(handler=cmd_clear_limit)
     set_budget = commands.add_parser("set-budget", parents=[common], help="set the device-wide budget")
     set_budget.add_argument("size", metavar="SIZE")
@@ -288,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    parser = build_parser(json_errors=wants_json(argv))
     args = parser.parse_args(argv)
     if getattr(args, "all", False) and hasattr(args, "device"):
         parser.error("list --all shows every device: give --device or --all, not both")
@@ -297,6 +344,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.json = getattr(args, "json", False)
     handler = getattr(args, "handler", cmd_list)
     failure = {"device": args.device}
+    try:
+        check_settings(REGISTRY_OPTIONS)
+    except (KvcachedError, ValueError) as error:
+        report_failure("kvctl", str(error), args.json, failure)
+        return EXIT_FAILED
     try:
         return handler(args)
     except (KvcachedError, ValueError, OSError, RuntimeError, TypeError) as error:

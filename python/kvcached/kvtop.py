@@ -2,11 +2,14 @@
 
     kvtop                       refresh every second until Ctrl-C
     kvtop --once                print one frame and exit (for scripts)
+    kvtop | less                not a terminal: a plain snapshot every interval
     kvtop --device cuda:0       only this device (repeatable); default: all found
     kvtop --interval 0.5        refresh period in seconds
 
-Each instance's bar shows used memory (solid), its mapped free reserve (shaded)
-and the rest of its allowance (its limit, or the device budget). Devices are
+Each instance's bar shows used memory (solid), its mapped but free memory
+(shaded: pages kept ready, no block in use) and the rest of its allowance (its
+limit, or the device budget). Names keep at least 24 characters (longer ones
+get what room is left); on a narrow terminal the bars go first, then the AS column. Devices are
 shown by registry name (``cuda-GPU-<uuid>``), each instance with the device as
 its own process sees it. A bad argument is one line on stderr and exit code 2.
 Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (``pip install kvcached[ui]``).
@@ -20,8 +23,15 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from kvcached.cli_support import (
+    EXIT_FAILED,
+    REGISTRY_OPTIONS,
+    OneLineArgumentParser,
+    add_version_argument,
+    check_settings,
+    report_failure,
+)
 from kvcached.errors import KvcachedError
-from kvcached.kvctl import OneLineArgumentParser
 from kvcached.registry import (
     DeviceRegistry,
     format_bytes,
@@ -39,7 +49,8 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0
 # Bars stretch with the terminal between these widths (in cells).
 MIN_BAR_WIDTH, MAX_BAR_WIDTH = 10, 40
 NAME_MAX_WIDTH = 24
-USED_CHAR, RESERVED_CHAR, FREE_CHAR = "█", "▒", "·"
+DEFAULT_WIDTH = 120  # cells, where no console says otherwise
+USED_CHAR, FREE_MAPPED_CHAR, FREE_CHAR = "█", "▒", "·"
 try:
     from rich import box
     from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -53,19 +64,19 @@ except ImportError:  # reported by main(), so importing this module never fails
 
 
 class UsageBar:
-    """A stacked bar filling its table cell: used, then reserved, then free, of ``scale_bytes``."""
+    """A stacked bar filling its table cell: used, then mapped but free, then unmapped, of ``scale_bytes``."""
 
-    def __init__(self, used_bytes: int, reserved_bytes: int, scale_bytes: int) -> None:
-        self.used_bytes, self.reserved_bytes = used_bytes, reserved_bytes
-        self.scale_bytes = max(scale_bytes, used_bytes + reserved_bytes, 1)
+    def __init__(self, used_bytes: int, free_mapped_bytes: int, scale_bytes: int) -> None:
+        self.used_bytes, self.free_mapped_bytes = used_bytes, free_mapped_bytes
+        self.scale_bytes = max(scale_bytes, used_bytes + free_mapped_bytes, 1)
 
     def text(self, width: int) -> "Text":
         used_cells = round(width * self.used_bytes / self.scale_bytes)
-        reserved_cells = min(width - used_cells, round(width * self.reserved_bytes / self.scale_bytes))
+        free_mapped_cells = min(width - used_cells, round(width * self.free_mapped_bytes / self.scale_bytes))
         bar = Text(no_wrap=True)
         bar.append(USED_CHAR * used_cells, style="green")
-        bar.append(RESERVED_CHAR * reserved_cells, style="yellow")
-        bar.append(FREE_CHAR * (width - used_cells - reserved_cells), style="dim")
+        bar.append(FREE_MAPPED_CHAR * free_mapped_cells, style="yellow")
+        bar.append(FREE_CHAR * (width - used_cells - free_mapped_cells), style="dim")
         return bar
 
     def __rich_measure__(self, console: "Console", options: "ConsoleOptions") -> "Measurement":
@@ -88,85 +99,108 @@ def _status(entry: dict[str, Any]) -> "Text":
     return status
 
 
-def _instance_row(entry: dict[str, Any], budget_bytes: int) -> list[Any]:
+def _instance_row(entry: dict[str, Any], budget_bytes: int) -> dict[str, Any]:
     limit = entry["limit_bytes"]
     # Used comes from the pool's last report; mapped is what the budget counts.
-    reserved = max(entry["reserved_bytes"], entry["mapped_bytes"] - entry["used_bytes"])
-    return [
-        printable(entry["name"]),
-        str(entry["pid"]),
-        printable(entry["local_device"]) or "-",
-        short_bytes(entry["used_bytes"]),
-        short_bytes(entry["mapped_bytes"]),
-        short_bytes(limit),
-        _status(entry),
-        UsageBar(entry["used_bytes"], reserved, limit if limit is not None else budget_bytes),
-    ]
+    free_mapped = max(entry["free_mapped_bytes"], entry["mapped_bytes"] - entry["used_bytes"])
+    return {
+        "NAME": printable(entry["name"]),
+        "PID": str(entry["pid"]),
+        "AS": printable(entry["local_device"]) or "-",
+        "USED": short_bytes(entry["used_bytes"]),
+        "MAPPED": short_bytes(entry["mapped_bytes"]),
+        "LIMIT": short_bytes(limit),
+        "STATUS": _status(entry),
+        "USAGE": UsageBar(entry["used_bytes"], free_mapped, limit if limit is not None else budget_bytes),
+    }
 
 
-def device_view(registry: DeviceRegistry) -> "Group":
-    """One device: a header with its budget bar, then a table of its instances."""
+# Column, justification; the name comes first and the bar last.
+TEXT_COLUMNS = (("PID", "right"), ("AS", "left"), ("USED", "right"), ("MAPPED", "right"), ("LIMIT", "right"),
+                ("STATUS", "left"))
+# What gives way on a narrow terminal, in this order, before a name is cut.
+OPTIONAL_COLUMNS = ("USAGE", "AS")
+CELL_PADDING = 3  # between two columns: a space each side of the (blank) separator
+
+
+def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[str], int]:
+    """The columns to show in ``total_width`` cells (all, or without the bar, then without AS)
+    and the cells left over."""
+    shown = ["NAME"] + [column for column, _ in TEXT_COLUMNS] + ["USAGE"]
+    for dropped in OPTIONAL_COLUMNS + (None,):
+        needed = sum(widths[column] for column in shown) + CELL_PADDING * (len(shown) - 1)
+        if needed <= total_width or dropped is None:
+            return shown, max(0, total_width - needed)
+        shown.remove(dropped)
+    return shown, 0
+
+
+def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> "Group":
+    """One device in ``total_width`` cells: a header with its budget bar, then a table of its instances."""
     budget, mapped = registry.budget_bytes, registry.mapped_bytes
     share = mapped / budget if budget else 0.0
-    header = Table.grid(padding=(0, 2))
     local = registry.local_device
     label = registry.device if not local or local == registry.device else f"{registry.device} ({local} here)"
-    header.add_row(
-        Text(label, style="bold cyan"),
-        f"budget {format_bytes(budget)}  mapped {format_bytes(mapped)} ({share:.0%})  "
-        f"available {format_bytes(registry.available_bytes)}",
-    )
-    header.add_row("", ProgressBar(total=max(budget, 1), completed=min(mapped, max(budget, 1)), width=MAX_BAR_WIDTH))
+    # The device on a line of its own: a GPU's identity is long and must stay whole.
+    figures = Table.grid()
+    figures.add_row("  ", f"budget {format_bytes(budget)}  mapped {format_bytes(mapped)} ({share:.0%})  "
+                          f"available {format_bytes(registry.available_bytes)}")
+    figures.add_row("", ProgressBar(total=max(budget, 1), completed=min(mapped, max(budget, 1)), width=MAX_BAR_WIDTH))
+    header = Group(Text(label, style="bold cyan", overflow="fold"), figures)
     entries = registry.entries()
     if not entries:
         return Group(header, Text("  no instances", style="dim"), Text(""))
     rows = [_instance_row(entry, budget) for entry in entries]
+    widths = {column: max([len(column)] + [len(str(row[column])) for row in rows])
+              for column, _ in TEXT_COLUMNS}
+    longest_name = max([len("NAME")] + [len(row["NAME"]) for row in rows])
+    widths["NAME"] = min(NAME_MAX_WIDTH, longest_name)
+    widths["USAGE"] = MIN_BAR_WIDTH
+    shown, spare = _columns_that_fit(widths, total_width)
+    # Room to spare goes to longer names first (rich gives the rest to the bar).
+    name_width = min(longest_name, widths["NAME"] + spare)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
-    # Short columns never shrink (rich would cut "512M" to "5…"); the name and the bar give way.
-    for index, (column, justify) in enumerate(
-        (("PID", "right"), ("AS", "left"), ("USED", "right"), ("MAPPED", "right"), ("LIMIT", "right"),
-         ("STATUS", "left")),
-        start=1,
-    ):
-        width = max([len(column)] + [len(str(row[index])) for row in rows])
-        if index == 1:
-            table.add_column("NAME", no_wrap=True, max_width=NAME_MAX_WIDTH, overflow="ellipsis")
-        table.add_column(column, justify=justify, no_wrap=True, min_width=width)
-    table.add_column("USAGE", no_wrap=True)
+    table.add_column("NAME", no_wrap=True, min_width=name_width, max_width=name_width, overflow="ellipsis")
+    # Short columns never shrink (rich would cut "512M" to "5…").
+    for column, justify in TEXT_COLUMNS:
+        if column in shown:
+            table.add_column(column, justify=justify, no_wrap=True, min_width=widths[column])
+    if "USAGE" in shown:
+        table.add_column("USAGE", no_wrap=True)
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(row[column] for column in shown))
     return Group(header, table, Text(""))
 
 
-def _device_or_error(name: str) -> Any:
+def _device_or_error(name: str, total_width: int) -> Any:
     """One device's view, or a line saying why it cannot be shown (the file may change under us)."""
     try:
         registry = open_existing(name)
         if registry is None:
             return Text(f"{name}: no registry yet (no engine has registered)", style="dim")
-        return device_view(registry)
+        return device_view(registry, total_width)
     except (KvcachedError, ValueError, OSError) as error:
         return Text(printable(f"{name}: {error}"), style="yellow")
 
 
-def frame(devices: Optional[Sequence[str]]) -> "Group":
-    """Everything kvtop shows at one instant."""
+def frame(devices: Optional[Sequence[str]], total_width: int = DEFAULT_WIDTH) -> "Group":
+    """Everything kvtop shows at one instant, laid out for ``total_width`` cells."""
     views: list[Any] = []
     try:
         files = [] if devices else registry_files()
     except (KvcachedError, ValueError, OSError) as error:  # e.g. the directory went away meanwhile
         files, views = [], [Text(printable(str(error)), style="yellow")]
     if devices:
-        views = [_device_or_error(name) for name in devices]
+        views = [_device_or_error(name, total_width) for name in devices]
     else:
         for file in files:
             if file["status"] == "current":
-                views.append(_device_or_error(file["device"]))
+                views.append(_device_or_error(file["device"], total_width))
             elif file["status"] != "unfinished":
                 views.append(Text(printable(f"{file['file_name']}: {file['status']}: {file['detail']}"), style="yellow"))
     if not views:
         views.append(Text(f"no kvcached registry under {registry_dir()}", style="dim"))
-    footer = Text(f"{USED_CHAR} used  {RESERVED_CHAR} reserved  {FREE_CHAR} free   "
+    footer = Text(f"{USED_CHAR} used  {FREE_MAPPED_CHAR} mapped, free  {FREE_CHAR} not mapped   "
                   f"{time.strftime('%H:%M:%S')}", style="dim")
     return Group(*views, footer)
 
@@ -195,6 +229,7 @@ def shown_devices(names: Sequence[str]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="kvtop", description=__doc__.split("\n\n")[0])
+    add_version_argument(parser)
     parser.add_argument("--device", action="append",
                         help="device to show: cpu, cuda:0 or a registry name (repeatable); default: all")
     parser.add_argument("--interval", type=_interval, default=DEFAULT_INTERVAL_S,
@@ -203,31 +238,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stream_snapshots(console: "Console", devices: Sequence[str], interval_s: float) -> None:
+    """Not a terminal (a pipe, a log file): one plain frame per interval, each after the last.
+
+    A reader that goes away (``kvtop | head``) ends it quietly through rich (exit status 1)."""
+    while True:
+        console.print(frame(devices, console.width))
+        console.file.flush()
+        time.sleep(interval_s)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if Console is None:
-        print("kvtop needs rich: pip install 'kvcached[ui]'", file=sys.stderr)
-        return 1
+        report_failure("kvtop", "kvtop needs rich: pip install rich (or 'kvcached[ui]')", as_json=False)
+        return EXIT_FAILED
     try:
         devices = shown_devices(args.device or [])
     except (KvcachedError, ValueError, OSError) as error:
         parser.error(printable(str(error)))
     try:
+        check_settings(REGISTRY_OPTIONS)
         registry_files()  # a bad KVCACHED_REGISTRY_DIR or _GROUP: say so once, and stop
     except (KvcachedError, ValueError, OSError) as error:
-        print(f"kvtop: {printable(str(error))}", file=sys.stderr)
-        return 1
+        report_failure("kvtop", str(error), as_json=False)
+        return EXIT_FAILED
     console = Console()
     if args.once:
-        console.print(frame(devices))
+        console.print(frame(devices, console.width))
         return 0
     try:
+        if not console.is_terminal:
+            _stream_snapshots(console, devices, args.interval)
         # Refreshed by hand, once per interval: each frame reads the registry.
-        with Live(frame(devices), console=console, auto_refresh=False) as live:
+        with Live(frame(devices, console.width), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(args.interval)
-                live.update(frame(devices), refresh=True)
+                live.update(frame(devices, console.width), refresh=True)
     except KeyboardInterrupt:
         pass
     return 0

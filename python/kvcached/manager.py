@@ -27,6 +27,19 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 _UNITS = {"bytes": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 
 
+_MAX_COUNT = 2**63 - 1  # the largest count the core takes as it is
+
+
+def _check_count(name: str, value: Any) -> None:
+    """Raises the error a block count ``value`` deserves (the slow path: plain small ints never get here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must not be negative, got {value}")
+    if value > _MAX_COUNT:
+        raise InvalidArgumentError(f"{name}={value} is too large")
+
+
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -106,10 +119,8 @@ class KVCacheManager:
         Never partial: on ``None`` nothing was allocated. Memory being given
         back is waited for, never reported short. Raises ValueError once closed.
         """
-        if need_size.__class__ is not int and (isinstance(need_size, bool) or not isinstance(need_size, np.integer)):
-            raise InvalidTypeError(f"need_size must be an int, got {type(need_size).__name__}")
-        if need_size < 0:
-            raise InvalidArgumentError(f"need_size must not be negative, got {need_size}")
+        if need_size.__class__ is not int or not 0 <= need_size <= _MAX_COUNT:
+            _check_count("need_size", need_size)
         try:
             return self._alloc(need_size)
         except OutOfMemoryError:
@@ -125,6 +136,8 @@ class KVCacheManager:
     def try_to_reserve(self, need_size: int) -> bool:
         """Set ``need_size`` more blocks aside; the next :meth:`alloc` calls hand them out first,
         so an alloc of that size is guaranteed. False (nothing taken) when memory is short."""
+        if need_size.__class__ is not int or not 0 <= need_size <= _MAX_COUNT:
+            _check_count("need_size", need_size)
         return self.pool.try_reserve(need_size)
 
     def free_reserved(self) -> None:

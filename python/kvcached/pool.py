@@ -202,6 +202,10 @@ class KVPool(BlockManager):
     ``kv_layout``; either way one :class:`~kvcached.layout.KVLayout` is built
     and used by the space and the manager alike.
 
+    A child of ``fork()`` inherits none of the pool's memory: there its KV
+    range reads as zeros and mapping raises; create pools after forking
+    (``docs/allocator.md``, "fork()").
+
     Args:
         num_layers: transformer layers.
         block_bytes: bytes of one block of one layer and one buffer.
@@ -288,7 +292,8 @@ class KVPool(BlockManager):
         return self.space.tensor()
 
     def stats(self) -> dict:
-        """Block, page and byte counters (``reserved_bytes``: virtual size)."""
+        """Block, page and byte counters (``reserved_bytes``: virtual size; ``limit_bytes``:
+        the limit in force, the pool's own or one set from outside with ``kvctl set-limit``)."""
         stats = super().stats()
         stats["reserved_bytes"] = self.space.size_bytes
         return stats

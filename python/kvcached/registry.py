@@ -85,7 +85,7 @@ class RegistryEntry(TypedDict):
     limit_bytes: Optional[int]
     mapped_bytes: int  # taken from the device budget: every mapped page
     used_bytes: int  # pages holding blocks in use (reported by the pool)
-    reserved_bytes: int  # mapped but free pages kept in reserve (reported)
+    free_mapped_bytes: int  # mapped pages holding no block in use (reported)
     wanted_bytes: int  # a request refused in the last second (memory pressure)
     worker_errors: int  # background worker failures (reported by the pool)
 
@@ -99,7 +99,7 @@ class DeviceName:
 
 
 def registry_dir() -> Path:
-    """The directory holding the registry files (``KVCACHED_REGISTRY_DIR`` or /dev/shm)."""
+    """The directory holding the registry files (``KVCACHED_REGISTRY_DIR``, :data:`kvcached.config.OPTIONS`)."""
     return Path(_core.registry_directory())
 
 

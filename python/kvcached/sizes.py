@@ -13,8 +13,8 @@ A fraction is accepted only when the result is a whole number of bytes
 (``1.5G`` yes, ``0.5`` no). Signs, exponents (``1e9``), ``inf``, ``nan`` and
 values of 2⁶³ bytes or more are refused with a ``ValueError`` that names the
 option and quotes the text. The grammar is implemented once, in C++
-(``kvcached/sizes.hpp``), which also reads ``KVCACHED_HOST_CAPACITY_BYTES``, so
-Python, C++, ``kvctl`` and every ``KVCACHED_*`` variable agree.
+(``kvcached/sizes.hpp``), so Python, C++, ``kvctl`` and every ``KVCACHED_*``
+variable agree (:mod:`kvcached.option_values` adds each option's range).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/registry/device_registry.hpp"
+#include "kvcached/registry/registry_settings.hpp"
 #include "kvcached/space/kv_space.hpp"
 #include "kvcached/backends/host_backend.hpp"
 
@@ -122,7 +123,7 @@ void test_resize_says_whether_the_limit_holds_now() {
 }
 
 void test_trim_is_kept_until_the_next_alloc() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const KVLayout layout = layout_of(64);
   auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
   BlockManagerOptions options;
@@ -174,7 +175,7 @@ void test_a_run_lands_on_one_page_and_single_blocks_fill_holes() {
 }
 
 void test_a_refused_budget_takes_nothing() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const KVLayout layout = layout_of(64);
   auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
   auto budget = std::make_shared<FixedBudget>(3 * layout.page_id_bytes());
@@ -327,7 +328,7 @@ void test_a_lost_mirror_gives_back_its_budget() {
 void test_mirrors_on_the_shared_registry_budget() {
   char dir[] = "/tmp/kvcached-test-registry-XXXXXX";
   if (mkdtemp(dir) == nullptr) return;
-  setenv("KVCACHED_REGISTRY_DIR", dir, 1);
+  configure_registry({dir, ""});
   const KVLayout layout = layout_of(64);
   const std::size_t page = layout.page_id_bytes();
   auto registry = DeviceRegistry::open("cpu", std::size_t{1} << 30);

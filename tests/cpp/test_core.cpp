@@ -20,7 +20,7 @@ using kvcached_test::throws;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
 void test_device_rules() {
-  auto device = Device::open(make_host_backend(64 * kMiB));
+  auto device = Device::open(make_host_backend({64 * kMiB, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const std::size_t page = device->granularity().recommended_bytes;
   {
     Reservation range = device->reserve(4 * page);
@@ -44,7 +44,7 @@ void test_device_rules() {
 }
 
 void test_block_manager_over_a_kv_space() {
-  auto device = Device::open(make_host_backend(256 * kMiB));
+  auto device = Device::open(make_host_backend({256 * kMiB, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   KVLayoutConfig config;
   config.num_layers = 2;
   config.num_buffers = 2;
@@ -74,7 +74,7 @@ void test_block_manager_over_a_kv_space() {
 }
 
 void test_unmapped_regions_read_zero() {
-  auto device = Device::open(make_host_backend(64 * kMiB));
+  auto device = Device::open(make_host_backend({64 * kMiB, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   KVLayoutConfig config;
   config.num_layers = 1;
   config.num_buffers = 1;
@@ -91,7 +91,7 @@ void test_unmapped_regions_read_zero() {
 }
 
 void test_a_space_applies_page_ops_in_order() {
-  auto device = Device::open(make_host_backend(64 * kMiB));
+  auto device = Device::open(make_host_backend({64 * kMiB, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   KVLayoutConfig config;
   config.num_layers = 2;
   config.num_buffers = 2;

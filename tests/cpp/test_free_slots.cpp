@@ -65,10 +65,23 @@ void test_clear_empties_and_fill_starts_again() {
 
 }  // namespace
 
+void test_lowest_looks_without_taking() {
+  kvcached::FreeSlots slots;
+  slots.fill(200);
+  for (std::uint32_t slot : {0u, 1u, 64u, 65u}) slots.remove(slot);
+  Ids seen;
+  slots.lowest(3, 10, seen);
+  CHECK((seen == Ids{12, 13, 14}) && slots.size() == 196);
+  seen.clear();
+  slots.lowest(1000, 0, seen);  // more than there are: all of them, in order
+  CHECK(seen.size() == 196 && seen[61] == 63 && seen[62] == 66 && seen.back() == 199);
+}
+
 int main() {
   test_a_fresh_page_hands_out_ascending_runs();
   test_frees_in_any_order_come_back_lowest_first();
   test_give_and_remove_refuse_what_does_not_hold();
   test_clear_empties_and_fill_starts_again();
+  test_lowest_looks_without_taking();
   return kvcached_test::summary();
 }

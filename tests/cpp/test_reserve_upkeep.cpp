@@ -65,7 +65,7 @@ BlockManagerOptions reserve_of(std::size_t min_spare, std::size_t max_spare) {
 }
 
 void test_a_shrink_keeps_what_it_unmaps_until_the_next_round() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const KVLayout layout = small_layout(16);
   auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
   auto budget = std::make_shared<WatchedBudget>(16 * layout.page_id_bytes());
@@ -88,7 +88,7 @@ void test_a_shrink_keeps_what_it_unmaps_until_the_next_round() {
 }
 
 void test_others_waiting_get_the_memory_in_the_same_round_in_slices() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const KVLayout layout = small_layout(32);
   auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
   auto budget = std::make_shared<WatchedBudget>(32 * layout.page_id_bytes());
@@ -109,7 +109,7 @@ void test_others_waiting_get_the_memory_in_the_same_round_in_slices() {
 }
 
 void test_trim_and_a_limit_release_at_once() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const KVLayout layout = small_layout(16);
   auto space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
   BlockManager m(layout, reserve_of(0, 8), space, nullptr);
@@ -128,7 +128,7 @@ void test_trim_and_a_limit_release_at_once() {
 }
 
 void test_a_waiting_alloc_takes_memory_as_it_comes_back() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   const KVLayout layout = small_layout(16);
   auto budget = std::make_shared<FixedBudget>(8 * layout.page_id_bytes());
   auto holder_space = std::make_shared<KVSpace>(device, layout, KVSpaceOptions{});
@@ -164,7 +164,7 @@ void test_a_waiting_alloc_takes_memory_as_it_comes_back() {
 }
 
 void test_the_device_estimate_follows_creates_without_a_query() {
-  auto device = Device::open(make_host_backend(64 << 20));
+  auto device = Device::open(make_host_backend({64 << 20, HostMemory::kSharedFiles, HostPopulate::kBackground}));
   CHECK(device->estimated_free_bytes() == 64 << 20);
   {
     PhysicalAllocation a = device->create(2 << 20);

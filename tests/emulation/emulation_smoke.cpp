@@ -1,6 +1,7 @@
 // EMULATION (test only): drives the real CUDA / HIP backends against the fake
 // driver libraries in this folder and checks that they work and that the
 // drivers' rules are enforced. Prints "N passed, M failed"; exit code 1 on failure.
+#include <chrono>
 #include <csetjmp>
 #include <csignal>
 #include <cstdint>
@@ -270,9 +271,11 @@ void run_hip() {
   expect(kvcached::hip_vmm_supported(0) && !kvcached::hip_vmm_supported(1), tag,
          "vmm_supported for device 0 only");
   expect(kvcached::hip_driver_version() > 0, tag, "driver_version is positive");
-  expect(throws<kvcached::BackendUnavailable>([] { kvcached::make_hip_backend(1); }), tag,
+  // The settle time is the caller's (Python passes KVCACHED_HIP_MAPPING_SETTLE_US); none here.
+  const std::chrono::microseconds no_settle{0};
+  expect(throws<kvcached::BackendUnavailable>([&] { kvcached::make_hip_backend(1, no_settle); }), tag,
          "opening a missing device throws BackendUnavailable");
-  auto backend = kvcached::make_hip_backend(0);
+  auto backend = kvcached::make_hip_backend(0, no_settle);
   expect(backend->name() == "hip" && backend->dlpack_device_type() == kvcached::DLDeviceType::kROCM,
          tag, "name and DLPack device type");
   expect(backend->physical_device_name().rfind("hip-GPU-", 0) == 0 &&

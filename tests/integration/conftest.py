@@ -16,7 +16,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def vllm_workdir(tmp_path_factory):
     """A directory with the tiny Llama, shared by every vLLM engine test."""
-    from tiny_llama import make_tiny_llama
+    from kvcached.testing.tiny_llama import make_tiny_llama
 
     path = tmp_path_factory.mktemp("vllm")
     make_tiny_llama(path / "model")
@@ -26,7 +26,7 @@ def vllm_workdir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sglang_workdir(tmp_path_factory):
     """A directory with the tiny Llama, shared by every SGLang engine test."""
-    from tiny_llama import make_tiny_llama
+    from kvcached.testing.tiny_llama import make_tiny_llama
 
     path = tmp_path_factory.mktemp("sglang")
     make_tiny_llama(path / "model")

@@ -5,7 +5,7 @@ its scheduler and detokenizer with ``spawn``, which re-imports ``__main__``):
 
     python tests/integration/sglang_harness.py SPEC.json RESULT.json
 
-Needs ``SGLANG_USE_CPU_ENGINE=1`` and ``tests/integration/sglang_cpu`` on
+Needs ``SGLANG_USE_CPU_ENGINE=1`` and ``kvcached/testing/sglang_cpu`` on
 ``PYTHONPATH`` (the tests set both). SPEC is a JSON object (see ``run``);
 RESULT receives the generated token ids, SGLang's prefix-cache hits and the
 kvcached probes: this engine's mapped bytes read from the device registry

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_env import sglang_cpu_env
-from tiny_llama import prompt_ids
+from kvcached.testing.sglang_env import sglang_cpu_env
+from kvcached.testing.tiny_llama import prompt_ids
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900

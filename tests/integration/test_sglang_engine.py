@@ -16,12 +16,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from sglang_env import require_sglang  # noqa: E402
+from kvcached.testing.sglang_env import require_sglang
 
 require_sglang()
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")

@@ -10,12 +10,10 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from sglang_env import require_sglang  # noqa: E402
+from kvcached.testing.sglang_env import require_sglang
 
 sglang = require_sglang()
 import torch  # noqa: E402  (SGLang needs it)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from sglang_env import require_sglang  # noqa: E402
+from kvcached.testing.sglang_env import require_sglang
 
 require_sglang()
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")

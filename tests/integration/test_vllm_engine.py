@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-sys.path.insert(0, str(Path(__file__).parent))
 from vllm_runs import (  # noqa: E402
     ENGINE_TIMEOUT_S,
     PAGE_ID_BYTES,

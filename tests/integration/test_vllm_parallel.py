@@ -15,8 +15,6 @@ early and the second stage's worker dies on
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +23,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-sys.path.insert(0, str(Path(__file__).parent))
 from vllm_runs import PHASES, engine_env, peak, probe, run_side_by_side  # noqa: E402
 
 MiB = 1 << 20

@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_llama import TINY_LLAMA, make_tiny_llama, prompt_ids  # noqa: E402,F401  (the tests use them from here)
+from kvcached.testing.tiny_llama import TINY_LLAMA, make_tiny_llama, prompt_ids  # noqa: F401  (the tests use them from here)
 
 
 def _kvcached_enabled() -> bool:

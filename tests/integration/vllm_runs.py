@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny_llama import prompt_ids
+from kvcached.testing.tiny_llama import prompt_ids
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "vllm_harness.py"

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "bindings.hpp"
+#include "configured_option.hpp"
 #include "kvcached/backends/host_backend.hpp"
 #include "kvcached/device/device.hpp"
 
@@ -19,6 +20,22 @@ namespace kvcached::bindings {
 namespace {
 
 using Released = nb::call_guard<nb::gil_scoped_release>;
+
+// The host backend's capacity: `capacity_bytes` if given (not 0), else
+// KVCACHED_HOST_CAPACITY_BYTES, else half of the machine's memory limit.
+std::size_t host_capacity_bytes(std::size_t capacity_bytes) {
+  if (capacity_bytes != 0) return capacity_bytes;
+  const nb::object configured = configured_option("host_capacity_bytes");
+  return configured.is_none() ? machine_host_capacity_bytes() : nb::cast<std::size_t>(configured);
+}
+
+std::shared_ptr<Device> open_host_device(std::size_t capacity_bytes) {
+  const auto setting = [](const char* name) { return nb::cast<std::string>(configured_option(name)); };
+  const HostBackendOptions options{host_capacity_bytes(capacity_bytes), parse_host_memory(setting("host_memory")),
+                                   parse_host_populate(setting("host_populate"))};
+  nb::gil_scoped_release unlocked;
+  return Device::open(make_host_backend(options));
+}
 
 std::shared_ptr<Device> open_backend_capsule(nb::handle capsule) {
   auto* holder = static_cast<std::shared_ptr<VmmBackend>*>(
@@ -121,13 +138,14 @@ void bind_device(nb::module_& m) {
            "The range must lie inside one reservation (ValueError otherwise). Low-level: the "
            "caller guarantees the memory is mapped and accessible.");
 
-  m.def("open_host_device", [](std::size_t capacity) { return Device::open(make_host_backend(capacity)); },
-        "capacity_bytes"_a = 0,
-        "Open the host backend. capacity 0: KVCACHED_HOST_CAPACITY_BYTES or half of the memory limit.");
+  m.def("open_host_device", &open_host_device, "capacity_bytes"_a = 0,
+        "Open the host backend with the settings of kvcached.config (KVCACHED_HOST_MEMORY, "
+        "KVCACHED_HOST_POPULATE). capacity 0: KVCACHED_HOST_CAPACITY_BYTES or half of the memory limit.");
   m.def("open_backend_capsule", &open_backend_capsule, "capsule"_a,
         "Wrap a backend handed over by a GPU backend module (kvcached._cuda / kvcached._hip).");
-  m.def("default_host_capacity_bytes", &default_host_capacity_bytes,
-        "The host backend's default capacity in bytes.");
+  m.def("default_host_capacity_bytes", [] { return host_capacity_bytes(0); },
+        "The host backend's default capacity in bytes: KVCACHED_HOST_CAPACITY_BYTES, else half "
+        "of the machine's (or cgroup's) memory limit.");
   m.def("wait_for_host_population", [] {
           nb::gil_scoped_release release;
           wait_for_population();

@@ -32,7 +32,7 @@ using AnyArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu>;
 using IdArrayOut = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 
 [[noreturn]] void not_integer_ids(const std::string& what) {
-  throw_invalid_type("block ids must be integers, got " + what);
+  throw_invalid_type("ids must be integer block ids, got " + what);
 }
 
 template <typename T>
@@ -100,8 +100,13 @@ std::vector<std::int64_t> ids_from(nb::handle ids) {
     }
     return out;
   }
+  if (PyIndex_Check(ids.ptr()) && !PyBool_Check(ids.ptr())) {  // one id (an int, a numpy integer)
+    throw nb::type_error(("ids must be a sequence or 1-D array of block ids, got the single id " + text_of(ids) +
+                          " (" + text_of(ids.type().attr("__name__")) + "): pass [" + text_of(ids) + "]")
+                             .c_str());
+  }
   if (!PySequence_Check(ids.ptr()) || PyUnicode_Check(ids.ptr()) || PyBytes_Check(ids.ptr())) {
-    not_integer_ids("a " + text_of(ids.type().attr("__name__")));
+    not_integer_ids("an object of type " + text_of(ids.type().attr("__name__")));
   }
   nb::sequence seq = nb::borrow<nb::sequence>(ids);
   for (nb::handle item : seq) out.push_back(id_from(item));
@@ -232,7 +237,8 @@ void bind_block_manager(nb::module_& m) {
            "layout"_a, "options"_a, "space"_a.none() = nb::none(), "mirrors"_a.none() = nb::none(),
            "budget"_a.none() = nb::none())
       .def("alloc",
-           [](BlockManager& b, std::size_t n, double timeout_s) {
+           [](BlockManager& b, nb::handle count, double timeout_s) {
+             const std::size_t n = count_arg("n", count);
              if (!(timeout_s >= 0.0)) throw InvalidArgument("timeout_s must be a number of seconds >= 0");
              std::vector<std::int64_t> ids;
              if (!b.try_alloc_mapped(n, ids)) {  // may have to wait: let other threads run
@@ -244,10 +250,12 @@ void bind_block_manager(nb::module_& m) {
              return ids_to_array(std::move(ids));
            },
            "n"_a, "timeout_s"_a = 0.0,
+           nb::sig("def alloc(self, n: int, timeout_s: float = 0.0) -> numpy.typing.NDArray[numpy.int64]"),
            "Allocate n block ids (numpy int64). Raises OutOfMemoryError, rolling back. With timeout_s, waits "
            "up to that long for memory other pools give back (only when a budget stands in the way).")
       .def("alloc_list",
-           [](BlockManager& b, std::size_t n) {
+           [](BlockManager& b, nb::handle count) {
+             const std::size_t n = count_arg("n", count);
              std::vector<std::int64_t> ids;
              if (!b.try_alloc_mapped(n, ids)) {
                nb::gil_scoped_release release;
@@ -255,7 +263,7 @@ void bind_block_manager(nb::module_& m) {
              }
              return ids;
            },
-           "n"_a, "alloc(n) as a list of ints.")
+           "n"_a, nb::sig("def alloc_list(self, n: int) -> list[int]"), "alloc(n) as a list of ints.")
       .def("alloc_ids", [](BlockManager& b, nb::handle ids) {
              std::vector<std::int64_t> v = ids_from(ids);
              nb::gil_scoped_release release;
@@ -278,7 +286,13 @@ void bind_block_manager(nb::module_& m) {
       .def("free", [](BlockManager& b, nb::handle ids) { b.free(ids_from(ids)); }, "ids"_a,
            nb::sig("def free(self, ids: Sequence[int] | numpy.ndarray) -> None"),
            "Free block ids (integers, all distinct and handed out, or nothing is freed).")
-      .def("try_reserve", &BlockManager::try_reserve, "n"_a, Released(),
+      .def("try_reserve",
+           [](BlockManager& b, nb::handle count) {
+             const std::size_t n = count_arg("n", count);
+             nb::gil_scoped_release release;
+             return b.try_reserve(n);
+           },
+           "n"_a, nb::sig("def try_reserve(self, n: int) -> bool"),
            "Set n more blocks aside for the next allocs, which hand them out first; False (nothing taken) "
            "when they cannot be had now.")
       .def("release_reserved", &BlockManager::release_reserved, "Free the reserved blocks; returns how many.")

@@ -10,11 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "configured_option.hpp"
 #include "core/bindings.hpp"
 #include "error_translation.hpp"
 #include "kvcached/registry/device_registry.hpp"
 #include "kvcached/registry/registry_directory.hpp"
 #include "kvcached/registry/registry_names.hpp"
+#include "kvcached/registry/registry_settings.hpp"
 
 namespace kvcached::bindings {
 
@@ -22,6 +24,14 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace {
+
+// Hands the core the registry settings of kvcached.config as they are now (the variables a
+// process was started with, or set since): called before every registry call.
+void configure_registry_from_config() {
+  const nb::object group = configured_option("registry_group");
+  configure_registry({nb::cast<std::string>(configured_option("registry_dir")),
+                      group.is_none() ? std::string() : nb::cast<std::string>(group)});
+}
 
 // Byte counts come from Python as signed ints so a negative one is a clear
 // ValueError instead of an overflow or a TypeError about unsigned conversion.
@@ -56,7 +66,8 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["limit_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
   entry["mapped_bytes"] = info.mapped_bytes;
   entry["used_bytes"] = info.used_bytes;
-  entry["reserved_bytes"] = info.reserved_bytes;
+  // Mapped but free: "reserved" is kept for virtual reservations (pool stats, device counters).
+  entry["free_mapped_bytes"] = info.reserved_bytes;
   entry["wanted_bytes"] = info.wanted_bytes;
   entry["worker_errors"] = info.worker_errors;
   return entry;
@@ -77,7 +88,14 @@ nb::dict file_to_dict(const RegistryFileInfo& info) {
 // A pid (int), or a name (str, or bytes for names that are not UTF-8).
 std::variant<std::int64_t, std::string> name_or_pid_of(nb::handle target) {
   if (nb::isinstance<nb::bool_>(target)) throw InvalidArgument("name_or_pid must be an int pid or a name");
-  if (nb::isinstance<nb::int_>(target)) return nb::cast<std::int64_t>(target);
+  if (nb::isinstance<nb::int_>(target)) {
+    std::int64_t pid = 0;
+    if (!nb::try_cast(target, pid) || pid <= 0) {
+      throw InvalidArgument("pid must be a positive process id, got " +
+                            nb::cast<std::string>(nb::str(target)));
+    }
+    return pid;
+  }
   if (nb::isinstance<nb::str>(target)) return nb::cast<std::string>(target);
   if (nb::isinstance<nb::bytes>(target)) {
     const nb::bytes raw = nb::borrow<nb::bytes>(target);
@@ -157,11 +175,18 @@ void bind_registry(nb::module_& m) {
   m.attr("_REGISTRY_LAYOUT") = layout;
   m.def("validate_instance_name", &validate_instance_name, "name"_a,
         "ValueError unless `name` is a valid instance name (1-63 bytes of UTF-8, no control characters).");
-  m.def("registry_directory", &registry_directory_path,
-        "The registry directory: KVCACHED_REGISTRY_DIR (absolute) or /dev/shm.");
+  m.def("registry_directory", [] {
+          configure_registry_from_config();
+          return registry_directory_path();
+        },
+        "The registry directory (KVCACHED_REGISTRY_DIR through kvcached.config).");
+  m.def("resolve_registry_group", &resolve_registry_group, "text"_a,
+        "The gid a KVCACHED_REGISTRY_GROUP value names (a group name, or a gid from 0 to "
+        "2**32 - 2); ValueError naming the variable otherwise.");
   m.def("is_legacy_device_name", &is_legacy_device_name, "device"_a,
         "True for index names older kvcached versions used ('cuda:0', 'rocm:1').");
   m.def("scan_registry_directory", [] {
+          configure_registry_from_config();
           std::vector<RegistryFileInfo> files;
           {
             nb::gil_scoped_release unlocked;
@@ -173,6 +198,7 @@ void bind_registry(nb::module_& m) {
         }, nb::sig("def scan_registry_directory() -> list[dict[str, typing.Any]]"),
         "Every kvcached-* file of the registry directory, with its status; changes nothing.");
   m.def("clean_registry_directory", [] {
+          configure_registry_from_config();
           std::vector<RegistryFileInfo> files;
           {
             nb::gil_scoped_release unlocked;
@@ -223,6 +249,7 @@ void bind_registry(nb::module_& m) {
       .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes,
                        const std::string& local_device) {
              const auto budget = checked_optional_bytes("budget_bytes", budget_bytes);
+             configure_registry_from_config();
              nb::gil_scoped_release unlocked;
              return DeviceRegistry::open(device, budget, local_device);
            }),
@@ -232,8 +259,11 @@ void bind_registry(nb::module_& m) {
            "Without a budget a missing registry raises RegistryNotFoundError. `local_device` "
            "('cuda:1') is recorded by register() as the device this process sees. "
            "kvcached.registry.registry_for resolves names such as 'cuda:0' first.")
-      .def_static("segment_path", &DeviceRegistry::segment_path, "device"_a,
-                  "Where the registry file of `device` lives (KVCACHED_REGISTRY_DIR or /dev/shm).")
+      .def_static("segment_path", [](const std::string& device) {
+                    configure_registry_from_config();
+                    return DeviceRegistry::segment_path(device);
+                  }, "device"_a,
+                  "Where the registry file of `device` lives (in KVCACHED_REGISTRY_DIR).")
       .def_prop_ro("device", &DeviceRegistry::device)
       .def_prop_ro("local_device", &DeviceRegistry::local_device)
       .def_prop_ro("path", &DeviceRegistry::path)

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -34,21 +33,8 @@ constexpr std::size_t kPreferredPageFloorBytes = std::size_t{2} << 20;
 // ROCm 7.2.1 a kernel launched right after hipMemMap + hipMemSetAccess read
 // zeros and lost its stores; 2 ms of host wall-clock time closed the window
 // and no queue operation did (ROCm/rocm-systems#11693, ROCm/clr#288).
-constexpr const char* kSettleEnv = "KVCACHED_HIP_MAPPING_SETTLE_US";
-constexpr long long kDefaultSettleMicroseconds = 2000;
-
-std::chrono::microseconds mapping_settle_time() {
-  const char* text = std::getenv(kSettleEnv);
-  if (text == nullptr || *text == '\0') return std::chrono::microseconds(kDefaultSettleMicroseconds);
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  if (*end != '\0' || value < 0) {
-    throw InvalidArgument(std::string(kSettleEnv) + " must be a non-negative number of microseconds, got '" +
-                          text + "'");
-  }
-  return std::chrono::microseconds(value);
-}
-
+// The settle time is given by the caller (KVCACHED_HIP_MAPPING_SETTLE_US through
+// kvcached.config; 2000 µs by default there).
 hipMemGenericAllocationHandle_t to_hip_handle(PhysicalHandle handle) {
   return reinterpret_cast<hipMemGenericAllocationHandle_t>(static_cast<std::uintptr_t>(handle));
 }
@@ -57,11 +43,11 @@ void* to_pointer(VirtualAddress address) { return reinterpret_cast<void*>(addres
 
 class HipBackend final : public VmmBackend {
  public:
-  explicit HipBackend(int ordinal)
+  HipBackend(int ordinal, std::chrono::microseconds settle)
       : ordinal_(ordinal),
         physical_name_(hip::physical_device_name(ordinal)),
         granularity_(query_granularity()),
-        settle_(mapping_settle_time()) {}
+        settle_(settle) {}
 
   std::string name() const override { return hip::kBackendName; }
   int device_ordinal() const override { return ordinal_; }
@@ -230,7 +216,7 @@ std::string hip_physical_device_name(int ordinal) {
   return hip::physical_device_name(ordinal);
 }
 
-std::shared_ptr<VmmBackend> make_hip_backend(int ordinal) {
+std::shared_ptr<VmmBackend> make_hip_backend(int ordinal, std::chrono::microseconds mapping_settle) {
   hip::require_device(ordinal);
   std::string why_not;
   if (!hip::vmm_supported(ordinal, &why_not)) {
@@ -238,7 +224,11 @@ std::shared_ptr<VmmBackend> make_hip_backend(int ordinal) {
                              hip::physical_device_name(ordinal) +
                              ") does not support virtual memory management: " + why_not);
   }
-  return std::make_shared<HipBackend>(ordinal);
+  if (mapping_settle.count() < 0) {
+    throw InvalidArgument("mapping_settle must not be negative, got " +
+                          std::to_string(mapping_settle.count()) + " us");
+  }
+  return std::make_shared<HipBackend>(ordinal, mapping_settle);
 }
 
 }  // namespace kvcached

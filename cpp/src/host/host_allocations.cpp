@@ -1,10 +1,14 @@
+// The host backend's physical allocations (host_allocations.hpp), and what a fork() leaves of them.
 #include "host_allocations.hpp"
 
 #include <errno.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kvcached/error.hpp"
@@ -31,6 +35,22 @@ bool dontunmap_works() {
   const bool moved = mremap(source, page, page, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) == target;
   munmap(source, 2 * page);
   return moved;
+}
+
+// Every HostAllocations of the process, for the fork handlers (leaked: they
+// may run while static objects are being destroyed at exit).
+std::mutex& instances_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::vector<HostAllocations*>& instances() {
+  static auto* all = new std::vector<HostAllocations*>;
+  return *all;
+}
+
+// A memfd mapping is not inherited by a child of fork() (see the header).
+void dont_fork(VirtualAddress address, std::size_t size_bytes) {
+  madvise(reinterpret_cast<void*>(address), size_bytes, MADV_DONTFORK);  // advisory: the fork handler covers it
 }
 
 void protect(VirtualAddress address, std::size_t size_bytes, int protection) {
@@ -73,9 +93,19 @@ VirtualAddress reserve_host_range(std::size_t size_bytes, std::size_t alignment_
 
 HostAllocations::HostAllocations(HostMemory memory)
     : moves_pages_(memory != HostMemory::kSharedFiles && dontunmap_works()),
-      huge_pages_(memory == HostMemory::kHugePages) {}
+      huge_pages_(memory == HostMemory::kHugePages) {
+  static const int registered = pthread_atfork(lock_all_before_fork, unlock_all_in_parent, detach_all_in_child);
+  if (registered != 0) throw_host_errno("pthread_atfork", registered);
+  std::lock_guard<std::mutex> lock(instances_mutex());
+  instances().push_back(this);
+}
 
 HostAllocations::~HostAllocations() {
+  {
+    std::lock_guard<std::mutex> lock(instances_mutex());
+    auto& all = instances();
+    all.erase(std::remove(all.begin(), all.end(), this), all.end());
+  }
   for (auto& [handle, allocation] : allocations_) {
     if (allocation.parked != 0) munmap(pointer(allocation.parked), allocation.size_bytes);
     if (allocation.fd >= 0) close(allocation.fd);
@@ -91,7 +121,13 @@ HostAllocations::Allocation& HostAllocations::find_locked(PhysicalHandle handle)
 PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
   Allocation allocation;
   allocation.size_bytes = size_bytes;
+  // A memfd descriptor is made under the lock, so a fork never copies one the
+  // fork handler does not know of; anonymous memory is allocated without it
+  // (slow) and is MADV_DONTFORK before it has any page.
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_attached_locked("create");
   if (moves_pages_) {
+    lock.unlock();
     allocation.parked = reserve_host_range(size_bytes, kHugePageBytes);
     try {
       allocate_parked(allocation.parked, size_bytes, huge_pages_);
@@ -99,6 +135,7 @@ PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
       munmap(pointer(allocation.parked), size_bytes);
       throw;
     }
+    lock.lock();
   } else {
     allocation.fd = memfd_create("kvcached", MFD_CLOEXEC);
     if (allocation.fd < 0) throw_host_errno("memfd_create", errno);
@@ -108,7 +145,6 @@ PhysicalHandle HostAllocations::create(std::size_t size_bytes) {
       throw_host_errno("ftruncate", error);
     }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
   const PhysicalHandle handle = next_handle_++;
   allocations_.emplace(handle, allocation);
   return handle;
@@ -118,6 +154,7 @@ std::size_t HostAllocations::release(PhysicalHandle handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   Allocation& allocation = find_locked(handle);
   if (allocation.live != 0) throw InvalidArgument("host: release of a mapped allocation");
+  // In a child of fork() detach_in_child_locked cleared the fields: the allocation is only forgotten.
   if (allocation.parked != 0 && munmap(pointer(allocation.parked), allocation.size_bytes) != 0) {
     throw_host_errno("munmap", errno);
   }
@@ -153,18 +190,21 @@ void HostAllocations::share_locked(Allocation& allocation) {
     protect(allocation.live, size, allocation.accessible ? PROT_READ | PROT_WRITE : PROT_NONE);
     throw_host_errno("mmap(MAP_FIXED)", error);
   }
+  dont_fork(allocation.live, size);
   allocation.fd = fd;
   allocation.live = 0;
 }
 
 void HostAllocations::map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) {
   std::lock_guard<std::mutex> lock(mutex_);
+  check_attached_locked("map");
   Allocation& allocation = find_locked(handle);
   if (allocation.live != 0) share_locked(allocation);
   if (allocation.fd >= 0) {
     void* result = mmap(pointer(address), size_bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, allocation.fd, 0);
     if (result == MAP_FAILED) throw_host_errno("mmap(MAP_FIXED)", errno);
-  } else {
+    dont_fork(address, size_bytes);
+  } else {  // the parked range is MADV_DONTFORK already, and the move keeps it so
     // Replaces the reservation at `address` in one step; the parked range
     // (PROT_NONE) becomes free address space.
     void* result = mremap(pointer(allocation.parked), size_bytes, size_bytes, MREMAP_MAYMOVE | MREMAP_FIXED,
@@ -181,6 +221,14 @@ void HostAllocations::unmap(VirtualAddress address, std::size_t size_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto first = mapped_.lower_bound(address);
   auto last = first;
+  if (detached_from_ != 0) {  // a fork()ed child: nothing here is ours to move; the range stays reserved
+    while (last != mapped_.end() && last->first < address + size_bytes) ++last;
+    if (mmap(pointer(address), size_bytes, PROT_NONE, kHostReservationFlags | MAP_FIXED, -1, 0) == MAP_FAILED) {
+      throw_host_errno("mmap(PROT_NONE)", errno);
+    }
+    mapped_.erase(first, last);
+    return;
+  }
   std::vector<std::pair<Allocation*, VirtualAddress>> to_park;  // (allocation, its new parking address)
   try {
     for (; last != mapped_.end() && last->first < address + size_bytes; ++last) {
@@ -226,6 +274,10 @@ void HostAllocations::unmap(VirtualAddress address, std::size_t size_bytes) {
 }
 
 void HostAllocations::set_access(VirtualAddress address, std::size_t size_bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_attached_locked("set_access");
+  }
   protect(address, size_bytes, PROT_READ | PROT_WRITE);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = mapped_.upper_bound(address);
@@ -234,6 +286,51 @@ void HostAllocations::set_access(VirtualAddress address, std::size_t size_bytes)
     auto found = allocations_.find(it->second);
     if (found != allocations_.end() && found->second.live == it->first) found->second.accessible = true;
   }
+}
+
+// ---- fork() -------------------------------------------------------------------------
+
+void HostAllocations::check_attached_locked(const char* call) const {
+  if (detached_from_ == 0) return;
+  throw BackendUnavailable("host: " + std::string(call) + " refused: this process is a child of fork() and the " +
+                           "host memory of this device belongs to its parent (pid " + std::to_string(detached_from_) +
+                           "); a child inherits no KV memory: open the device and create pools in the child");
+}
+
+void HostAllocations::lock_all_before_fork() noexcept {
+  instances_mutex().lock();
+  for (HostAllocations* instance : instances()) instance->mutex_.lock();
+}
+
+void HostAllocations::unlock_all_in_parent() noexcept {
+  for (HostAllocations* instance : instances()) instance->mutex_.unlock();
+  instances_mutex().unlock();
+}
+
+void HostAllocations::detach_all_in_child() noexcept {
+  // Only this thread exists in the child; it holds every lock (taken before the fork).
+  for (HostAllocations* instance : instances()) {
+    instance->detach_in_child_locked();
+    instance->mutex_.unlock();
+  }
+  instances_mutex().unlock();
+}
+
+void HostAllocations::detach_in_child_locked() noexcept {
+  // System calls only, no allocation: the child of a threaded process.
+  for (const auto& [address, handle] : mapped_) {
+    const auto found = allocations_.find(handle);
+    if (found == allocations_.end()) continue;
+    // Read-only zeros where the parent's (not inherited) pages were: still reserved, nothing to free.
+    mmap(pointer(address), found->second.size_bytes, PROT_READ, kHostReservationFlags | MAP_FIXED, -1, 0);
+  }
+  for (auto& [handle, allocation] : allocations_) {
+    if (allocation.fd >= 0) close(allocation.fd);  // the child's copy: the file goes with the parent's
+    allocation.fd = -1;
+    allocation.parked = 0;  // not inherited (MADV_DONTFORK): that address is the child's to reuse
+    allocation.live = 0;
+  }
+  detached_from_ = getppid();
 }
 
 }  // namespace kvcached

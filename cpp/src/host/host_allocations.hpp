@@ -12,25 +12,28 @@
 // it; kvcached's pools never do) turns it into a memfd file mapped shared at
 // both addresses, as on a GPU. Kernels without MREMAP_DONTUNMAP (before Linux
 // 5.7) get memfd files whatever was asked.
+//
+// fork(): a child keeps none of this memory, so none outlives what the
+// registry counts. Every mapping is MADV_DONTFORK (not copied into the child),
+// and a fork handler closes the child's copies of the memfd descriptors and
+// puts read-only zeros where the parent's pages were mapped (the range stays
+// reserved: nothing of the child's lands in it, and it reads as a closed
+// pool's does). In the child the object is detached: map and create raise,
+// unmap and release only forget.
 #pragma once
 
 #include <sys/mman.h>
+#include <sys/types.h>
 
 #include <cstddef>
 #include <map>
 #include <mutex>
 #include <unordered_map>
 
+#include "kvcached/backends/host_backend.hpp"  // HostMemory
 #include "kvcached/device/backend.hpp"
 
 namespace kvcached {
-
-// KVCACHED_HOST_MEMORY (docs/configuration.md; shared files unless set).
-enum class HostMemory {
-  kAnonymous,   // 4 KiB pages, allocated at create
-  kHugePages,   // 2 MiB pages where the kernel allows them, allocated at create
-  kSharedFiles  // memfd files mapped shared
-};
 
 class HostAllocations {
  public:
@@ -50,6 +53,13 @@ class HostAllocations {
   void set_access(VirtualAddress address, std::size_t size_bytes);
 
  private:
+  // fork() handlers (pthread_atfork): every instance's lock is held across the
+  // fork, so the child sees whole tables; the child then detaches its copies.
+  static void lock_all_before_fork() noexcept;
+  static void unlock_all_in_parent() noexcept;
+  static void detach_all_in_child() noexcept;
+  void detach_in_child_locked() noexcept;
+  void check_attached_locked(const char* call) const;
   struct Allocation {
     std::size_t size_bytes = 0;
     VirtualAddress parked = 0;  // where its pages wait while unmapped (anonymous)
@@ -66,6 +76,7 @@ class HostAllocations {
   std::unordered_map<PhysicalHandle, Allocation> allocations_;
   std::map<VirtualAddress, PhysicalHandle> mapped_;  // mapping start -> allocation
   PhysicalHandle next_handle_ = 1;
+  pid_t detached_from_ = 0;  // in a child of fork(): the parent's pid (nothing here is ours)
 };
 
 // How the host backend reserves address space: nothing committed, nothing shared.

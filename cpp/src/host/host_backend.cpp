@@ -1,7 +1,7 @@
 // Host backend: reservations are PROT_NONE anonymous mappings; physical
 // allocations are memfd files mapped shared (the default) or anonymous memory
 // moved into place by mremap (KVCACHED_HOST_MEMORY, host_allocations.hpp).
-#include "host_backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 #include "host_allocations.hpp"
 #include "host_populator.hpp"
@@ -17,11 +17,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
-#include <initializer_list>
 #include <string>
-#include <utility>
 
-#include "kvcached/sizes.hpp"
+#include "kvcached/error.hpp"
 
 namespace kvcached {
 
@@ -141,55 +139,27 @@ class HostBackend final : public VmmBackend {
 
 }  // namespace
 
-std::size_t default_host_capacity_bytes() {
-  constexpr const char* kCapacityEnv = "KVCACHED_HOST_CAPACITY_BYTES";
-  const char* text = std::getenv(kCapacityEnv);
-  if (text == nullptr || *text == '\0') return machine_memory_limit_bytes() / 2;
-  const std::uint64_t value = parse_size_bytes(text, kCapacityEnv);  // kvcached/sizes.hpp grammar
-  if (value == 0) {
-    throw InvalidArgument(std::string(kCapacityEnv) + "='" + text +
-                          "' is not a valid capacity: it must be more than 0 bytes");
-  }
-  return static_cast<std::size_t>(value);
+std::size_t machine_host_capacity_bytes() { return machine_memory_limit_bytes() / 2; }
+
+HostMemory parse_host_memory(const std::string& text) {
+  if (text == "anonymous") return HostMemory::kAnonymous;
+  if (text == "huge_pages") return HostMemory::kHugePages;
+  if (text == "shared_files") return HostMemory::kSharedFiles;
+  throw InvalidArgument("'" + text +
+                        "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
 }
 
-namespace {
-
-// The choice named by environment variable `env` (`fallback` when unset or
-// empty); any other value is an InvalidArgument listing the choices.
-template <typename Choice>
-Choice choice_from_environment(const char* env, Choice fallback, const char* what,
-                               std::initializer_list<std::pair<const char*, Choice>> choices) {
-  const char* text = std::getenv(env);
-  if (text == nullptr || *text == '\0') return fallback;
-  std::string expected;
-  std::size_t index = 0;
-  for (const auto& [name, choice] : choices) {
-    if (std::strcmp(text, name) == 0) return choice;
-    expected += (index == 0 ? "" : index + 1 == choices.size() ? " or " : ", ") + std::string(name);
-    ++index;
-  }
-  throw InvalidArgument(std::string(env) + "='" + text + "' is not " + what + ": expected " + expected);
+HostPopulate parse_host_populate(const std::string& text) {
+  if (text == "background") return HostPopulate::kBackground;
+  if (text == "on_touch") return HostPopulate::kOnTouch;
+  throw InvalidArgument("'" + text +
+                        "' is not a way to populate host pages: expected background or on_touch");
 }
 
-}  // namespace
-
-HostMemory host_memory_requested() {
-  return choice_from_environment("KVCACHED_HOST_MEMORY", HostMemory::kSharedFiles, "a host memory kind",
-                                 {{"anonymous", HostMemory::kAnonymous},
-                                  {"huge_pages", HostMemory::kHugePages},
-                                  {"shared_files", HostMemory::kSharedFiles}});
-}
-
-HostPopulate host_populate_requested() {
-  return choice_from_environment("KVCACHED_HOST_POPULATE", HostPopulate::kBackground,
-                                 "a way to populate host pages",
-                                 {{"background", HostPopulate::kBackground}, {"on_touch", HostPopulate::kOnTouch}});
-}
-
-std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes) {
-  if (capacity_bytes == 0) capacity_bytes = default_host_capacity_bytes();
-  return std::make_shared<HostBackend>(capacity_bytes, host_memory_requested(), host_populate_requested());
+std::shared_ptr<VmmBackend> make_host_backend(const HostBackendOptions& options) {
+  const std::size_t capacity_bytes =
+      options.capacity_bytes != 0 ? options.capacity_bytes : machine_host_capacity_bytes();
+  return std::make_shared<HostBackend>(capacity_bytes, options.memory, options.populate);
 }
 
 }  // namespace kvcached

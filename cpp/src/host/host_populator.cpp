@@ -27,7 +27,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// About 0.1 ms of populating on the development VM (bench/host_page_cost.py).
+// About 0.1 ms of populating on the development VM (bench/probes/host_page_cost.py).
 constexpr std::size_t kPieceBytes = 128u << 10;
 // Mapping a page id takes tens of microseconds per page without contention.
 constexpr auto kQuietBeforeStart = std::chrono::microseconds(200);

@@ -10,8 +10,8 @@ memory the most recently admitted request is preempted (its blocks freed, it
 goes back to the head of the queue to be recomputed). A queued request that is
 still not admitted ``wait_timeout_s`` after it arrived is refused.
 
-Every block a request holds is filled, through a torch view of the pool's
-DLPack tensor, with a value unique to that request and block, and checked
+Every block a request holds is filled, through a view of the pool's DLPack
+tensor (:mod:`kvcached.demo.block_pattern`), with a value unique to that request and block, and checked
 before it is freed: any mismatch (a block shared with another request, a page
 unmapped under a live block) counts as a data-check failure.
 """
@@ -31,8 +31,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvcached.demo.block_pattern import BlockPattern, needs_torch
 from kvcached.demo.traffic import Request
-from kvcached.errors import DemoError, InvalidArgumentError
+from kvcached.errors import DemoError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ SPARE_PAGES = 0
 # After the schedule ends, running requests finish; past this extra time the
 # engine stops anyway (a safety net: it never triggers in a healthy run).
 DRAIN_GRACE_S = 10.0
-WORD_BYTES = 8  # the pattern is written as int64 words
 # While idle, an engine checks this often that the demo process still exists.
 PARENT_POLL_S = 1.0
 
@@ -97,52 +97,6 @@ class RequestState:
         """The values blocks ``first .. first+count-1`` of this request must hold."""
         base = ((self.request.engine + 1) << 56) | (self.request.request_id << 16)
         return base + np.arange(first, first + count, dtype=np.int64)
-
-
-class BlockPattern:
-    """Writes and checks per-block values through a strided torch view of the pool.
-
-    The view is ``[layer, buffer, block, word]`` over the pool's flat byte
-    tensor, so a block id addresses its bytes in every layer and buffer at once.
-    """
-
-    def __init__(self, pool: Any) -> None:
-        import torch
-
-        self._torch = torch
-        space = pool.space
-        if space.block_stride_bytes % WORD_BYTES or space.block_bytes % WORD_BYTES:
-            raise InvalidArgumentError("block sizes must be multiples of 8 bytes for the demo's pattern")
-        words = torch.from_dlpack(pool.tensor()).view(torch.int64)
-        shape = (space.num_layers, space.num_buffers, space.num_blocks, space.block_bytes // WORD_BYTES)
-        strides = tuple(
-            s // WORD_BYTES for s in (space.layer_stride_bytes, space.buffer_stride_bytes, space.block_stride_bytes)
-        ) + (1,)
-        # The view is only right for a layout with uniform strides; prove it on the corners.
-        for layer in (0, space.num_layers - 1):
-            for buffer in (0, space.num_buffers - 1):
-                for block in (0, space.num_blocks - 1):
-                    expected = layer * space.layer_stride_bytes + buffer * space.buffer_stride_bytes
-                    expected += block * space.block_stride_bytes
-                    if space.offset_of(layer, buffer, block) != expected:
-                        raise InvalidArgumentError(f"layout {space.layout!r} has no uniform block stride; use per_layer")
-        self.kv = words.as_strided(shape, strides)
-        self.device = self.kv.device
-
-    def _index(self, ids: list[int]) -> Any:
-        return self._torch.tensor(ids, dtype=self._torch.int64, device=self.device)
-
-    def write(self, ids: list[int], values: np.ndarray) -> None:
-        """Fills every word of block ``ids[i]`` (all layers, buffers) with ``values[i]``."""
-        expected = self._torch.from_numpy(values).to(self.device).view(1, 1, -1, 1)
-        self.kv[:, :, self._index(ids), :] = expected
-
-    def count_mismatches(self, ids: list[int], values: np.ndarray) -> int:
-        """How many of ``ids`` do not hold their value everywhere."""
-        expected = self._torch.from_numpy(values).to(self.device).view(1, 1, -1, 1)
-        held = self.kv[:, :, self._index(ids), :]
-        wrong = (held != expected).any(dim=3).any(dim=1).any(dim=0)
-        return int(wrong.sum().item())
 
 
 class EngineScheduler:
@@ -376,10 +330,11 @@ def engine_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ[REGISTRY_DIR_ENV] = registry_dir  # the demo's private registry, before any pool
     try:
-        import torch
+        if needs_torch(shape.device):
+            import torch
 
-        # The engines share a few cores with each other and the parent.
-        torch.set_num_threads(1)
+            # The engines share a few cores with each other and the parent.
+            torch.set_num_threads(1)
         while True:
             message = _next_command(commands)
             if message[0] == "stop":

@@ -3,7 +3,8 @@
 Both runs serve the same seeded schedule with the same engine processes and the
 same device budget; only the memory rule differs. The registry lives in a
 private temporary directory (``KVCACHED_REGISTRY_DIR`` in this process and in
-every engine), so concurrent demos and tests never share a budget. Memory per
+every engine), so concurrent demos and tests never share a budget; the demo prints
+the ``kvctl`` command that lists it (:meth:`DemoSetup.kvctl_command`). Memory per
 instance is sampled from that registry, exactly what ``kvtop`` would show.
 """
 
@@ -11,17 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
+import math
 import os
-import queue
 import shutil
 import tempfile
 import time
 from typing import Any, Optional, Protocol
 
-from kvcached.demo.engine import PoolShape, RunSpec, engine_main
+from kvcached.demo.engine import RunSpec
+from kvcached.demo.fleet import EngineFleet, engine_name
 from kvcached.demo.traffic import TrafficProfile, generate, make_profile
-from kvcached.errors import DemoError, InvalidArgumentError
+from kvcached.errors import ConfigurationError, DemoError, InvalidArgumentError, KvcachedError
 from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry, registry_for
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,11 @@ DEFAULT_DURATION_S = 15.0
 # engine's peak (~60 % of it) is far above a third.
 DEFAULT_BUDGET_BYTES = 240 * MIB
 DEFAULT_WAIT_TIMEOUT_S = 1.0
+# Each engine is a process with its own pool: more than this is a typo, not a demo.
+MAX_ENGINES = 64
+MAX_DURATION_S = 3600.0
 SAMPLE_INTERVAL_S = 0.1
-# Engines import torch and build their pools: allow for a slow, busy machine.
+# Engines start (importing torch on a GPU) and build their pools: allow for a slow, busy machine.
 READY_TIMEOUT_S = 120.0
 # Extra time a run may take past its schedule before the demo gives up on it.
 RUN_GRACE_S = 60.0
@@ -64,13 +68,17 @@ class DemoConfig:
     block_bytes: int = DEFAULT_BLOCK_BYTES
 
     def validate(self) -> None:
-        """Raises ValueError on settings the demo cannot run with."""
-        if self.engines < 1:
-            raise InvalidArgumentError(f"--engines must be at least 1, got {self.engines}")
-        if self.duration_s <= 0:
-            raise InvalidArgumentError(f"--duration must be positive, got {self.duration_s}")
-        if self.wait_timeout_s < 0:
-            raise InvalidArgumentError(f"--wait-timeout must not be negative, got {self.wait_timeout_s}")
+        """Raises ValueError, naming the option, on settings the demo cannot run with."""
+        if not 1 <= self.engines <= MAX_ENGINES:
+            raise InvalidArgumentError(f"--engines must be between 1 and {MAX_ENGINES}, got {self.engines}")
+        if not (math.isfinite(self.duration_s) and 0 < self.duration_s <= MAX_DURATION_S):
+            raise InvalidArgumentError(f"--duration must be a number of seconds in (0, {MAX_DURATION_S:g}], "
+                             f"got {self.duration_s}")
+        if not (math.isfinite(self.wait_timeout_s) and 0 <= self.wait_timeout_s <= MAX_DURATION_S):
+            raise InvalidArgumentError(f"--wait-timeout must be a number of seconds in [0, {MAX_DURATION_S:g}], "
+                             f"got {self.wait_timeout_s}")
+        if not 0 <= self.seed < 2**63:
+            raise InvalidArgumentError(f"--seed must be a non-negative integer below 2**63, got {self.seed}")
         if self.budget_bytes <= 0:
             raise InvalidArgumentError("--budget must be positive")
 
@@ -115,24 +123,27 @@ class Observer(Protocol):
         """The run is over (every engine has reported)."""
 
 
-def engine_name(engine: int) -> str:
-    """The name an engine registers under."""
-    return f"demo-engine-{engine}"
-
-
 def measure_geometry(config: DemoConfig) -> Geometry:
     """Block and page sizes, from a throwaway pool on the demo's device (address space only)."""
     from kvcached.pool import KVPool
 
-    probe = KVPool(
-        num_layers=config.num_layers,
-        block_bytes=config.block_bytes,
-        num_buffers=config.num_buffers,
-        num_blocks=1,
-        layout="per_layer",
-        device=config.device,
-        background_worker=False,
-    )
+    try:
+        probe = KVPool(
+            num_layers=config.num_layers,
+            block_bytes=config.block_bytes,
+            num_buffers=config.num_buffers,
+            num_blocks=1,
+            layout="per_layer",
+            device=config.device,
+            background_worker=False,
+        )
+    except (KvcachedError, ValueError) as error:
+        # The demo's own geometry always fits: what does not is a KVCACHED_* setting (a page size).
+        settings = " ".join(f"{name}={value!r}" for name, value in sorted(os.environ.items())
+                            if name.startswith("KVCACHED_") and name != REGISTRY_DIR_ENV)
+        if not settings:
+            raise
+        raise ConfigurationError(f"{error} (with {settings})") from None
     try:
         block_id_bytes, page_id_bytes = probe.block_id_bytes, probe.page_id_bytes
         blocks_per_page = probe.blocks_per_page
@@ -141,7 +152,8 @@ def measure_geometry(config: DemoConfig) -> Geometry:
     if config.budget_bytes < page_id_bytes * config.engines:
         raise InvalidArgumentError(
             f"--budget {config.budget_bytes} bytes is too small: each of {config.engines} engines needs at "
-            f"least one page id of {page_id_bytes} bytes in the static split"
+            f"least one page id of {page_id_bytes} bytes in the static split, {page_id_bytes * config.engines} "
+            "bytes in all"
         )
     # Every engine may grow to the whole budget: its virtual capacity is the budget, whole pages.
     budget_pages = -(-config.budget_bytes // page_id_bytes)
@@ -153,77 +165,6 @@ def measure_geometry(config: DemoConfig) -> Geometry:
         budget_blocks=config.budget_bytes // block_id_bytes,
         static_limit_bytes=config.budget_bytes // config.engines,
     )
-
-
-def _process_context() -> Any:
-    """Fresh engine processes, with torch imported once rather than once per engine.
-
-    Like spawn, forkserver children never inherit this process's threads or
-    device state; they are forked from a clean server that has imported torch
-    and the engine code, which saves several seconds of CPU per engine (and
-    their slow exit) on a small machine. Where forkserver is missing, spawn.
-    """
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "kvcached.demo.engine"])
-        return context
-    return multiprocessing.get_context("spawn")
-
-
-class EngineFleet:
-    """The engine processes and the two queues per engine that talk to them."""
-
-    def __init__(self, config: DemoConfig, geometry: Geometry, registry_dir: str) -> None:
-        context = _process_context()
-        shape = PoolShape(
-            device=config.device,
-            num_layers=config.num_layers,
-            num_buffers=config.num_buffers,
-            block_bytes=config.block_bytes,
-            num_blocks=geometry.num_blocks,
-        )
-        self.events = context.Queue()
-        self.commands = [context.Queue() for _ in range(config.engines)]
-        self.processes = [
-            context.Process(
-                target=engine_main,
-                args=(engine, engine_name(engine), shape, registry_dir, self.commands[engine], self.events,
-                      logging.getLogger().getEffectiveLevel()),
-                name=engine_name(engine),
-                daemon=True,
-            )
-            for engine in range(config.engines)
-        ]
-        for process in self.processes:
-            process.start()
-
-    def send(self, engine: int, message: tuple) -> None:
-        self.commands[engine].put(message)
-
-    def next_event(self, timeout_s: float) -> Optional[tuple]:
-        """The next message from any engine, or None after ``timeout_s``; raises if one died."""
-        try:
-            event = self.events.get(timeout=timeout_s)
-        except queue.Empty:
-            event = None
-        if event is not None and event[0] == "error":
-            raise DemoError(f"{engine_name(event[1])} failed:\n{event[3]}")
-        for process in self.processes:
-            if event is None and process.exitcode not in (None, 0):
-                raise DemoError(f"{process.name} exited with code {process.exitcode}")
-        return event
-
-    def stop(self) -> None:
-        """Asks every engine to exit; terminates (only) our own engines that do not."""
-        for engine, process in enumerate(self.processes):
-            if process.is_alive():
-                self.send(engine, ("stop",))
-        for process in self.processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                logger.warning("%s did not stop; terminating it", process.name)
-                process.terminate()
-                process.join(timeout=5)
 
 
 def _sample(
@@ -313,44 +254,83 @@ def _drive_run(
     return record
 
 
-def run_demo(config: DemoConfig, observer: Optional[Observer] = None) -> dict[str, Any]:
-    """Runs both runs for real and returns their raw records (see :mod:`kvcached.demo.summary`)."""
-    config.validate()
-    started = time.monotonic()
-    private_dir = tempfile.mkdtemp(prefix="kvcached-demo-")
-    previous_dir = os.environ.get(REGISTRY_DIR_ENV)
-    # Set here for anything this process opens; the engines get the directory
-    # explicitly, because a forkserver started by an earlier demo would hand
-    # them its own, older environment.
-    os.environ[REGISTRY_DIR_ENV] = private_dir
-    fleet: Optional[EngineFleet] = None
-    try:
-        registry = registry_for(config.device, budget_bytes=config.budget_bytes)
-        geometry = measure_geometry(config)
+class DemoSetup:
+    """Everything a demo needs before its engines start: its private registry directory (with
+    the device's registry and budget) and the geometry; use as a context manager.
+
+    Entering it checks the device and the budget against the page size, so a setting the
+    demo cannot run with fails here, before any engine starts; leaving it removes the directory.
+    """
+
+    def __init__(self, config: DemoConfig) -> None:
+        config.validate()
+        self.config = config
+        self.registry_dir = ""
+        self.registry: Optional[DeviceRegistry] = None
+        self.geometry: Optional[Geometry] = None
+        self._previous_dir: Optional[str] = None
+
+    def __enter__(self) -> "DemoSetup":
+        self._started = time.monotonic()
+        self.registry_dir = tempfile.mkdtemp(prefix="kvcached-demo-")
+        self._previous_dir = os.environ.get(REGISTRY_DIR_ENV)
+        # Set here for anything this process opens; the engines get the directory
+        # explicitly, because a forkserver started by an earlier demo would hand
+        # them its own, older environment.
+        os.environ[REGISTRY_DIR_ENV] = self.registry_dir
+        try:
+            self.registry = registry_for(self.config.device, budget_bytes=self.config.budget_bytes)
+            self.geometry = measure_geometry(self.config)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.registry = None
+        if self._previous_dir is None:
+            os.environ.pop(REGISTRY_DIR_ENV, None)
+        else:
+            os.environ[REGISTRY_DIR_ENV] = self._previous_dir
+        shutil.rmtree(self.registry_dir, ignore_errors=True)
+
+    def kvctl_command(self) -> str:
+        """The command that lists the demo's engines from another terminal while it runs."""
+        device = "" if self.config.device == "cpu" else f" --device {self.config.device}"
+        return f"{REGISTRY_DIR_ENV}={self.registry_dir} kvctl list{device}"
+
+    def run(self, observer: Optional[Observer] = None) -> dict[str, Any]:
+        """Runs both runs for real and returns their raw records (see :mod:`kvcached.demo.summary`)."""
+        config, geometry, registry = self.config, self.geometry, self.registry
+        if geometry is None or registry is None:
+            raise DemoError("DemoSetup.run() needs the setup entered (use it as a context manager)")
         profile = make_profile(geometry.budget_blocks, config.engines, config.duration_s)
         schedules = generate(profile, config.seed)
-        fleet = EngineFleet(config, geometry, private_dir)
-        runs = []
-        for run_name in RUN_NAMES:
-            limit = None if run_name == "elastic" else geometry.static_limit_bytes
-            runs.append(_drive_run(fleet, registry, config, profile, schedules, run_name, limit, observer))
-        fleet.stop()
-        fleet = None
+        fleet: Optional[EngineFleet] = EngineFleet(config, geometry, self.registry_dir)
+        try:
+            runs = []
+            for run_name in RUN_NAMES:
+                limit = None if run_name == "elastic" else geometry.static_limit_bytes
+                runs.append(_drive_run(fleet, registry, config, profile, schedules, run_name, limit, observer))
+            fleet.stop()
+            fleet = None
+        finally:
+            if fleet is not None:
+                fleet.stop()
         return {
             "config": config,
             "geometry": geometry,
             "profile": profile,
             "runs": runs,
-            "elapsed_s": time.monotonic() - started,
+            "elapsed_s": time.monotonic() - self._started,
         }
-    finally:
-        if fleet is not None:
-            fleet.stop()
-        if previous_dir is None:
-            os.environ.pop(REGISTRY_DIR_ENV, None)
-        else:
-            os.environ[REGISTRY_DIR_ENV] = previous_dir
-        shutil.rmtree(private_dir, ignore_errors=True)
 
 
-__all__ = ["DemoConfig", "EngineFleet", "Geometry", "RunRecord", "engine_name", "measure_geometry", "run_demo"]
+def run_demo(config: DemoConfig, observer: Optional[Observer] = None) -> dict[str, Any]:
+    """Sets the demo up, runs both runs and returns their raw records."""
+    with DemoSetup(config) as setup:
+        return setup.run(observer)
+
+
+__all__ = ["DemoConfig", "DemoSetup", "EngineFleet", "Geometry", "RunRecord", "engine_name", "measure_geometry",
+           "run_demo"]

@@ -4,6 +4,7 @@
 // (the _hip module, the benchmark) compiles without the HIP include path.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -32,8 +33,10 @@ std::string hip_physical_device_name(int ordinal);
 // Opens device `ordinal`. Throws BackendUnavailable ("no HIP device: ...")
 // when there is no such device, and one naming
 // hipDeviceAttributeVirtualMemoryManagementSupported and what to check when
-// the device lacks virtual memory management. Reads
-// KVCACHED_HIP_MAPPING_SETTLE_US (see fence_new_mappings in hip_backend.cpp).
-std::shared_ptr<VmmBackend> make_hip_backend(int ordinal);
+// the device lacks virtual memory management. `mapping_settle`: how old the
+// newest mapping must be before fresh mappings go to GPU work (see
+// fence_new_mappings in hip_backend.cpp; Python passes
+// KVCACHED_HIP_MAPPING_SETTLE_US from kvcached.config, 0 turns the fence off).
+std::shared_ptr<VmmBackend> make_hip_backend(int ordinal, std::chrono::microseconds mapping_settle);
 
 }  // namespace kvcached

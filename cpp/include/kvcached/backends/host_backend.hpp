@@ -5,23 +5,46 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "kvcached/device/backend.hpp"
 
 namespace kvcached {
 
-// Capacity used when none is given: KVCACHED_HOST_CAPACITY_BYTES if set, else
-// half of the machine's or container's (cgroup) memory limit, so that filling
-// kvcached's host pools raises a MemoryError long before the kernel's OOM
-// killer would step in.
-std::size_t default_host_capacity_bytes();
+// What the host backend's allocations are (KVCACHED_HOST_MEMORY, docs/configuration.md).
+enum class HostMemory {
+  kAnonymous,   // 4 KiB pages, allocated at create
+  kHugePages,   // 2 MiB pages where the kernel allows them, allocated at create
+  kSharedFiles  // memfd files mapped shared
+};
 
-// capacity_bytes 0 means default_host_capacity_bytes(). Reads
-// KVCACHED_HOST_MEMORY and KVCACHED_HOST_POPULATE (docs/configuration.md).
-std::shared_ptr<VmmBackend> make_host_backend(std::size_t capacity_bytes = 0);
+// When memfd pages are allocated. `background`: as soon as they are mapped, on a
+// thread of their own (host_populator.hpp); `on_touch`: by the first write's faults.
+enum class HostPopulate { kBackground, kOnTouch };
+
+// The host backend's settings. The core reads no environment variable: Python
+// fills these from kvcached.config (KVCACHED_HOST_CAPACITY_BYTES,
+// KVCACHED_HOST_MEMORY, KVCACHED_HOST_POPULATE); C++ callers pass their own.
+struct HostBackendOptions {
+  std::size_t capacity_bytes;  // 0: machine_host_capacity_bytes()
+  HostMemory memory;
+  HostPopulate populate;
+};
+
+// Half of the machine's or container's (cgroup) memory limit: the capacity used
+// when none is given, so that filling kvcached's host pools raises a MemoryError
+// long before the kernel's OOM killer would step in.
+std::size_t machine_host_capacity_bytes();
+
+// The enum named by kvcached.config's spelling ("shared_files", "on_touch");
+// InvalidArgument listing the choices otherwise.
+HostMemory parse_host_memory(const std::string& text);
+HostPopulate parse_host_populate(const std::string& text);
+
+std::shared_ptr<VmmBackend> make_host_backend(const HostBackendOptions& options);
 
 // Blocks until every host page mapped so far has been populated
-// (KVCACHED_HOST_POPULATE=background; for tests and benchmarks).
+// (HostPopulate::kBackground; for tests and benchmarks).
 void wait_for_population() noexcept;
 
 }  // namespace kvcached

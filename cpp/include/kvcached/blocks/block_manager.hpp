@@ -29,7 +29,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +43,7 @@
 #include "kvcached/blocks/reserve_policy.hpp"
 #include "kvcached/space/kv_layout.hpp"
 #include "kvcached/space/kv_space.hpp"
+#include "kvcached/space/page_metadata.hpp"
 
 namespace kvcached {
 
@@ -69,7 +69,7 @@ struct BlockManagerStats {
   std::size_t spare_pages;          // pre-created allocations (the KV space's count)
   std::size_t held_pages;           // pages charged to the budget (the most of any mirror)
   std::size_t limit_pages;
-  std::optional<std::size_t> limit_bytes;
+  std::optional<std::size_t> limit_bytes;  // the limit in force (the pool's own or set from outside)
   std::size_t slow_allocs;          // allocs that had to map pages themselves (reserve missed)
   std::size_t worker_errors;        // maintenance rounds of the worker that failed
   std::string last_worker_error;
@@ -86,7 +86,11 @@ class KVCACHED_EXPORT BlockManager {
   // Device-less: decisions recorded as PageOps for one mirror KV space per
   // entry of `mirrors`, each charged on its own budget.
   BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::vector<MirrorSpec> mirrors);
+  // Both refuse (InvalidArgument, before sizing anything) a layout whose
+  // bookkeeping, with a local space's, would pass the cap of page_metadata.hpp.
   ~BlockManager();
+  // What a block manager keeps per page id and per block id of `layout`.
+  static PageMetadataCost page_metadata_cost(const KVLayout& layout) noexcept;
   BlockManager(const BlockManager&) = delete;
   BlockManager& operator=(const BlockManager&) = delete;
 
@@ -225,9 +229,13 @@ class KVCACHED_EXPORT BlockManager {
   void settle_locked(Lock& lock);
   void give_back_locked(Lock& lock, std::vector<std::pair<std::size_t, std::size_t>> releases);
   void refresh_limit_locked() const;
-  // The device's free memory in pages: an estimate without a driver call
-  // (Device::estimated_free_bytes); `query` asks the driver (no mutex_ held).
+  // The device's free memory in pages (nullopt: no device): the device's own
+  // estimate, an atomic read kept by every create and release, so nothing here
+  // caches it; `query` asks the driver (no mutex_ held) and resets the estimate.
   std::optional<std::size_t> device_free_pages(bool query = false) const;
+  // Pages the device could still back: its free memory, the spares and the
+  // pages being unmapped (alloc waits for those); nullopt without a device.
+  std::optional<std::size_t> device_room_locked() const;
   // The device bound refused a grow: learn what is really free, then re-plan.
   bool requery_device_locked(Lock& lock);
   void report_usage_locked() const noexcept;
@@ -259,14 +267,18 @@ class KVCACHED_EXPORT BlockManager {
   std::vector<FreeSlots> free_slots_;                    // per mapped page, lowest first
   std::vector<std::uint8_t> block_state_;
   BestFitIndex index_;                                   // mapped pages by free blocks
-  std::set<std::int64_t> unmapped_;                      // lowest id first
+  FreeSlots unmapped_;                                   // unmapped page ids, lowest first (a bitmap)
   std::vector<std::int64_t> reserved_;                   // try_reserve, handed out first
   std::size_t used_blocks_ = 0;
   std::size_t mapping_pages_ = 0, mapping_blocks_ = 0, unmapping_pages_ = 0, awaiting_ack_pages_ = 0;
-  // The options' limit and the budgets' external limits (kvctl), in pages:
-  // refreshed by every call that decides on it (available() included).
+  // The limit in force, the tighter of the options' limit and the budgets'
+  // external limits (kvctl): in pages, and in bytes as it was set (nullopt:
+  // none); refreshed together by every call that decides on it or reports it.
   mutable std::size_t limit_pages_;
-  std::optional<std::size_t> device_free_pages_;         // as of the last mapper call (local only)
+  mutable std::optional<std::size_t> limit_bytes_;
+  // While a local mapper call runs (mutex_ released): the device room once it
+  // is done, which bounds the room read meanwhile (see with_mapper).
+  std::optional<std::size_t> device_room_in_flight_;
   MirrorBudgets budgets_;
   ReservePolicy reserve_;
   std::uint64_t allocs_ = 0, frees_ = 0;

@@ -5,6 +5,8 @@
 // list. Engines gather a request's tokens (SGLang) or blocks by id, so scattered
 // ids cost reads: on a CPU, SGLang with page size 1 ran about 4 % slower with
 // the slots a previous pass's frees had scrambled. A bitmap of one bit per slot.
+// A block manager also keeps its unmapped page ids in one (lowest id first, one
+// bit per page id instead of a tree node's 48 bytes).
 #pragma once
 
 #include <cstddef>
@@ -30,6 +32,8 @@ class KVCACHED_EXPORT FreeSlots {
 
   // Takes the `n` lowest free slots (n <= size()), appending base + slot to `out` in ascending order.
   void take(std::size_t n, std::int64_t base, std::vector<std::int64_t>& out);
+  // Appends base + slot for the (up to) `n` lowest free slots, taking none.
+  void lowest(std::size_t n, std::int64_t base, std::vector<std::int64_t>& out) const;
   // Frees a taken slot; InvalidArgument if it is free already or beyond the page.
   void give(std::uint32_t slot);
   // Takes one given slot; InvalidArgument if it is not free.

@@ -24,6 +24,11 @@ class KVCACHED_EXPORT MemoryBudget {
   // What try_acquire could grant right now (a hint: others may take it first).
   // Must not take a lock another process can hold (it is read on fast paths).
   virtual std::size_t available_bytes() const = 0;
+  // Throws the budget's own error if it can no longer grant anything at all
+  // (a shared registry that was truncated or damaged), so that a pool refusing
+  // an alloc says why instead of reporting the budget as merely full. Called
+  // with the pool's state lock held: must not wait on another process.
+  virtual void check_usable() const {}
   // Whether try_acquire / release may wait on a lock another process can hold.
   // A block manager calls a budget that cannot block under its own state lock,
   // so its figures stay exact; one that can is called outside that lock.

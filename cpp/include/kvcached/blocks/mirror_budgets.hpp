@@ -64,10 +64,17 @@ class KVCACHED_EXPORT MirrorBudgets {
   // ---- what the budgets say ----
   // Pages mirror i's budget would still grant (SIZE_MAX without a budget).
   std::size_t room_pages(std::size_t i) const;
-  // The tightest limit set on a live mirror's budget from outside, in pages.
-  std::optional<std::size_t> external_limit_pages() const;
+  // The tightest limit set on a live mirror's budget from outside (kvctl):
+  // in that mirror's pages, and the bytes it was set as.
+  struct ExternalLimit {
+    std::size_t pages, bytes;
+  };
+  std::optional<ExternalLimit> external_limit() const;
   // Some budget reports other pools waiting for memory.
   bool others_waiting() const noexcept;
+  // Throws the error of the first live mirror's budget that can no longer
+  // grant anything (MemoryBudget::check_usable).
+  void check_usable() const;
   // Publishes usage on every live mirror's budget (pages x that mirror's page cost).
   void report_usage(std::size_t used_pages) const noexcept;
   // Publishes the background worker's failure count on every live mirror's budget.

@@ -20,8 +20,10 @@
 // lock-free atomics. The file is private to its creator or shared with one
 // named group (registry_access.hpp, docs/security.md), opened without following
 // symbolic links, and checked on every locked operation: a file that shrank,
-// was removed or replaced detaches the registry with a clear error instead of
-// crashing (SIGBUS, fault_guard.hpp) or silently splitting the budget in two.
+// was removed, moved or replaced, or holds values no kvcached writes (a pid
+// outside pid_t, more bytes than any device has) detaches the registry with a
+// clear error instead of crashing (SIGBUS, fault_guard.hpp), trusting a lie or
+// silently splitting the budget in two.
 //
 // Limitations. Liveness is judged from /proc/<pid>/stat, so all users must
 // share one PID namespace (containers sharing a GPU must also share PIDs). The
@@ -146,6 +148,10 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   bool try_acquire(std::size_t bytes) override;
   void release(std::size_t bytes) noexcept override;
   std::size_t available_bytes() const override;
+  // Throws RegistryUnusable once the file is no longer this registry (checked
+  // now: fstat and the header, no lock) and BackendUnavailable once the entry
+  // is gone, as try_acquire would.
+  void check_usable() const override;
   // This instance's limit (kvctl); while the device is over budget (kvctl
   // lowered it) also the share of the budget that others leave, so every
   // instance shrinks lazily until the device fits again.

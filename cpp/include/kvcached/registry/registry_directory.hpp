@@ -43,7 +43,7 @@ struct RegistryFileInfo {
 // file on purpose and for tools that read one. Not an interface to write through.
 KVCACHED_EXPORT std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets();
 
-// The registry directory: KVCACHED_REGISTRY_DIR (absolute) or /dev/shm.
+// The configured registry directory (registry_settings.hpp).
 KVCACHED_EXPORT std::string registry_directory_path();
 
 KVCACHED_EXPORT const char* status_name(RegistryFileInfo::Status status) noexcept;

@@ -13,6 +13,7 @@
 
 #include "kvcached/device/device.hpp"
 #include "kvcached/space/kv_layout.hpp"
+#include "kvcached/space/page_metadata.hpp"
 #include "kvcached/space/page_ops.hpp"
 #include "kvcached/space/zero_backing.hpp"
 
@@ -52,8 +53,11 @@ struct UnmapResult {
 
 class KVCACHED_EXPORT KVSpace {
  public:
+  // InvalidArgument when the layout's bookkeeping would pass the cap (page_metadata.hpp).
   KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const KVSpaceOptions& options);
   ~KVSpace();
+  // What a space keeps per page id (its mapping record and zero-split flag).
+  static PageMetadataCost page_metadata_cost() noexcept;
   KVSpace(const KVSpace&) = delete;
   KVSpace& operator=(const KVSpace&) = delete;
 

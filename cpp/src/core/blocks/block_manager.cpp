@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -34,7 +35,28 @@ std::vector<MirrorSpec> checked_mirrors(const std::vector<MirrorSpec>& mirrors, 
   return mirrors;
 }
 
+// Refuses the layout if the manager's bookkeeping, with its local space's
+// (mirrors keep theirs in their own processes), would pass the cap.
+const KVLayout& with_metadata_checked(const KVLayout& layout, const std::shared_ptr<PageMapper>& mapper) {
+  const PageMetadataCost own = BlockManager::page_metadata_cost(layout);
+  if (dynamic_cast<PageOpLog*>(mapper.get()) != nullptr) {
+    check_page_metadata(layout, own, "a block manager");
+  } else {
+    check_page_metadata(layout, own + KVSpace::page_metadata_cost(), "a block manager with its KV space");
+  }
+  return layout;
+}
+
 }  // namespace
+
+PageMetadataCost BlockManager::page_metadata_cost(const KVLayout& layout) noexcept {
+  // state_, free_slots_ (its bitmap while mapped), the best-fit index's free
+  // count and bucket links, unmapped_'s bit (a byte, rounded up); block_state_ per block.
+  const std::size_t bitmap_bytes = (layout.blocks_per_page() + 63) / 64 * sizeof(std::uint64_t);
+  const std::size_t per_page =
+      sizeof(PageState) + sizeof(FreeSlots) + bitmap_bytes + 3 * sizeof(std::uint32_t) + 1;
+  return {per_page, sizeof(std::uint8_t)};
+}
 
 BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options,
                            std::shared_ptr<KVSpace> space, std::shared_ptr<MemoryBudget> budget)
@@ -47,8 +69,8 @@ BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& op
                    checked_mirrors(mirrors, layout)) {}
 
 BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options,
-                           std::shared_ptr<PageMapper> mapper, std::vector<MirrorSpec> mirrors)
-    : layout_(layout),
+                           std::shared_ptr<PageMapper> mapper, std::vector<MirrorSpec> mirrors) try
+    : layout_(with_metadata_checked(layout, mapper)),
       options_(options),
       mapper_(std::move(mapper)),
       op_log_(dynamic_cast<PageOpLog*>(mapper_.get())),
@@ -63,7 +85,7 @@ BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& op
   state_.assign(num_pages, PageState::kUnmapped);
   free_slots_.resize(num_pages);
   block_state_.assign(layout_.num_blocks(), kFree);
-  for (std::size_t p = 0; p < num_pages; ++p) unmapped_.insert(unmapped_.end(), static_cast<std::int64_t>(p));
+  unmapped_.fill(num_pages);
   // The space keeps every allocation it unmaps; the reserve (maintain) decides
   // which go back and when, off the path of frees and allocs.
   mapper_->set_max_spare_pages(layout_.num_pages());
@@ -82,6 +104,8 @@ BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& op
     }
   }
   if (options_.background_worker) worker_ = std::thread(&BlockManager::worker_loop, this);
+} catch (const std::bad_alloc&) {
+  throw_page_metadata_exhausted(layout, page_metadata_cost(layout), "a block manager");
 }
 
 BlockManager::~BlockManager() {

@@ -32,10 +32,16 @@ std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
     bound(static_cast<std::size_t>(std::max<std::int64_t>(budget_pages + slack, 0)),
           budgets_.size() > 1 ? "the memory budget of mirror " + std::to_string(i) : "the memory budget");
   }
-  if (device_free_pages_) {
-    bound(*device_free_pages_ + unmapping_pages_ + mapper_->spare_pages(), "the device's free memory");
-  }
+  if (const auto device = device_room_locked()) bound(*device, "the device's free memory");
   return room;
+}
+
+std::optional<std::size_t> BlockManager::device_room_locked() const {
+  // Read fresh (an atomic estimate), so available() and alloc apply the same bound.
+  const auto device = device_free_pages();
+  if (!device) return std::nullopt;
+  const std::size_t room = *device + unmapping_pages_ + mapper_->spare_pages();
+  return device_room_in_flight_ ? std::min(room, *device_room_in_flight_) : room;
 }
 
 std::size_t BlockManager::fixed_room_locked() const {
@@ -104,6 +110,7 @@ std::size_t BlockManager::page_of(std::int64_t block) const {
 
 BlockManagerStats BlockManager::stats() const {
   Lock lock(mutex_);
+  if (!closed_) refresh_limit_locked();  // a limit set from outside (kvctl) shows at once
   BlockManagerStats s{};
   s.num_blocks = layout_.num_blocks();
   s.num_pages = layout_.num_pages();
@@ -123,7 +130,7 @@ BlockManagerStats BlockManager::stats() const {
   s.spare_pages = mapper_->spare_pages();
   s.held_pages = budgets_.max_charged_pages();
   s.limit_pages = limit_pages_;
-  s.limit_bytes = options_.limit_bytes;
+  s.limit_bytes = limit_bytes_;
   s.slow_allocs = slow_allocs_;
   s.worker_errors = worker_errors_;
   s.last_worker_error = last_worker_error_;
@@ -146,9 +153,17 @@ BlockManagerStats BlockManager::stats() const {
 
 void BlockManager::refresh_limit_locked() const {
   std::size_t limit = layout_.num_pages();
-  if (options_.limit_bytes) limit = std::min(limit, *options_.limit_bytes / layout_.page_id_bytes());
-  if (auto external = budgets_.external_limit_pages()) limit = std::min(limit, *external);
+  std::optional<std::size_t> limit_bytes;
+  if (options_.limit_bytes) {
+    limit = std::min(limit, *options_.limit_bytes / layout_.page_id_bytes());
+    limit_bytes = options_.limit_bytes;
+  }
+  if (auto external = budgets_.external_limit(); external && (!limit_bytes || external->pages < limit)) {
+    limit = std::min(limit, external->pages);
+    limit_bytes = external->bytes;
+  }
   limit_pages_ = limit;
+  limit_bytes_ = limit_bytes;
 }
 
 std::optional<std::size_t> BlockManager::device_free_pages(bool query) const {
@@ -161,13 +176,12 @@ std::optional<std::size_t> BlockManager::device_free_pages(bool query) const {
 }
 
 bool BlockManager::requery_device_locked(Lock& lock) {
-  if (!device_free_pages_) return false;  // no device (mirrors): nothing to learn
+  const std::optional<std::size_t> estimated = device_free_pages();
+  if (!estimated) return false;  // no device (mirrors): nothing to learn
   lock.unlock();
-  const std::optional<std::size_t> queried = device_free_pages(/*query=*/true);
+  const std::optional<std::size_t> queried = device_free_pages(/*query=*/true);  // resets the estimate
   lock.lock();
-  const bool more = queried && *queried > *device_free_pages_;
-  if (queried) device_free_pages_ = queried;
-  return more;
+  return queried && *queried > *estimated;
 }
 
 void BlockManager::report_usage_locked() const noexcept { budgets_.report_usage(used_pages_locked()); }

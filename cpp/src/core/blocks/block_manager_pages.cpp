@@ -29,18 +29,27 @@ void BlockManager::with_mapper(Lock& lock, const std::function<void()>& call) {
     call();  // recording for mirrors: a leaf lock that never waits, so page states change with it
     return;
   }
+  // While the call runs, memory moves between the device's free memory, the
+  // spares and the pages in transit one allocation at a time: the room as it
+  // will be once the call is done (what it maps taken off) holds throughout.
+  const std::optional<std::size_t> room = device_room_locked();
+  if (room) device_room_in_flight_ = *room - std::min(*room, mapping_pages_);
   lock.unlock();  // a local space calls the driver
   struct Relock {
+    BlockManager& manager;
     Lock& lock;
-    ~Relock() { lock.lock(); }
-  } relock{lock};
+    ~Relock() {
+      lock.lock();
+      manager.device_room_in_flight_.reset();
+    }
+  } relock{*this, lock};
   call();
 }
 
 void BlockManager::undo_grow_locked(const std::vector<std::int64_t>& pages) {
   for (std::int64_t p : pages) {
     state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
+    unmapped_.give(static_cast<std::uint32_t>(p));
     mapping_blocks_ -= index_.capacity(static_cast<std::uint32_t>(p));
   }
   mapping_pages_ -= pages.size();
@@ -52,11 +61,9 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
   if (count == 0) return pages;
   if (wanted != nullptr) {
     pages = *wanted;
-    for (std::int64_t p : pages) unmapped_.erase(p);
+    for (std::int64_t p : pages) unmapped_.remove(static_cast<std::uint32_t>(p));
   } else {
-    auto it = unmapped_.begin();
-    for (std::size_t i = 0; i < count; ++i) pages.push_back(*it++);
-    unmapped_.erase(unmapped_.begin(), it);
+    unmapped_.take(count, 0, pages);
   }
   for (std::int64_t p : pages) {
     state_[p] = PageState::kMapping;
@@ -73,11 +80,9 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
     with_mapper(lock, [&] { mapper_->map_pages(pages); });
   } catch (...) {
     undo_grow_locked(pages);
-    if (auto device = device_free_pages()) device_free_pages_ = device;  // an out-of-memory create re-asked the driver
     settle_locked(lock);  // what the failed map kept as spares stays charged; the rest goes back
     throw;
   }
-  if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
   note_grow_locked(count);
   for (std::int64_t p : pages) {
     const auto page = static_cast<std::uint32_t>(p);
@@ -132,14 +137,13 @@ std::size_t BlockManager::shrink_locked(Lock& lock, const std::vector<std::uint3
     }
     for (std::int64_t p : outcome.unmapped) {
       state_[p] = PageState::kUnmapped;
-      unmapped_.insert(p);
+      unmapped_.give(static_cast<std::uint32_t>(p));
     }
     for (std::int64_t p : outcome.awaiting_ack) state_[p] = PageState::kAwaitingAck;
     awaiting_ack_pages_ += outcome.awaiting_ack.size();
     unmapping_pages_ -= ids.size();
     settle_locked(lock);  // this slice's memory goes back now, not after the whole batch
   }
-  if (auto device = device_free_pages()) device_free_pages_ = device;
   report_usage_locked();
   return pages.size();
 }
@@ -174,7 +178,7 @@ void BlockManager::make_reusable_locked(const std::vector<std::int64_t>& pages) 
   for (std::int64_t p : pages) {
     if (state_[p] != PageState::kAwaitingAck) continue;  // defensive: only what the log handed out
     state_[p] = PageState::kUnmapped;
-    unmapped_.insert(p);
+    unmapped_.give(static_cast<std::uint32_t>(p));
     --awaiting_ack_pages_;
   }
 }

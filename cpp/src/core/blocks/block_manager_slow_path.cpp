@@ -53,7 +53,6 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
   std::lock_guard<std::mutex> map(map_mutex_);  // waits for any map or unmap in flight
   Lock lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
   refresh_limit_locked();
   std::vector<std::int64_t> blocks, grown;
   const auto roll_back = [&] {
@@ -94,6 +93,7 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
           }
         }
         if (budget_room < plan.pages) {  // others' memory it is (not the device's): worth waiting for
+          budgets_.check_usable();  // a budget gone bad never gives memory back: no wait
           // Recorded before every wait: the holders decide each round whether anyone waits.
           probe_budget_for_pressure(lock, plan.pages);
           wait_for_budget_locked(lock, budget_room, deadline);  // at once if memory came back meanwhile
@@ -104,6 +104,7 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         }
       }
       if (plan.action == AllocPlan::kRefuse) {
+        budgets_.check_usable();  // a budget gone bad says so, rather than "bound by the memory budget"
         const std::size_t can = available_locked();
         std::string bound_by;
         growth_room_locked(&bound_by);
@@ -142,7 +143,6 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   std::lock_guard<std::mutex> map(map_mutex_);
   Lock lock(mutex_);
   if (closed_) throw InvalidArgument("the block manager is closed");
-  if (auto device = device_free_pages()) device_free_pages_ = device;
   refresh_limit_locked();
   // Which pages must be mapped, and how many pages become used (within the limit).
   const auto check = [&](std::vector<std::int64_t>& to_map) {
@@ -172,6 +172,7 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
   if (!to_map.empty()) {
     std::string bound_by;
     if (growth_room_locked(&bound_by) < to_map.size()) {
+      budgets_.check_usable();
       throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) + " more page(s) for these blocks: " +
                             "bound by " + bound_by);
     }

@@ -23,7 +23,6 @@ void BlockManager::maintain() {
     std::lock_guard<std::mutex> map(map_mutex_);
     Lock lock(mutex_);
     if (closed_) return;
-    if (auto device = device_free_pages()) device_free_pages_ = device;  // the estimate: no driver call
     refresh_limit_locked();
     keep_within_limit_locked(lock);
     keep_reserve_locked(lock, goal);
@@ -172,8 +171,8 @@ void BlockManager::close() {
     if (index_.contains(static_cast<std::uint32_t>(p))) index_.erase(static_cast<std::uint32_t>(p));
     state_[p] = PageState::kUnmapped;
     free_slots_[p].clear();
-    unmapped_.insert(static_cast<std::int64_t>(p));
   }
+  unmapped_.fill(state_.size());
   std::fill(block_state_.begin(), block_state_.end(), kFree);
   reserved_.clear();
   used_blocks_ = mapping_pages_ = mapping_blocks_ = unmapping_pages_ = awaiting_ack_pages_ = 0;

@@ -37,7 +37,7 @@ void BlockManager::prepare_ahead() {
   {
     Lock lock(mutex_);
     if (closed_) return;
-    for (auto it = unmapped_.begin(); it != unmapped_.end() && frontier.size() < want; ++it) frontier.push_back(*it);
+    unmapped_.lowest(want, 0, frontier);
   }
   // No lock of ours is held: the space takes its own one run at a time, so a
   // grow meanwhile waits for one split at most, never for the whole frontier.
@@ -104,10 +104,7 @@ void BlockManager::worker_loop() {
     try {
       if (Clock::now() - last_query >= kDeviceQueryPeriod) {
         last_query = Clock::now();
-        if (auto device = device_free_pages(/*query=*/true)) {  // no lock of ours held: a driver call
-          Lock lock(mutex_);
-          device_free_pages_ = device;
-        }
+        device_free_pages(/*query=*/true);  // no lock of ours held: a driver call that resets the estimate
       }
       maintain();
       prepare_ahead();

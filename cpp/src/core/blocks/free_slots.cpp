@@ -38,6 +38,14 @@ void FreeSlots::take(std::size_t n, std::int64_t base, std::vector<std::int64_t>
   first_word_ = w;
 }
 
+void FreeSlots::lowest(std::size_t n, std::int64_t base, std::vector<std::int64_t>& out) const {
+  for (std::size_t w = first_word_; w < words_.size() && n > 0; ++w) {
+    for (std::uint64_t bits = words_[w]; bits != 0 && n > 0; bits &= bits - 1, --n) {
+      out.push_back(base + static_cast<std::int64_t>(w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))));
+    }
+  }
+}
+
 void FreeSlots::give(std::uint32_t slot) {
   if (slot >= capacity_ || contains(slot)) {
     throw InvalidArgument("internal error: slot " + std::to_string(slot) + " given back twice or beyond the page");

@@ -72,16 +72,22 @@ std::size_t MirrorBudgets::room_pages(std::size_t i) const {
   return m.budget->available_bytes() / m.page_bytes;
 }
 
-std::optional<std::size_t> MirrorBudgets::external_limit_pages() const {
-  std::optional<std::size_t> tightest;
+std::optional<MirrorBudgets::ExternalLimit> MirrorBudgets::external_limit() const {
+  std::optional<ExternalLimit> tightest;
   for (const Mirror& m : mirrors_) {
     if (!m.alive || !m.budget) continue;
     if (auto limit = m.budget->external_limit_bytes()) {
       const std::size_t pages = *limit / m.page_bytes;
-      tightest = tightest ? std::min(*tightest, pages) : pages;
+      if (!tightest || pages < tightest->pages) tightest = ExternalLimit{pages, *limit};
     }
   }
   return tightest;
+}
+
+void MirrorBudgets::check_usable() const {
+  for (const Mirror& m : mirrors_) {
+    if (m.alive && m.budget) m.budget->check_usable();
+  }
 }
 
 bool MirrorBudgets::others_waiting() const noexcept {

@@ -17,6 +17,15 @@ using registry_detail::EntryRecord;
 using registry_detail::RegistryLock;
 using registry_detail::Segment;
 
+namespace {
+void check_budget_plausible(std::size_t budget_bytes) {
+  if (budget_bytes > registry_detail::kMaxPlausibleBytes) {
+    throw InvalidArgument("a budget of " + std::to_string(budget_bytes) +
+                          " bytes is larger than any device (at most 2^56 bytes)");
+  }
+}
+}  // namespace
+
 std::string DeviceRegistry::segment_path(const std::string& device) {
   registry_device_kind(device);  // validates
   return registry_detail::registry_path(device);
@@ -27,6 +36,7 @@ std::shared_ptr<DeviceRegistry> DeviceRegistry::open(const std::string& device,
                                                      const std::string& local_device) {
   registry_device_kind(device);
   validate_local_device(local_device);
+  if (budget_bytes) check_budget_plausible(*budget_bytes);
   auto segment = registry_detail::open_or_create_segment(device, budget_bytes);
   return std::shared_ptr<DeviceRegistry>(new DeviceRegistry(device, local_device, std::move(segment)));
 }
@@ -43,6 +53,7 @@ std::size_t DeviceRegistry::budget_bytes() const {
 }
 
 void DeviceRegistry::set_budget_bytes(std::size_t budget_bytes) {
+  check_budget_plausible(budget_bytes);
   RegistryLock lock(*segment_);
   segment_->header().budget_bytes.store(budget_bytes, std::memory_order_relaxed);
   lock.confirm();

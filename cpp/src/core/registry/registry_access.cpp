@@ -6,11 +6,14 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "kvcached/error.hpp"
 #include "kvcached/registry/registry_errors.hpp"
+#include "kvcached/registry/registry_settings.hpp"
 #include "registry_os.hpp"
 
 namespace kvcached::registry_detail {
@@ -30,52 +33,90 @@ std::string describe_file(const struct stat& info) {
          ", mode " + octal_mode(info.st_mode);
 }
 
-std::optional<gid_t> lookup_group(const std::string& text) {
-  std::vector<char> buffer(kGroupBufferBytes);
-  group entry{};
-  group* found = nullptr;
-  const bool numeric = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
-  if (numeric) {
-    const unsigned long gid = std::strtoul(text.c_str(), nullptr, 10);
-    if (getgrgid_r(static_cast<gid_t>(gid), &entry, buffer.data(), buffer.size(), &found) != 0 ||
-        found == nullptr) {
-      // A gid without a name is still a group the kernel knows.
-      return static_cast<gid_t>(gid);
-    }
-    return found->gr_gid;
-  }
-  if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
-    return std::nullopt;
-  }
-  return found->gr_gid;
+// Largest gid a setting may name: (gid_t)-1 tells chown() to leave the group alone.
+constexpr unsigned long long kMaxGroupId = static_cast<gid_t>(-1) - 1ull;
+constexpr std::size_t kMaxGroupIdDigits = 10;  // 4294967294
+
+std::string group_error(const std::string& text, const std::string& why) {
+  return std::string(kRegistryGroupEnv) + "='" + text + "' is invalid: " + why +
+         "; give a group name or a gid from 0 to " + std::to_string(kMaxGroupId) + kSecurityDoc;
 }
+
+std::mutex settings_mutex;
+std::optional<RegistrySettings> configured_settings;  // guarded by settings_mutex
 
 bool trusted_owner(uid_t owner) { return owner == geteuid() || owner == 0; }
 
+void check_parent(const std::string& parent, uid_t directory_owner, const AccessPolicy& policy,
+                  const std::string& setting) {
+  struct stat info {};
+  if (lstat(parent.c_str(), &info) != 0) {
+    if (errno == ENOENT) return;  // creating the directory says so, naming the missing parent
+    throw_os_error("lstat(" + parent + ")", errno);
+  }
+  // A link is as safe as the directory holding it (checked too) and where it
+  // leads (checked along the resolved path).
+  if (S_ISLNK(info.st_mode)) return;
+  const std::string where = "directory " + parent + " above the registry directory (" + setting + ")";
+  const bool sticky = info.st_mode & S_ISVTX;
+  if (!trusted_owner(info.st_uid) && info.st_uid != directory_owner) {
+    throw RegistryAccessDenied(where + " has " + describe_file(info) +
+                               ": its owner could move the registry directory away or replace "
+                               "it. Use a registry directory whose parents belong to root or "
+                               "to you" + kSecurityDoc);
+  }
+  if ((info.st_mode & S_IWOTH) && !sticky) {
+    throw RegistryAccessDenied(where + " is writable by every user without the sticky bit (mode " +
+                               octal_mode(info.st_mode) +
+                               "): anyone could rename the registry directory or replace it" +
+                               kSecurityDoc);
+  }
+  const bool group_trusted = policy.group && info.st_gid == *policy.group;
+  if ((info.st_mode & S_IWGRP) && !sticky && !group_trusted) {
+    throw RegistryAccessDenied(where + " is writable by group " + describe_group(info.st_gid) +
+                               " without the sticky bit, and " + group_hint(policy) +
+                               " does not name that group: its members could rename the registry "
+                               "directory or replace it" + kSecurityDoc);
+  }
+}
+
+// Whoever may rename an entry of a directory above the registry directory can
+// move the registry away from its path (engines already running keep using it,
+// new ones and kvctl see another) or put their own directory there. So every
+// directory above it must belong to root, the caller or the registry
+// directory's owner, and be writable by others only with the sticky bit (like
+// /tmp and /dev/shm: then only an entry's owner may rename it), by its group
+// only with the sticky bit or when that is the group of the setting. Both the
+// path as written and the one its symbolic links lead to are checked.
+void check_parents(const std::string& directory, uid_t directory_owner, const AccessPolicy& policy,
+                   const std::string& setting) {
+  std::vector<std::string> paths = {directory};
+  if (char* resolved = realpath(directory.c_str(), nullptr)) {
+    if (directory != resolved) paths.emplace_back(resolved);
+    std::free(resolved);
+  }
+  for (const std::string& path : paths) {
+    for (std::size_t slash = path.rfind('/'); slash != std::string::npos && slash > 0;
+         slash = path.rfind('/', slash - 1)) {
+      check_parent(path.substr(0, slash), directory_owner, policy, setting);
+    }
+    if (path.size() > 1) check_parent("/", directory_owner, policy, setting);
+  }
+}
+
 }  // namespace
 
-AccessPolicy AccessPolicy::from_environment() {
+AccessPolicy AccessPolicy::configured() {
   AccessPolicy policy;
-  const char* text = std::getenv(kRegistryGroupEnv);
-  if (text == nullptr || *text == '\0') return policy;
-  policy.group_text = text;
-  policy.group = lookup_group(text);
-  if (!policy.group) {
-    throw InvalidArgument(std::string(kRegistryGroupEnv) + "='" + text +
-                          "' names no group on this machine; give a group name or gid" +
-                          kSecurityDoc);
-  }
+  const RegistrySettings settings = registry_settings();
+  if (settings.group.empty()) return policy;
+  policy.group_text = settings.group;
+  policy.group = resolve_registry_group(settings.group);
   return policy;
 }
 
 std::string registry_directory() {
-  const char* text = std::getenv(kRegistryDirEnv);
-  std::string directory = (text && *text) ? text : kDefaultRegistryDir;
-  if (directory.front() != '/') {
-    // Processes started from different working directories would disagree.
-    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + directory +
-                          "' must be an absolute path");
-  }
+  std::string directory = registry_settings().directory;
   while (directory.size() > 1 && directory.back() == '/') directory.pop_back();
   return directory;
 }
@@ -83,9 +124,11 @@ std::string registry_directory() {
 void prepare_directory(const std::string& directory, const AccessPolicy& policy, bool create) {
   const std::string setting = std::string(kRegistryDirEnv) + "=" + directory;
   struct stat info {};
-  if (stat(directory.c_str(), &info) != 0) {
-    const int error = errno;
-    if (error != ENOENT) throw_os_error("stat(" + directory + ")", error);
+  const bool exists = stat(directory.c_str(), &info) == 0;
+  if (!exists && errno != ENOENT) throw_os_error("stat(" + directory + ")", errno);
+  // Before anything is created in them; a directory about to be made is the caller's.
+  check_parents(directory, exists ? info.st_uid : geteuid(), policy, setting);
+  if (!exists) {
     const std::size_t slash = directory.rfind('/');
     const std::string parent = slash == 0 ? "/" : directory.substr(0, slash);
     if (!create) {
@@ -209,3 +252,50 @@ void apply_policy(int fd, const std::string& path, const AccessPolicy& policy) {
 }
 
 }  // namespace kvcached::registry_detail
+
+namespace kvcached {
+
+using namespace registry_detail;
+
+gid_t resolve_registry_group(const std::string& text) {
+  const bool numeric = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  if (numeric) {
+    // Range-checked before the cast: a wider value would wrap to another group.
+    const std::size_t first_digit = text.find_first_not_of('0');
+    const std::size_t digits = first_digit == std::string::npos ? 1 : text.size() - first_digit;
+    if (digits > kMaxGroupIdDigits || std::stoull(text) > kMaxGroupId) {
+      throw InvalidArgument(group_error(text, "the gid is out of range"));
+    }
+    // A gid without a name is still a group the kernel knows.
+    return static_cast<gid_t>(std::stoull(text));
+  }
+  std::vector<char> buffer(kGroupBufferBytes);
+  group entry{};
+  group* found = nullptr;
+  if (getgrnam_r(text.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr) {
+    throw InvalidArgument(group_error(text, "it names no group on this machine"));
+  }
+  return found->gr_gid;
+}
+
+void configure_registry(const RegistrySettings& settings) {
+  if (settings.directory.empty() || settings.directory.front() != '/') {
+    // Processes started from different working directories would disagree.
+    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + settings.directory +
+                          "' must be an absolute path");
+  }
+  if (!settings.group.empty()) resolve_registry_group(settings.group);
+  std::lock_guard<std::mutex> lock(settings_mutex);
+  configured_settings = settings;
+}
+
+RegistrySettings registry_settings() {
+  std::lock_guard<std::mutex> lock(settings_mutex);
+  if (!configured_settings) {
+    throw InvalidArgument("the registry's directory and group are not configured: call "
+                          "configure_registry() first (Python does so from kvcached.config)");
+  }
+  return *configured_settings;
+}
+
+}  // namespace kvcached

@@ -7,10 +7,13 @@
 // limit, truncate it or corrupt it. A file is used only if it matches the
 // setting exactly: regular, no access for others, private and owned by the
 // caller (no group set) or shared with exactly the named group. The directory
-// (KVCACHED_REGISTRY_DIR, default /dev/shm; created 0700 / 0770 when missing)
+// (KVCACHED_REGISTRY_DIR; created 0700 / 0770 when missing)
 // must belong to the caller, root or that group, and must not let others
-// replace files in it (writable by others only with the sticky bit). Every
+// replace files in it (writable by others only with the sticky bit); the
+// directories above it must not let others rename it (belong to root, the
+// caller or its owner; writable by others only with the sticky bit). Every
 // refusal names the file and the setting. docs/security.md is the user's view.
+// Both settings come from configure_registry() (registry_settings.hpp), not the environment.
 #pragma once
 
 #include <sys/stat.h>
@@ -23,20 +26,20 @@ namespace kvcached::registry_detail {
 
 inline constexpr const char* kRegistryDirEnv = "KVCACHED_REGISTRY_DIR";
 inline constexpr const char* kRegistryGroupEnv = "KVCACHED_REGISTRY_GROUP";
-inline constexpr const char* kDefaultRegistryDir = "/dev/shm";
 inline constexpr const char* kSegmentPrefix = "kvcached-";
 
 struct AccessPolicy {
   std::optional<gid_t> group;  // KVCACHED_REGISTRY_GROUP, resolved
   std::string group_text;      // as the user wrote it
 
-  // Reads KVCACHED_REGISTRY_GROUP; InvalidArgument if it names no group.
-  static AccessPolicy from_environment();
+  // The group of the configured settings (registry_settings.hpp), resolved;
+  // InvalidArgument if it names no group.
+  static AccessPolicy configured();
   mode_t file_mode() const noexcept { return group ? 0660 : 0600; }
   mode_t directory_mode() const noexcept { return group ? 0770 : 0700; }
 };
 
-// KVCACHED_REGISTRY_DIR (absolute, without trailing '/') or /dev/shm.
+// The configured directory (registry_settings.hpp), without trailing '/'.
 std::string registry_directory();
 
 // Checks the directory against the policy. A missing directory is created with

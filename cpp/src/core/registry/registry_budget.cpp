@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "kvcached/registry/device_registry.hpp"
 #include "registry_lock.hpp"
@@ -45,6 +46,10 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
                              "judged dead); register again");
   }
   registry_detail::Layout& layout = segment_->layout();
+  // The one lie that would grant rather than refuse: a budget no device has.
+  if (layout.header.budget_bytes.load(std::memory_order_relaxed) > registry_detail::kMaxPlausibleBytes) {
+    segment_->check_table();
+  }
   const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
   const auto limit = registry_detail::limit_of(*entry);
   if (limit && bytes > saturating_sub(*limit, own_mapped)) {
@@ -65,8 +70,9 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
     }
   }
   if (!granted) {
+    segment_->check_table();  // refused because an entry lies? Say so instead.
     // Only a device-wide refusal is pressure on others; one's own limit is not.
-    entry->wanted_bytes.store(bytes, std::memory_order_relaxed);
+    entry->wanted_bytes.store(registry_detail::plausible_bytes(bytes), std::memory_order_relaxed);
     entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
     lock.confirm();
     return false;
@@ -100,13 +106,24 @@ std::size_t RegistryBudget::available_bytes() const {
   const EntryRecord* entry = owned_entry();
   if (entry == nullptr) return 0;
   const registry_detail::Layout& layout = segment_->layout();
-  const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  const std::size_t budget =
+      registry_detail::plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
   std::size_t available = saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
   if (const auto limit = registry_detail::limit_of(*entry)) {
     available = std::min(available,
                          saturating_sub(*limit, entry->mapped_bytes.load(std::memory_order_relaxed)));
   }
   return available;
+}
+
+void RegistryBudget::check_usable() const {
+  if (unregistered_.load()) return;  // unregistered on purpose: nothing to report
+  segment_->check_intact(/*check_path=*/false);
+  segment_->check_table();
+  if (owned_entry() == nullptr) {
+    throw BackendUnavailable("registry entry '" + name_ + "' in " + segment_->path() +
+                             " is gone (reclaimed because its pid was judged dead); register again");
+  }
 }
 
 std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
@@ -128,8 +145,9 @@ void RegistryBudget::report_usage(std::size_t used_bytes, std::size_t mapped_byt
   EntryRecord* entry = owned_entry();
   if (entry == nullptr) return;
   // Display-only fields, each written by its owner alone: no lock needed.
-  entry->used_bytes.store(used_bytes, std::memory_order_relaxed);
-  entry->reported_mapped_bytes.store(mapped_bytes, std::memory_order_relaxed);
+  entry->used_bytes.store(registry_detail::plausible_bytes(used_bytes), std::memory_order_relaxed);
+  entry->reported_mapped_bytes.store(registry_detail::plausible_bytes(mapped_bytes),
+                                     std::memory_order_relaxed);
 }
 
 void RegistryBudget::report_worker_errors(std::uint64_t worker_errors) noexcept {
@@ -146,7 +164,10 @@ std::size_t RegistryBudget::pressure_bytes() const noexcept {
     const EntryRecord& entry = segment_->entry(slot);
     if (!registry_detail::slot_active(entry)) continue;
     if (now - entry.wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs) {
-      wanted += entry.wanted_bytes.load(std::memory_order_relaxed);
+      // Read without the lock: a lying entry saturates (the next locked call refuses the file).
+      if (__builtin_add_overflow(wanted, entry.wanted_bytes.load(std::memory_order_relaxed), &wanted)) {
+        return std::numeric_limits<std::size_t>::max();
+      }
     }
   }
   return wanted;
@@ -166,7 +187,8 @@ void RegistryBudget::want(std::size_t bytes) noexcept {
   const std::int64_t now = registry_detail::monotonic_now_ns();
   const bool recent = now - entry->wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
   const std::size_t wanted = entry->wanted_bytes.load(std::memory_order_relaxed);
-  entry->wanted_bytes.store(recent ? std::max(wanted, bytes) : bytes, std::memory_order_relaxed);
+  entry->wanted_bytes.store(registry_detail::plausible_bytes(recent ? std::max(wanted, bytes) : bytes),
+                            std::memory_order_relaxed);
   entry->wanted_at_ns.store(now, std::memory_order_relaxed);
 }
 

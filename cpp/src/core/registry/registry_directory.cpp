@@ -125,7 +125,7 @@ RegistryFileInfo inspect(const std::string& directory, const std::string& file_n
 // Calls `visit(info, stat)` for each "kvcached-*" entry of the registry directory, sorted.
 template <typename Visit>
 void for_each_registry_file(Visit visit) {
-  const AccessPolicy policy = AccessPolicy::from_environment();
+  const AccessPolicy policy = AccessPolicy::configured();
   const std::string directory = registry_directory();
   DIR* listing = opendir(directory.c_str());
   if (listing == nullptr) {

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <new>
 
 #include "kvcached/registry/registry_directory.hpp"
@@ -52,9 +53,44 @@ std::optional<std::string> header_mismatch(const Header& header, const std::stri
 std::size_t total_mapped_bytes(const Layout& layout) noexcept {
   std::size_t total = 0;
   for (const EntryRecord& entry : layout.entries) {
-    if (slot_active(entry)) total += entry.mapped_bytes.load(std::memory_order_relaxed);
+    if (!slot_active(entry)) continue;
+    if (__builtin_add_overflow(total, entry.mapped_bytes.load(std::memory_order_relaxed), &total)) {
+      return std::numeric_limits<std::size_t>::max();
+    }
   }
   return total;
+}
+
+namespace {
+
+std::optional<std::string> entry_lie(const EntryRecord& entry) {
+  const std::uint64_t state = entry.state.load(std::memory_order_acquire);
+  if (state != kSlotFree && state != kSlotActive) return "state " + std::to_string(state);
+  if (state != kSlotActive) return std::nullopt;
+  const std::int64_t pid = entry.pid.load(std::memory_order_relaxed);
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return "pid " + std::to_string(pid);
+  const std::pair<const char*, const Counter*> counts[] = {
+      {"mapped_bytes", &entry.mapped_bytes},
+      {"used_bytes", &entry.used_bytes},
+      {"reported mapped_bytes", &entry.reported_mapped_bytes},
+      {"wanted_bytes", &entry.wanted_bytes},
+  };
+  for (const auto& [field, counter] : counts) {
+    const std::uint64_t bytes = counter->load(std::memory_order_relaxed);
+    if (bytes > kMaxPlausibleBytes) return std::string(field) + " " + std::to_string(bytes);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> table_lie(const Layout& layout) {
+  const std::uint64_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  if (budget > kMaxPlausibleBytes) return "budget_bytes " + std::to_string(budget);
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    if (auto lie = entry_lie(layout.entries[slot])) return "slot " + std::to_string(slot) + ": " + *lie;
+  }
+  return std::nullopt;
 }
 
 }  // namespace kvcached::registry_detail

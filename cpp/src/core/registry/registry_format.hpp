@@ -28,6 +28,9 @@ inline constexpr std::uint32_t kRegistryLayoutVersion = 2;
 inline constexpr std::uint64_t kNoLimit = UINT64_MAX;
 inline constexpr std::uint64_t kSlotFree = 0;
 inline constexpr std::uint64_t kSlotActive = 1;
+// No device has more memory than the largest reservation a KV layout allows
+// (2^56 bytes): a budget or byte count above it in the file cannot be true.
+inline constexpr std::uint64_t kMaxPlausibleBytes = std::uint64_t{1} << 56;
 
 using Counter = std::atomic<std::uint64_t>;
 using SignedCounter = std::atomic<std::int64_t>;
@@ -102,7 +105,20 @@ inline std::optional<std::size_t> limit_of(const EntryRecord& entry) noexcept {
 
 inline std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept { return a > b ? a - b : 0; }
 
-// Sum of every active entry's mapped bytes.
+// What kvcached itself writes into a byte count: an absurd request (alloc of 2^40 blocks) is
+// recorded as the most any device has, never as a value table_lie would refuse the file for.
+inline std::size_t plausible_bytes(std::size_t bytes) noexcept {
+  return bytes < kMaxPlausibleBytes ? bytes : kMaxPlausibleBytes;
+}
+
+// Sum of every active entry's mapped bytes; SIZE_MAX (no room) if the sum
+// overflows, so a lock-free reader of a lying table errs on the safe side.
 std::size_t total_mapped_bytes(const Layout& layout) noexcept;
+
+// The first value in the table that cannot be true (a slot state other than
+// free or active, a pid outside pid_t's positive range, a budget or byte count
+// above kMaxPlausibleBytes), described for a message; nullopt when none. Read
+// under the lock, or from a private copy.
+std::optional<std::string> table_lie(const Layout& layout);
 
 }  // namespace kvcached::registry_detail

@@ -129,6 +129,11 @@ FileVerdict inspect_registry_file(int fd, const struct stat& info) {
     verdict.why = "has a different table size (made by another kvcached build)";
     return verdict;
   }
+  if (auto lie = table_lie(*layout)) {
+    verdict.kind = FileVerdict::damaged;
+    verdict.why = "holds a value that cannot be true (" + *lie + ")";
+    return verdict;
+  }
   verdict.kind = FileVerdict::current;
   verdict.device.assign(header.device, strnlen(header.device, sizeof header.device));
   for (const EntryRecord& entry : layout->entries) {

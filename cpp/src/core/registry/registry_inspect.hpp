@@ -17,7 +17,7 @@ struct FileVerdict {
   enum Kind {
     current,        // layout version 2, whole
     old_style,      // layout version 1
-    damaged,        // ours but truncated, or empty
+    damaged,        // ours but truncated, empty, or holding impossible values
     foreign,        // not a kvcached registry
     other_version,  // a version this build does not know (maybe newer): never removed
   };

@@ -72,6 +72,14 @@ RegistryLock::RegistryLock(Segment& segment, LockCheck check) : segment_(segment
     pthread_mutex_unlock(&header.mutex);
     segment.throw_unusable();
   }
+  if (check == LockCheck::attached) return;  // hot paths: see LockCheck
+  try {
+    segment.check_table();  // a lying entry must not steer this section (sums, liveness)
+  } catch (...) {
+    header.lock_owner_pid.store(0, std::memory_order_relaxed);
+    pthread_mutex_unlock(&header.mutex);
+    throw;
+  }
 }
 
 RegistryLock::~RegistryLock() {

@@ -34,16 +34,20 @@ inline constexpr std::int64_t kLockTimeoutNs = 5'000'000'000;
 // What a RegistryLock checks before taking the lock. Hot paths (a page's
 // try_acquire / release) skip the system calls: a shrunk file faults on the
 // lock itself (fault_guard.hpp), and confirm() checks the rest afterwards.
+// They also skip the scan for impossible values: a lie in an entry can only
+// make them refuse (sums saturate, a pid no process has is dead); try_acquire
+// scans before it refuses, and when the budget itself is impossible.
 enum class LockCheck {
   attached,   // the segment is not detached and its header intact (memory reads)
-  file,       // also fstat: whole, still linked, header intact
+  file,       // also fstat: whole, still linked, header intact; and the table scan
   file_path,  // also that the path still names this file (slow paths)
 };
 
 class RegistryLock {
  public:
-  // Checks the segment as asked, then takes the lock. Throws RegistryUnusable,
-  // or DriverError when the lock stays held past the timeout.
+  // Checks the segment as asked, then takes the lock, then (unless `attached`)
+  // checks that the table holds no impossible value (Segment::check_table). Throws
+  // RegistryUnusable, or DriverError when the lock stays held past the timeout.
   explicit RegistryLock(Segment& segment, LockCheck check = LockCheck::file_path);
   ~RegistryLock();
   RegistryLock(const RegistryLock&) = delete;

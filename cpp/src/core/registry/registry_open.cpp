@@ -171,7 +171,7 @@ std::string registry_path(const std::string& device) {
 
 std::shared_ptr<Segment> open_or_create_segment(const std::string& device,
                                                 std::optional<std::size_t> budget_bytes) {
-  const AccessPolicy policy = AccessPolicy::from_environment();
+  const AccessPolicy policy = AccessPolicy::configured();
   const std::string directory = registry_directory();
   const std::string path = directory + "/" + kSegmentPrefix + device;
   prepare_directory(directory, policy, budget_bytes.has_value());

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kvcached/error.hpp"
@@ -72,12 +73,17 @@ ProcState read_proc_stat(std::int64_t pid, std::uint64_t& start_ticks) {
 
 std::optional<std::uint64_t> live_process_start_ticks(std::int64_t pid) {
   std::uint64_t start_ticks = 0;
-  if (pid <= 0 || read_proc_stat(pid, start_ticks) != ProcState::running) return std::nullopt;
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max() ||
+      read_proc_stat(pid, start_ticks) != ProcState::running) {
+    return std::nullopt;
+  }
   return start_ticks;
 }
 
 bool process_alive(std::int64_t pid, std::uint64_t start_ticks) {
-  if (pid <= 0) return false;
+  // Outside pid_t's positive range no process can have it (and the cast for
+  // kill() below would turn it into another pid, 0 being "my process group").
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return false;
   std::uint64_t actual_ticks = 0;
   switch (read_proc_stat(pid, actual_ticks)) {
     case ProcState::running:

@@ -60,7 +60,12 @@ void Segment::check_intact(bool check_path) {
     detach(kRemoved);
     throw_unusable();
   }
+  const std::int64_t now = monotonic_now_ns();
+  if (!check_path && now - path_checked_at_ns_.load(std::memory_order_relaxed) >= kPathCheckIntervalNs) {
+    check_path = true;
+  }
   if (check_path) {
+    path_checked_at_ns_.store(now, std::memory_order_relaxed);
     struct stat at_path {};
     if (lstat(path_.c_str(), &at_path) != 0) {
       detach(kRemoved);
@@ -82,15 +87,33 @@ void Segment::check_header() {
   check_attached();  // a fault while reading the header
 }
 
+void Segment::check_table() {
+  if (auto lie = table_lie(*layout_)) {
+    {
+      std::lock_guard<std::mutex> guard(lie_mutex_);
+      if (lie_.empty()) lie_ = *lie;
+    }
+    detach(kImpossible);
+    throw_unusable();
+  }
+}
+
 void Segment::throw_unusable() const {
   std::string what;
   switch (reason_.load()) {
+    case kImpossible: {
+      std::lock_guard<std::mutex> guard(lie_mutex_);
+      what = "holds a value that cannot be true (" + lie_ +
+             "): it was damaged or written by something other than kvcached";
+      break;
+    }
     case kTruncated:
     case kFaulted:
       what = "was truncated while this process used it (its shared state is gone)";
       break;
     case kRemoved:
-      what = "was removed while this process used it";
+      what = "was removed while this process used it (or moved: it, or a directory above it, "
+             "was renamed)";
       break;
     case kReplaced:
       what = "was replaced by another file while this process used it";

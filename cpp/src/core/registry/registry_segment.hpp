@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "registry_format.hpp"
@@ -12,6 +14,9 @@
 namespace kvcached::registry_detail {
 
 // Why a segment stopped being usable; 0 while it is.
+// How often the hot paths (try_acquire) also check that the path still names the file.
+inline constexpr std::int64_t kPathCheckIntervalNs = 100'000'000;
+
 enum DetachReason : int {
   kAttached = 0,
   kTruncated,    // the file shrank (seen by fstat)
@@ -19,6 +24,7 @@ enum DetachReason : int {
   kRemoved,      // the file was unlinked
   kReplaced,     // the path now names another file
   kOverwritten,  // the header no longer describes this device's registry
+  kImpossible,   // the table holds a value that cannot be true (table_lie)
 };
 
 // The mapped file. Shared by the DeviceRegistry and every RegistryBudget made
@@ -46,7 +52,10 @@ class Segment {
   bool detached() const noexcept { return reason_.load(std::memory_order_relaxed) != kAttached; }
   // Throws RegistryUnusable unless the file is still whole, still linked and
   // its header still this device's; detaches the segment first. With
-  // `check_path`, also that the path still names this file (one more syscall).
+  // `check_path`, also that the path still names this file (one more syscall);
+  // without, that too at most every kPathCheckIntervalNs, so an engine whose
+  // file or directory was renamed away stops taking memory from a budget that
+  // new engines no longer see.
   void check_intact(bool check_path);
   // Throws RegistryUnusable if detached.
   void check_attached() const;
@@ -54,6 +63,10 @@ class Segment {
   // describes this device's registry; memory reads only, no system call.
   // Called before every lock: a garbage mutex is never handed to pthreads.
   void check_header();
+  // Throws RegistryUnusable (detaching first) if the table holds a value that
+  // cannot be true. Exact under the lock; without it never a false alarm
+  // (writers store in-range values, an entry's fields before its state).
+  void check_table();
   [[noreturn]] void throw_unusable() const;
   // Stops using the file (idempotent; the first reason is kept).
   void detach(DetachReason reason) noexcept;
@@ -66,7 +79,10 @@ class Segment {
   dev_t file_device_ = 0;
   ino_t file_inode_ = 0;
   std::atomic<int> reason_{kAttached};
+  std::atomic<std::int64_t> path_checked_at_ns_{0};
   int watch_token_ = -1;
+  mutable std::mutex lie_mutex_;  // guards lie_ (messages only)
+  std::string lie_;               // what table_lie found, for kImpossible
 };
 
 }  // namespace kvcached::registry_detail

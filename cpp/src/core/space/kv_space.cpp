@@ -2,6 +2,7 @@
 #include "kvcached/space/kv_space.hpp"
 
 #include <algorithm>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -20,8 +21,13 @@ void check_listed_once(const std::vector<std::int64_t>& pages) {
 
 }  // namespace
 
+PageMetadataCost KVSpace::page_metadata_cost() noexcept {
+  return {sizeof(PageBacking) + sizeof(std::uint8_t), 0};
+}
+
 KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const KVSpaceOptions& options)
     : layout_(layout), options_(options), memory_(std::make_shared<KVMemory>()) {
+  check_page_metadata(layout_, page_metadata_cost(), "a KV space");
   const std::size_t granularity = device->granularity().minimum_bytes;
   if (layout_.config().page_bytes % granularity != 0) {
     throw InvalidArgument("page_bytes (" + std::to_string(layout_.config().page_bytes) +
@@ -36,8 +42,12 @@ KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const K
   while (aligned < alignment) aligned <<= 1;
   memory_->reservation = device->reserve(layout_.reservation_bytes(), aligned);
   base_ = memory_->reservation.base();
-  mapped_.resize(layout_.num_pages());
-  prepared_.assign(layout_.num_pages(), 0);
+  try {
+    mapped_.resize(layout_.num_pages());
+    prepared_.assign(layout_.num_pages(), 0);
+  } catch (const std::bad_alloc&) {
+    throw_page_metadata_exhausted(layout_, page_metadata_cost(), "a KV space");
+  }
   const bool splittable = options_.zero_backing && device->backend_name() != "host";  // host zeros are free
   frontier_pages_ = splittable ? std::min(options_.zero_frontier_pages, layout_.num_pages()) : 0;
   // What the first allocations need is ready at once, within a set-up budget
@@ -177,7 +187,7 @@ void KVSpace::map_checked_locked(const std::vector<std::int64_t>& pages) {
   // Every allocation is taken (created if no spare is left) before the first
   // map, as region-major maps do: one order for every batch, and a failed
   // create leaves nothing to unmap. On an H200 it was as fast as creating
-  // between the maps or faster (bench/create_overlap_probe.py, bench/RESULTS.md).
+  // between the maps or faster (bench/probes/create_overlap_probe.py, bench/RESULTS.md).
   std::vector<PageBacking> backings;
   backings.reserve(pages.size());
   std::size_t done = 0;

@@ -3,7 +3,7 @@
 // A per-layer page id has one allocation in each region (layer and K/V), the
 // regions far apart. Mapping a batch region by region puts consecutive driver
 // calls on neighbouring slots, which the CUDA driver handled faster than one
-// slot per region in turn on one H200 (bench/set_access_probe.py: set_access
+// slot per region in turn on one H200 (bench/probes/set_access_probe.py: set_access
 // 34.7 vs 38.7 µs per call; no difference on another). It is the reference
 // implementation's order too.
 #include <vector>

@@ -7,7 +7,7 @@ the free top of its heap back to the system once it exceeds a trim threshold
 faults the same memory in again, page by page. Whether that happens depends on
 what lies at the heap's top. SGLang's scheduler with kvcached took about
 250 000 minor page faults a pass, against about 2 000 without kvcached
-(``bench/sglang_e2e_paired.py``, ``bench/RESULTS.md``); SGLang's own slot
+(``bench/e2e/sglang_e2e_paired.py``, ``bench/RESULTS.md``); SGLang's own slot
 allocator replaces a free-list tensor at every cache flush, and the same
 allocation made by kvcached's allocator also stopped the trimming in an
 experiment. But SGLang without kvcached trimmed the same way in three of six
@@ -15,7 +15,7 @@ engine pairs: it is a matter of where glibc's heap top lies, so the remedy
 is glibc's setting, not an allocation placed by luck. vLLM's CPU worker is the
 same kind of process: in-process, kvcached's engine took about 180 faults a
 step more than vLLM's own, with no page mapped, and vLLM's own engines trim
-too, some more than others (``bench/vllm_e2e_paired.py --lockstep``).
+too, some more than others (``bench/e2e/vllm_e2e_paired.py --lockstep``).
 
 Approach: fix glibc's trim threshold at ``keep_bytes`` (freed heap memory up
 to that much stays with the process for its next step) and its mmap threshold

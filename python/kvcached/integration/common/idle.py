@@ -2,7 +2,7 @@
 
 Rationale. Giving KV memory back and taking it again is not free: on the host
 every 4 KiB page is allocated, zeroed and faulted in again (on the 2-core
-development VM about 8 ms per 12 MiB page id, ``bench/host_page_cost.py``: near
+development VM about 8 ms per 12 MiB page id, ``bench/probes/host_page_cost.py``: near
 0.1 s of CPU for the 144 MiB one pass of the end-to-end benchmark maps), on a
 GPU every page id costs driver calls. An engine whose bursts come a few seconds apart would pay
 it for every burst, while nobody else used the memory in between.

@@ -9,6 +9,9 @@ budget. A rank whose process is gone, or whose oldest unacknowledged batch is
 older than a bound, is declared lost (``mirror_lost``): what it held goes back
 to its device budget and the other ranks stop waiting for it. That is logged
 as an error: the rank's device may still hold its pages if it was only slow.
+A rank whose word cannot be a true acknowledgement (a batch never handed out,
+or lower than what it acknowledged before: a corrupt or hostile word) is
+declared lost the same way; one bad word never stops the deciding process.
 """
 
 from __future__ import annotations
@@ -74,13 +77,23 @@ class RankMirrors:
         seqs = self.board.seqs()
         if seqs != self._seen:
             for rank, (seq, seen) in enumerate(zip(seqs, self._seen)):
-                if seq > seen and rank not in self.lost:
-                    self.manager.acknowledge(rank, seq)
+                if seq != seen and rank not in self.lost:
+                    self._take_acknowledgement(rank, seq, seen)
             self._seen = seqs
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + CHECK_INTERVAL_S
             self.check_ranks()
+
+    def _take_acknowledgement(self, rank: int, seq: int, seen: int) -> None:
+        """Hands ``rank``'s new word to the manager, or declares the rank lost when the word is impossible."""
+        if seq < seen:
+            self.declare_lost(rank, f"its acknowledgement went back from {seen} to {seq} (a corrupt board word)")
+            return
+        try:
+            self.manager.acknowledge(rank, seq)
+        except ValueError as exc:  # the manager's own check: a batch it never handed out
+            self.declare_lost(rank, f"{exc} (a corrupt board word)")
 
     def check_ranks(self) -> list[int]:
         """Declares lost every rank whose process is gone or that stopped acknowledging; returns them."""

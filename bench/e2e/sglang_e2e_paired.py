@@ -1,0 +1,92 @@
+"""kvcached on and off in SGLang: two long-lived engines taking turns, pass by pass.
+
+The engines are ``sglang_e2e.py``'s (``sglang.Engine``, at most 32 running
+requests, 40 000 KV slots, page size 1, the radix cache on; on a machine without
+a GPU SGLang's CPU engine with the test suite's import shims), each told to sleep
+when idle (``sleep_on_idle``) so the waiting one stays quiet; pass k streams the
+96-request workload with prompt seed ``SEED + k`` through one, then the other,
+ABBA across passes (``e2e_paired.py`` says why and how). Every pass is reported,
+with the per-pass ratios on ÷ off, their medians and bootstrap 95 % intervals,
+the ratio of the pooled throughput, and the CPU seconds each engine's processes
+(front end, scheduler, detokenizer) spent in the pass.
+
+``--torch-threads N`` sets ``OMP_NUM_THREADS`` of both engines. By default
+SGLang's CPU engine computes on as many threads as there are cores; on the
+2-core development VM that is both cores, shared with the engine's front end
+and detokenizer, and one engine's throughput moved between 640 and 1200
+tokens/s from pass to pass. With one thread it stayed within 600-870; A/A
+runs of one engine pair still read 0.998 and 1.053 (a process's own speed), and
+over four pairs (``--restarts 4``) 1.007, every pair within 1.004-1.021
+(bench/RESULTS.md). One thread is also how vLLM's CPU backend runs there: it
+keeps a core for its scheduler process and computes on the others.
+
+    python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1]
+
+Needs SGLang 0.5.23 and transformers in the interpreter (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from e2e_common import WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_prompts, session_processes, timed_window
+from e2e_paired import (EngineProcess, add_setting_options, engine_settings, paired_parser, parse_paired, pass_prompts,
+                        run_paired, serve_if_child, serve_passes, settings_note)
+from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, prepare_model, stream_all, use_sglang_cpu
+
+
+def serve(spec_path: str, result_fd: int) -> None:
+    """The child: one engine, warmed up, serving passes until told to stop."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["cpu"]:
+        use_sglang_cpu()
+    import sglang as sgl
+
+    llm = sgl.Engine(model_path=spec["model"], sleep_on_idle=True, **ENGINE,
+                     **(CPU_ENGINE if spec["cpu"] else {"dtype": "bfloat16"}))
+    llm.loop.run_until_complete(stream_all(llm, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8))
+
+    def run_pass(k: int) -> dict:
+        if spec["flush_cache"]:
+            llm.flush_cache()  # both engines start every pass with an empty radix cache
+        before = session_processes()
+        result = llm.loop.run_until_complete(stream_all(llm, pass_prompts(k), WORKLOAD["new_tokens"]))
+        result["processes"] = timed_window(before, session_processes())
+        result["cpu_s"] = cpu_seconds(result["processes"])
+        states = llm.get_server_info().get("internal_states") or [{}]
+        if states[0].get("kvcached"):
+            result["kvcached_stats"] = states[0]["kvcached"]
+        return result
+
+    serve_passes(result_fd, run_pass)
+    llm.shutdown()
+
+
+def main() -> None:
+    serve_if_child(serve)
+    parser = paired_parser(__doc__, passes=30, timeout_s=600.0, gap_help="idle time before each pass")
+    parser.add_argument("--flush-cache", action="store_true",
+                        help="empty both engines' radix caches before every pass (without it the engine without "
+                             "kvcached keeps every pass's prefixes, while kvcached's idle release evicts them)")
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                        help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores)")
+    add_setting_options(parser)
+    args, out = parse_paired(parser)
+    if args.torch_threads is not None and args.torch_threads < 1:
+        parser.error("--torch-threads must be at least 1")
+    model, cpu = prepare_model(out)
+
+    def start_engine(on: bool) -> EngineProcess:
+        kvcached_on, extra = engine_settings(args, on)
+        threads = {} if args.torch_threads is None else {"OMP_NUM_THREADS": str(args.torch_threads)}
+        env = dict(engine_env(kvcached_on), **threads, **extra)
+        return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), env, on)
+
+    threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
+    run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
+               note="; ".join(filter(None, [threads_note, settings_note(args)])), restarts=args.restarts)
+
+
+if __name__ == "__main__":
+    main()
