@@ -101,9 +101,8 @@ std::vector<std::int64_t> ids_from(nb::handle ids) {
     return out;
   }
   if (PyIndex_Check(ids.ptr()) && !PyBool_Check(ids.ptr())) {  // one id (an int, a numpy integer)
-    throw nb::type_error(("ids must be a sequence or 1-D array of block ids, got the single id " + text_of(ids) +
-                          " (" + text_of(ids.type().attr("__name__")) + "): pass [" + text_of(ids) + "]")
-                             .c_str());
+    throw_invalid_type("ids must be a sequence or 1-D array of block ids, got the single id " + text_of(ids) + " (" +
+                       text_of(ids.type().attr("__name__")) + "): pass [" + text_of(ids) + "]");
   }
   if (!PySequence_Check(ids.ptr()) || PyUnicode_Check(ids.ptr()) || PyBytes_Check(ids.ptr())) {
     not_integer_ids("an object of type " + text_of(ids.type().attr("__name__")));
