@@ -1,5 +1,6 @@
 # Decides which GPU backends are built (KVCACHED_GPU_BACKENDS) and defines one
-# static library per backend that the Python modules and the benchmark link:
+# static library per backend that the Python modules and the benchmark link
+# (the host backend, kvcached_host_backend, is always built: CMakeLists.txt):
 #
 #   kvcached_cuda_backend  cpp/src/cuda, CUDA driver API, links libcuda
 #   kvcached_hip_backend   cpp/src/hip, HIP runtime, host compiler, links libamdhip64
@@ -158,8 +159,8 @@ function(kvcached_configure_gpu_backends)
     _kvcached_add_cuda_driver_target("${source_dir}")
     file(GLOB cuda_sources CONFIGURE_DEPENDS "${source_dir}/cpp/src/cuda/*.cpp")
     add_library(kvcached_cuda_backend STATIC ${cuda_sources})
-    target_include_directories(kvcached_cuda_backend PUBLIC
-      "${source_dir}/cpp/include" "${source_dir}/cpp/src")
+    target_include_directories(kvcached_cuda_backend PUBLIC "${source_dir}/cpp/include")
+    target_include_directories(kvcached_cuda_backend PRIVATE "${source_dir}/cpp/src")
     target_link_libraries(kvcached_cuda_backend PUBLIC kvcached_cuda_driver Threads::Threads)
     # Order the stub before anything that links it (-lcuda finds it by directory).
     add_dependencies(kvcached_cuda_backend kvcached_cuda_link_stub)
@@ -173,8 +174,8 @@ function(kvcached_configure_gpu_backends)
   if(build_hip)
     file(GLOB hip_sources CONFIGURE_DEPENDS "${source_dir}/cpp/src/hip/*.cpp")
     add_library(kvcached_hip_backend STATIC ${hip_sources})
-    target_include_directories(kvcached_hip_backend PUBLIC
-      "${source_dir}/cpp/include" "${source_dir}/cpp/src")
+    target_include_directories(kvcached_hip_backend PUBLIC "${source_dir}/cpp/include")
+    target_include_directories(kvcached_hip_backend PRIVATE "${source_dir}/cpp/src")
     # The HIP headers select their host-only API with this macro; no hipcc needed.
     target_include_directories(kvcached_hip_backend PRIVATE "${KVCACHED_HIP_INCLUDE_DIR}")
     target_compile_definitions(kvcached_hip_backend PRIVATE __HIP_PLATFORM_AMD__)

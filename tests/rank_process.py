@@ -13,7 +13,7 @@ from typing import Any
 
 def _serve(conn: Any, layout_bytes: bytes, rank: int, board_path: str, num_ranks: int) -> None:
     from kvcached.integration.common.acks import AckBoard
-    from kvcached.integration.common.devices import describe_rank
+    from kvcached.integration.common.rank_devices import describe_rank
     from kvcached.integration.common.space import WorkerSpace
 
     layout = pickle.loads(layout_bytes)

@@ -13,9 +13,9 @@ import pytest
 
 import kvcached
 from emulated_process import run_emulated
+from kvcached.devices import canonical_device_name, device_name_from_torch
 
 pytestmark = pytest.mark.emulation
-from kvcached.devices import canonical_device_name, device_name_from_torch
 
 CUDA_UUID = re.compile(r"cuda-GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 HIP_UUID = re.compile(r"hip-GPU-[0-9a-f]{16}")

@@ -9,9 +9,9 @@ import pytest
 from kvcached.errors import OutOfMemoryError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.blocks import EngineBlocks
-from kvcached.integration.common.devices import RankDevice, describe_rank
-from kvcached.integration.common.geometry import engine_layout, engine_page_bytes, stage_layout
+from kvcached.integration.common.engine_layout import engine_layout, engine_page_bytes, stage_layout
 from kvcached.integration.common.mirrors import process_alive
+from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
 from kvcached.pool import KVSpace
@@ -232,7 +232,7 @@ def _send(engine: EngineBlocks, ranks: list) -> None:
 
 def test_every_rank_maps_the_pages_and_is_charged_on_its_own_budget(two_ranks):
     engine, ranks, name = two_ranks
-    ids = engine.alloc(40)  # 3 pages, with the null block's
+    engine.alloc(40)  # 3 pages, with the null block's
     _send(engine, ranks)
     engine.poll_acknowledgements()
     stats = [rank.stats() for rank in ranks]
@@ -352,7 +352,7 @@ def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
 
     code = """
         import dataclasses, json, torch
-        from kvcached.integration.common.devices import describe_rank
+        from kvcached.integration.common.rank_devices import describe_rank
         {rocm}
         print(json.dumps(dataclasses.asdict(describe_rank(torch.device("cuda:{index}"), {rank}))))
     """

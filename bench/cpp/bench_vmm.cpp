@@ -25,15 +25,12 @@
 
 #include "kvcached/device/backend.hpp"
 
-#if __has_include("host/host_backend.hpp")
-#include "host/host_backend.hpp"
-#define KVCACHED_BENCH_HOST 1
-#endif
+#include "kvcached/backends/host_backend.hpp"
 #ifdef KVCACHED_BENCH_CUDA
-#include "cuda/cuda_backend.hpp"
+#include "kvcached/backends/cuda_backend.hpp"
 #endif
 #ifdef KVCACHED_BENCH_HIP
-#include "hip/hip_backend.hpp"
+#include "kvcached/backends/hip_backend.hpp"
 #endif
 
 namespace {
@@ -91,11 +88,9 @@ class Barrier {
 };
 
 std::shared_ptr<kvcached::VmmBackend> open_backend(const std::string& name) {
-  using namespace kvcached;  // make_host_backend may live in kvcached or at global scope
-#ifdef KVCACHED_BENCH_HOST
+  using namespace kvcached;
   // kvcached.config's defaults, passed explicitly: the C++ core reads no environment.
   if (name == "host") return make_host_backend({0, HostMemory::kSharedFiles, HostPopulate::kBackground});
-#endif
 #ifdef KVCACHED_BENCH_CUDA
   if (name == "cuda") return make_cuda_backend(0);
 #endif
@@ -106,10 +101,7 @@ std::shared_ptr<kvcached::VmmBackend> open_backend(const std::string& name) {
 }
 
 std::vector<std::string> compiled_backends() {
-  std::vector<std::string> names;
-#ifdef KVCACHED_BENCH_HOST
-  names.push_back("host");
-#endif
+  std::vector<std::string> names{"host"};
 #ifdef KVCACHED_BENCH_CUDA
   names.push_back("cuda");
 #endif

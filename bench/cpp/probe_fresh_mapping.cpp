@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "hip/hip_backend.hpp"
+#include "kvcached/backends/hip_backend.hpp"
 
 namespace {
 

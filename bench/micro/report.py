@@ -5,7 +5,7 @@
 Reads pytest-benchmark's JSON (``--benchmark-json``) and the custom results the
 tests write to ``$KVCACHED_BENCH_RESULTS`` (the decode trace), and prints:
 every benchmark per operation with its target and reference figure
-(bench/micro/reference_figures.py, taken from DESIGN.md), the set_access and
+(bench/micro/reference_figures.py, the one place they are written), the set_access and
 allocation-size comparisons, the layer gather per layout, and the trace.
 
 Targets and reference figures are H200 numbers: verdicts and ratios are given
@@ -219,7 +219,7 @@ def render(benches: list[dict], machine: dict, results: list[dict], title: str) 
                    f"({cpu}), Python {machine.get('python_version', '?')}.")
         out.append("")
     out.append("Times are per operation: a benchmark timing a batch is divided by the operations in it "
-               "(`/N`). Targets and references are H200 figures from DESIGN.md; the verdict and ratio "
+               "(`/N`). Targets and references are H200 figures from bench/micro/reference_figures.py; the verdict and ratio "
                "columns are filled for GPU rows only.")
     sections = [
         ("All benchmarks", main_table(benches) if benches else ""),

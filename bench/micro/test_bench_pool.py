@@ -1,7 +1,7 @@
 """KV pools: set-up, growing and shrinking page ids, the block allocator, a
 decode-like trace with the background worker, and reading one layer's blocks.
 
-Geometry (DESIGN.md's targets): 32 layers, K and V (2 buffers), 32 KiB blocks,
+Geometry (the targets' in reference_figures.py): 32 layers, K and V (2 buffers), 32 KiB blocks,
 2 MiB pages, 128 GiB of virtual space = 1024 page ids of 128 MiB each. The host
 runs the same geometry: its reservation is PROT_NONE address space, and only the
 physical pages a test maps count against the host backend's capacity.

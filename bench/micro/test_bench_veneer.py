@@ -1,6 +1,6 @@
 """The KVCacheManager veneer: alloc(16) + free through it against KVPool's, in the same run.
 
-Target (DESIGN.md): the veneer costs at most 1.5x KVPool. Both sit on equal pools (32 layers,
+Target (reference_figures.py): the veneer costs at most 1.5x KVPool. Both sit on equal pools (32 layers,
 K+V, 32 KiB blocks, 2 MiB pages, 128 GiB virtual, contiguous; background worker on, as engines
 run it) whose first page is mapped, so no call reaches the driver. pytest-benchmark times each
 on its own; test_veneer_ratio alternates them (rounds of ITERATIONS calls each, interleaved, so

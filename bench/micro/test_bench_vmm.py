@@ -1,6 +1,6 @@
 """Latency of the VMM contract (kvcached._core.Device), timed from Python.
 
-Compared with the driver floor in DESIGN.md. Covers its two facts worth
+Compared with the driver floor in reference_figures.py. Covers its two facts worth
 re-checking on every machine: cost follows the number of physical allocations,
 not their bytes; and how one set_access over many adjacent mappings compares
 with one call per mapping, for separate allocations and for the *same*
@@ -23,7 +23,7 @@ ALLOCATION_SIZES_MIB = (2, 8, 32, 64)
 
 
 def reserve_bytes(device_spec: str) -> int:
-    # 64 GiB like the DESIGN measurement; the host reserves (PROT_NONE) less.
+    # 64 GiB like the driver-floor measurement; the host reserves (PROT_NONE) less.
     return 64 * GiB if is_gpu(device_spec) else 4 * GiB
 
 

@@ -9,7 +9,7 @@ which prints one line ``RESULT {json}``. Every timed operation is also recorded
 (``samples``), and when the driver-call counter is preloaded
 (``bench/reference/driver_calls.py``) each operation's driver calls are summarised per operation.
 
-Geometry (DESIGN.md): 32 layers, K and V, 2 MiB pages, 128 GiB virtual, zero-backed.
+Geometry (the targets', bench/micro/reference_figures.py): 32 layers, K and V, 2 MiB pages, 128 GiB virtual, zero-backed.
 A page id is one 128 MiB compound page (contiguous) or 64 allocations of 2 MiB
 (per-layer). The reference's allocator benchmark uses its ``bench_alloc`` geometry.
 """

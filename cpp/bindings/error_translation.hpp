@@ -4,6 +4,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <string>
+
 #include "kvcached/error.hpp"
 
 namespace kvcached::bindings {
@@ -31,6 +33,13 @@ inline void raise_python_error(const char* class_name, const char* message) {
   PyErr_SetString(cls.ptr(), message);
 }
 
+// A Python argument of the wrong type: kvcached.errors.InvalidTypeError (a TypeError too).
+// Call with the GIL held.
+[[noreturn]] inline void throw_invalid_type(const std::string& message) {
+  raise_python_error("InvalidTypeError", message.c_str());
+  throw nb::python_error();
+}
+
 inline void install_error_translator() {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -42,7 +51,7 @@ inline void install_error_translator() {
     } catch (const BudgetExhausted& e) {
       raise_python_error("OutOfMemoryError", e.what());
     } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      raise_python_error("InvalidArgumentError", e.what());  // a ValueError too
     } catch (const BackendUnavailable& e) {
       raise_python_error("BackendUnavailableError", e.what());
     }

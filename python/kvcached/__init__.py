@@ -7,13 +7,14 @@ Backends: CUDA (driver VMM API), HIP, and host memory with the same semantics.
 
 from __future__ import annotations
 
-from kvcached import geometry
+from kvcached import geometry, tensor_views
 from kvcached.devices import BackendStatus, backends, default_device, open_device, parse_device
 from kvcached.errors import (
     BackendUnavailableError,
     ConfigurationError,
     DeviceOutOfMemoryError,
     DriverError,
+    InvalidArgumentError,
     KvcachedError,
     OutOfMemoryError,
 )
@@ -26,12 +27,14 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendStatus",
     "geometry",
+    "tensor_views",
     "BackendUnavailableError",
     "BlockManager",
     "BlockManagerOptions",
     "ConfigurationError",
     "DeviceOutOfMemoryError",
     "DriverError",
+    "InvalidArgumentError",
     "KVCacheManager",
     "KVLayout",
     "KVPool",

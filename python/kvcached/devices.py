@@ -17,7 +17,7 @@ import threading
 from typing import Any, Optional
 
 from kvcached import _core
-from kvcached.errors import BackendUnavailableError, KvcachedError
+from kvcached.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError, KvcachedError
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def backend_status(name: str) -> BackendStatus:
     if name == "host":
         return BackendStatus("host", True, 1)
     if name not in GPU_BACKEND_MODULES:
-        raise ValueError(f"unknown backend {name!r}; expected 'host', 'cuda' or 'hip'")
+        raise InvalidArgumentError(f"unknown backend {name!r}; expected 'host', 'cuda' or 'hip'")
     with _lock:
         if name not in _status_cache:
             _status_cache[name] = _probe_gpu_backend(name)
@@ -92,7 +92,7 @@ def device_name_from_torch(device: Any) -> str:
     if device.type == "cpu":
         return "cpu"
     if device.type != "cuda":
-        raise ValueError(f"kvcached has no backend for torch device type {device.type!r}")
+        raise InvalidArgumentError(f"kvcached has no backend for torch device type {device.type!r}")
     kind = "hip" if getattr(torch.version, "hip", None) else "cuda"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return f"{kind}:{index}"
@@ -112,13 +112,13 @@ def parse_device(spec: Any) -> tuple[str, int]:
     if not isinstance(spec, str) and hasattr(spec, "type") and hasattr(spec, "index"):
         spec = device_name_from_torch(spec)
     if not isinstance(spec, str):
-        raise TypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(spec).__name__}")
+        raise InvalidTypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(spec).__name__}")
     text = spec.strip().lower()
     if text in ("cpu", "host"):
         return "host", 0
     kind, _, index = text.partition(":")
     if kind not in ("cuda", "hip", "rocm") or (index and not index.isdigit()):
-        raise ValueError(f"bad device {spec!r}; expected 'cpu', 'cuda[:N]', 'hip[:N]' or 'rocm[:N]'")
+        raise InvalidArgumentError(f"bad device {spec!r}; expected 'cpu', 'cuda[:N]', 'hip[:N]' or 'rocm[:N]'")
     ordinal = int(index) if index else 0
     if kind == "rocm":
         kind = "hip"

@@ -38,6 +38,27 @@ class DeviceOutOfMemoryError(DriverError, OutOfMemoryError):
     """The device itself (or the host backend's capacity) has no memory left."""
 
 
+class InvalidArgumentError(KvcachedError, ValueError):
+    """A call broke a rule (bad size, unknown or repeated id, state conflict); nothing was changed.
+
+    Raised by the C++ core for every misuse; still a :class:`ValueError`, so
+    ``except ValueError`` keeps working.
+    """
+
+
+class InvalidTypeError(KvcachedError, TypeError):
+    """An argument of the wrong type (a device that is not a string, a dtype that is not one, ...)."""
+
+
+class IntegrationError(KvcachedError, RuntimeError):
+    """An engine integration met the engine in a state it was not written for; nothing was patched
+    further. The message says what happened; unsetting ``KVCACHED_ENABLE`` runs the engine without kvcached."""
+
+
+class DemoError(KvcachedError, RuntimeError):
+    """``kvcached demo``: an engine process failed, exited or did not finish in time."""
+
+
 class ConfigurationError(KvcachedError, ValueError):
     """A ``KVCACHED_*`` setting cannot be used; the message names the variable, its value and what is expected."""
 
@@ -76,6 +97,11 @@ __all__ = [
     "DriverError",
     "OutOfMemoryError",
     "DeviceOutOfMemoryError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "ConfigurationError",
+    "IntegrationError",
+    "DemoError",
     "BackendUnavailableError",
     "RegistryError",
     "RegistryNotFoundError",

@@ -43,7 +43,7 @@ from kvcached.cli_support import (
     report_failure,
     wants_json,
 )
-from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
+from kvcached.errors import InvalidArgumentError, KvcachedError, RegistryNotFoundError, RegistryUnusableError
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,
@@ -70,16 +70,16 @@ def _target(text: str) -> Union[int, bytes]:
     if text.startswith(NAME_PREFIX):
         name = text[len(NAME_PREFIX):]
         if not name:
-            raise ValueError(f"{text!r} names no instance: give a name after {NAME_PREFIX!r}")
+            raise InvalidArgumentError(f"{text!r} names no instance: give a name after {NAME_PREFIX!r}")
         return os.fsencode(name)
     digits = text.removeprefix(PID_PREFIX)
     if not (digits.isascii() and digits.isdigit()):
         if text.startswith(PID_PREFIX):
-            raise ValueError(f"{text!r} is not a process id: expected {PID_PREFIX}<digits>")
+            raise InvalidArgumentError(f"{text!r} is not a process id: expected {PID_PREFIX}<digits>")
         return os.fsencode(text)
     pid = int(digits)
     if not 0 < pid <= MAX_PID:
-        raise ValueError(f"{text!r} is not a process id (1 to {MAX_PID}); "
+        raise InvalidArgumentError(f"{text!r} is not a process id (1 to {MAX_PID}); "
                          f"for an instance named so, write {NAME_PREFIX}{digits}")
     return pid
 

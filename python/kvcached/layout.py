@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from kvcached import _core, config
+from kvcached.errors import InvalidArgumentError
 
 KVSpaceOptions = _core.KVSpaceOptions
 BlockManagerOptions = _core.BlockManagerOptions
@@ -101,7 +102,7 @@ class KVLayout(_core.KVLayout):
             if capacity_bytes is None:
                 dev = dev or _device_of(device)
                 if dev is None:
-                    raise ValueError("give num_blocks or capacity_bytes (without a device there is no default)")
+                    raise InvalidArgumentError("give num_blocks or capacity_bytes (without a device there is no default)")
                 capacity_bytes = dev.memory_info()[1]
             num_blocks = _core.KVLayout.for_capacity(
                 num_layers, block_bytes, capacity_bytes, page_bytes, num_buffers, kind

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcached import _core
 from kvcached.devices import default_device, open_device
-from kvcached.errors import OutOfMemoryError
+from kvcached.errors import InvalidArgumentError, InvalidTypeError, OutOfMemoryError
 from kvcached.layout import KVLayout, block_manager_options
 from kvcached.pool import KVPool
 
@@ -33,18 +33,18 @@ _MAX_COUNT = 2**63 - 1  # the largest count the core takes as it is
 def _check_count(name: str, value: Any) -> None:
     """Raises the error a block count ``value`` deserves (the slow path: plain small ints never get here)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
-        raise ValueError(f"{name} must not be negative, got {value}")
+        raise InvalidArgumentError(f"{name} must not be negative, got {value}")
     if value > _MAX_COUNT:
-        raise ValueError(f"{name}={value} is too large")
+        raise InvalidArgumentError(f"{name}={value} is too large")
 
 
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+        raise InvalidArgumentError(f"{name} must be positive, got {value}")
     return int(value)
 
 
@@ -153,7 +153,7 @@ class KVCacheManager:
         try:
             scale = _UNITS[unit.lower()]
         except KeyError:
-            raise ValueError(f"unit must be one of {sorted(_UNITS)}, got {unit!r}") from None
+            raise InvalidArgumentError(f"unit must be one of {sorted(_UNITS)}, got {unit!r}") from None
         mapped = self.pool.stats()["mapped_bytes"]
         return mapped if scale == 1 else mapped / scale
 
@@ -167,9 +167,9 @@ class KVCacheManager:
         if new_mem_size is None:
             return self.pool.resize(None)
         if isinstance(new_mem_size, bool) or not isinstance(new_mem_size, (int, np.integer)):
-            raise TypeError(f"new_mem_size must be an int or None, got {type(new_mem_size).__name__}")
+            raise InvalidTypeError(f"new_mem_size must be an int or None, got {type(new_mem_size).__name__}")
         if new_mem_size < 0:
-            raise ValueError(f"new_mem_size must not be negative, got {new_mem_size}")
+            raise InvalidArgumentError(f"new_mem_size must not be negative, got {new_mem_size}")
         return self.pool.resize(int(new_mem_size) * self.num_layers * self.num_kv_buffers)
 
     def trim(self) -> None:
@@ -194,12 +194,12 @@ class KVCacheManager:
         """
         import torch
 
-        from kvcached.geometry import strided_bytes_view
+        from kvcached.tensor_views import strided_bytes_view
 
         dtype = torch.uint8 if dtype is None else dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.cell_size % itemsize:
-            raise ValueError(f"cell_size {self.cell_size} is not a multiple of {dtype}'s {itemsize} bytes")
+            raise InvalidArgumentError(f"cell_size {self.cell_size} is not a multiple of {dtype}'s {itemsize} bytes")
         space = self.pool.space
         flat = torch.from_dlpack(space.tensor())
         shape = [self.num_kv_buffers, self.num_blocks, self.block_size, self.cell_size // itemsize]

@@ -15,6 +15,7 @@ import math
 import re
 from typing import Optional
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.sizes import MAX_SIZE_BYTES, format_bytes, parse_bytes
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -53,11 +54,11 @@ class Size:
         except ValueError as exc:
             # The parser's message starts with the quoted text, which Option.get shows already.
             reason = str(exc).split(" is not a size: ", 1)[-1]
-            raise ValueError(f"not a size ({reason}); expected {self.describe()}") from None
+            raise InvalidArgumentError(f"not a size ({reason}); expected {self.describe()}") from None
         if value == 0 and self.zero_means:
             return 0
         if value < self.minimum or value > self.maximum or value % self.multiple_of:
-            raise ValueError(f"{format_bytes(value)} ({value} bytes) is out of range: expected {self.describe()}")
+            raise InvalidArgumentError(f"{format_bytes(value)} ({value} bytes) is out of range: expected {self.describe()}")
         return value
 
     def describe(self) -> str:
@@ -81,10 +82,10 @@ class Count:
 
     def __call__(self, text: str) -> int:
         if not _DIGITS.fullmatch(text):
-            raise ValueError(f"not a count: expected {self.describe()}")
+            raise InvalidArgumentError(f"not a count: expected {self.describe()}")
         value = int(text)
         if not self.minimum <= value <= self.maximum:
-            raise ValueError(f"{value} is out of range: expected {self.describe()}")
+            raise InvalidArgumentError(f"{value} is out of range: expected {self.describe()}")
         return value
 
     def describe(self) -> str:
@@ -100,7 +101,7 @@ class Seconds:
     def __call__(self, text: str) -> float:
         value = float(text) if _DECIMAL.fullmatch(text) else math.nan
         if math.isnan(value) or math.isinf(value) or (value == 0 and not self.zero_means):
-            raise ValueError(f"not a usable number of seconds: expected {self.describe()}")
+            raise InvalidArgumentError(f"not a usable number of seconds: expected {self.describe()}")
         return value
 
     def describe(self) -> str:
@@ -115,7 +116,7 @@ class Fraction:
     def __call__(self, text: str) -> float:
         value = float(text) if _DECIMAL.fullmatch(text) else math.nan
         if not 0.0 < value <= 1.0:  # nan too
-            raise ValueError(f"not a fraction: expected {self.describe()}")
+            raise InvalidArgumentError(f"not a fraction: expected {self.describe()}")
         return value
 
     def describe(self) -> str:
@@ -132,7 +133,7 @@ class Boolean:
             return True
         if lowered in _FALSE_WORDS:
             return False
-        raise ValueError(f"not a boolean: expected {self.describe()}")
+        raise InvalidArgumentError(f"not a boolean: expected {self.describe()}")
 
     def describe(self) -> str:
         return "a boolean: 1/0, true/false, yes/no, on/off"
@@ -147,7 +148,7 @@ class Choice:
     def __call__(self, text: str) -> str:
         lowered = text.lower() if text.isascii() else ""
         if lowered not in self.choices:
-            raise ValueError(f"not a choice: expected {self.describe()}")
+            raise InvalidArgumentError(f"not a choice: expected {self.describe()}")
         return lowered
 
     def describe(self) -> str:
@@ -160,7 +161,7 @@ class AbsolutePath:
 
     def __call__(self, text: str) -> str:
         if not text.startswith("/"):
-            raise ValueError("must be an absolute path (processes started elsewhere would disagree)")
+            raise InvalidArgumentError("must be an absolute path (processes started elsewhere would disagree)")
         return text
 
     def describe(self) -> str:
@@ -192,7 +193,7 @@ class GroupName:
             resolve_registry_group(text)  # the same lookup the registry makes: one parser
         except ValueError as exc:
             # The core names the variable and the text itself; Option.get does that here.
-            raise ValueError(str(exc).split(f"'{text}' is invalid: ", 1)[-1]) from None
+            raise InvalidArgumentError(str(exc).split(f"'{text}' is invalid: ", 1)[-1]) from None
         return text
 
     def describe(self) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvcached import _core
 from kvcached.devices import default_device, open_device
+from kvcached.errors import InvalidArgumentError, InvalidTypeError
 from kvcached.layout import (
     BlockManagerOptions,
     KVLayout,
@@ -169,14 +170,14 @@ class BlockManager(_LayoutGeometry, _core.BlockManager):
         name: Optional[str] = None,
     ) -> None:
         if isinstance(mirrors, bool) or not isinstance(mirrors, (int, list, tuple)):
-            raise TypeError(f"mirrors must be a count or a list of Mirror, got {type(mirrors).__name__}")
+            raise InvalidTypeError(f"mirrors must be a count or a list of Mirror, got {type(mirrors).__name__}")
         if isinstance(mirrors, int):
             if mirrors < 1:
-                raise ValueError(f"mirrors must be at least 1, got {mirrors}")
+                raise InvalidArgumentError(f"mirrors must be at least 1, got {mirrors}")
             specs = [Mirror(budget) for _ in range(mirrors)]
         else:
             if budget is not None:
-                raise ValueError("with a list of Mirror, give each its budget there")
+                raise InvalidArgumentError("with a list of Mirror, give each its budget there")
             specs = list(mirrors)
         if options is None:
             options = block_manager_options(spares=False, background_worker=False)
@@ -256,11 +257,11 @@ class KVPool(BlockManager):
         dev = _open(device)
         if kv_layout is None:
             if num_layers is None or block_bytes is None:
-                raise TypeError("give num_layers and block_bytes, or a kv_layout")
+                raise InvalidTypeError("give num_layers and block_bytes, or a kv_layout")
             kv_layout = KVLayout(num_layers, block_bytes, num_blocks, num_buffers=num_buffers, page_bytes=page_bytes,
                                  kind=layout, capacity_bytes=capacity_bytes, device=dev)
         elif num_layers is not None or block_bytes is not None or num_blocks is not None or layout is not None:
-            raise TypeError("give the geometry either as arguments or as kv_layout, not both")
+            raise InvalidTypeError("give the geometry either as arguments or as kv_layout, not both")
         if options is None:
             options = block_manager_options(
                 null_block=null_block, limit_bytes=limit_bytes, min_reserve_pages=min_reserve_pages,

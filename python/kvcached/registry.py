@@ -51,6 +51,7 @@ from kvcached._core import (
     registry_device_kind,
 )
 from kvcached.errors import (
+    InvalidArgumentError,
     RegistryAccessError,
     RegistryError,
     RegistryNotFoundError,
@@ -116,7 +117,7 @@ def _identity_of(device: Any, local: str) -> str:
     identity = getattr(device, "canonical_name", None)
     if identity:
         if registry_device_kind(identity) != "gpu_identity":
-            raise ValueError(f"{local}: the backend reported {identity!r}, which is not a device identity")
+            raise InvalidArgumentError(f"{local}: the backend reported {identity!r}, which is not a device identity")
         return str(identity)
     backend, _, ordinal = local.partition(":")
     fallback = f"{backend}-index-{ordinal}"
@@ -144,7 +145,7 @@ def resolve_device(device: Union[str, Any]) -> DeviceName:
     text = device.strip()
     if not text.isascii():
         shown = text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
-        raise ValueError(f"unknown device {shown!r}: device names are ASCII")
+        raise InvalidArgumentError(f"unknown device {shown!r}: device names are ASCII")
     if text.lower() in _HOST_SPELLINGS:
         return DeviceName(HOST_DEVICE, HOST_DEVICE)
     try:
@@ -155,7 +156,7 @@ def resolve_device(device: Union[str, Any]) -> DeviceName:
     try:
         backend, ordinal = parse_device(text)
     except ValueError:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"unknown device {text!r}: expected 'cpu', a GPU as this process sees it ('cuda:0', 'hip:1') "
             "or a registry device name ('cuda-GPU-<uuid>', 'hip-pci-<bus id>', ...)"
         ) from None
@@ -173,7 +174,7 @@ def _gpu_total_bytes(device: str) -> int:
 
     name = resolve_device(device)
     if not name.local:
-        raise ValueError(f"cannot size a budget for {device!r}: name the device as this process sees it "
+        raise InvalidArgumentError(f"cannot size a budget for {device!r}: name the device as this process sees it "
                          "('cuda:0') or give its total memory")
     _free_bytes, total_bytes = open_device(name.local).memory_info()
     return int(total_bytes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvcached import _core
+from kvcached.errors import InvalidArgumentError, InvalidTypeError
 
 #: Largest size accepted: 2⁶³ − 1 bytes.
 MAX_SIZE_BYTES: int = int(_core.MAX_SIZE_BYTES)
@@ -40,12 +41,12 @@ def parse_bytes(text: str, what: Optional[str] = None) -> int:
     ``"KVCACHED_PAGE_BYTES"``.
     """
     if not isinstance(text, str):
-        raise TypeError(f"a size must be given as text, got {type(text).__name__}")
+        raise InvalidTypeError(f"a size must be given as text, got {type(text).__name__}")
     if not text.isascii():
         # Non-ASCII text (or bytes that were not UTF-8) can never be a size.
         shown = text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
         prefix = f"{what}=" if what else ""
-        raise ValueError(f"{prefix}{shown!r} is not a size: sizes are ASCII (e.g. 4096, 512MiB, 8G, 2GB)")
+        raise InvalidArgumentError(f"{prefix}{shown!r} is not a size: sizes are ASCII (e.g. 4096, 512MiB, 8G, 2GB)")
     return int(_core.parse_size_bytes(text, what or ""))
 
 

@@ -17,7 +17,7 @@
 #include "kvcached/registry/device_registry.hpp"
 #include "kvcached/registry/registry_settings.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "../../cpp/src/host/host_backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 

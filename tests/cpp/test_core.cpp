@@ -10,7 +10,7 @@
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/device/device.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "../../cpp/src/host/host_backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 

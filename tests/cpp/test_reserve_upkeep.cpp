@@ -13,7 +13,7 @@
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "../../cpp/src/host/host_backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 

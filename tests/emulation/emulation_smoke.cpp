@@ -18,10 +18,10 @@
 #ifdef KVCACHED_SMOKE_CUDA
 #include <cuda.h>
 
-#include "cuda/cuda_backend.hpp"
+#include "kvcached/backends/cuda_backend.hpp"
 #endif
 #ifdef KVCACHED_SMOKE_HIP
-#include "hip/hip_backend.hpp"
+#include "kvcached/backends/hip_backend.hpp"
 #endif
 
 namespace {

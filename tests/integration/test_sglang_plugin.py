@@ -55,7 +55,7 @@ def test_register_logs_and_survives_an_unsupported_sglang(no_flags, caplog):
     no_flags.setenv("KVCACHED_ENABLE", "1")
     no_flags.setattr(sglang, "__version__", "0.5.99")
     no_flags.setattr(plugin._plugin, "installed", {})
-    with caplog.at_level(logging.ERROR, logger="sglang.srt.kvcached"):
+    with caplog.at_level(logging.ERROR, logger="kvcached.integration.sglang"):
         plugin.register()  # must not raise: SGLang then runs without kvcached
     assert plugin._plugin.installed == {}
     assert "kvcached is NOT active" in caplog.text and "0.5.99" in caplog.text and "0.5.23" in caplog.text
@@ -101,7 +101,7 @@ def v():
 
 
 def _plan(v, name: str, limit_bytes=None):
-    from kvcached.integration.common.devices import describe_rank
+    from kvcached.integration.common.rank_devices import describe_rank
 
     settings = Settings(virtual_bytes=None, limit_bytes=limit_bytes, page_bytes=2 * MiB, name=name)
     return v.Plan(settings=settings, rank=describe_rank("cpu", 0), name=name, virtual_bytes=64 * MiB)
@@ -126,7 +126,7 @@ def test_an_engine_on_the_cpu_keeps_its_freed_heap(v, monkeypatch, keep_bytes):
     monkeypatch.setattr(plan_module, "keep_freed_heap", kept.append)
     settings = Settings(virtual_bytes=None, limit_bytes=None, page_bytes=2 * MiB, name="heap",
                         host_heap_keep_bytes=keep_bytes)
-    from kvcached.integration.common.devices import describe_rank
+    from kvcached.integration.common.rank_devices import describe_rank
 
     plan = v.Plan(settings=settings, rank=describe_rank("cpu", 0), name="heap", virtual_bytes=64 * MiB)
     with v.building(plan):
@@ -323,7 +323,7 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
         mambaish_config=None, use_mla_backend=False, post_capture_kv_active=False, device="cpu", gpu_id=0,
     )
     assert v.refusals(configurator) == ["tensor parallelism", "speculative decoding"]
-    with caplog.at_level(logging.ERROR, logger="sglang.srt.kvcached"):
+    with caplog.at_level(logging.ERROR, logger="kvcached.integration.sglang"):
         assert v.plan_for(configurator) is None
         assert v.plan_for(configurator) is None  # decided once
     assert caplog.text.count("kvcached is NOT active for this engine") == 1

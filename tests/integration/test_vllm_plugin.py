@@ -61,7 +61,7 @@ def test_register_logs_and_survives_an_unsupported_vllm(no_flags, caplog):
     no_flags.setenv("KVCACHED_ENABLE", "1")
     no_flags.setattr(vllm, "__version__", "0.99.0")
     no_flags.setattr(plugin._plugin, "installed", {})
-    with caplog.at_level(logging.ERROR, logger="vllm.kvcached"):
+    with caplog.at_level(logging.ERROR, logger="kvcached.integration.vllm"):
         plugin.register()  # must not raise: vLLM calls plugins unguarded
     assert plugin._plugin.installed == {}
     assert "kvcached is NOT active" in caplog.text and "0.32.x" in caplog.text
@@ -105,14 +105,14 @@ def _ranks(*hosts):
     import os
     import socket
 
-    from kvcached.integration.common.devices import RankDevice
+    from kvcached.integration.common.rank_devices import RankDevice
 
     return [RankDevice(rank=i, device="cpu", local_device="cpu", total_bytes=1 << 30, pid=os.getpid(),
                        host=host or socket.gethostname()) for i, host in enumerate(hosts)]
 
 
 def _layouts(*layers, block_bytes=4096):
-    from kvcached.integration.common.geometry import engine_layout
+    from kvcached.integration.common.engine_layout import engine_layout
 
     return [engine_layout(num_blocks=64, block_bytes=block_bytes, num_layers=n, num_buffers=1, page_bytes=64 << 10)
             for n in layers]
@@ -287,7 +287,7 @@ def test_the_pools_free_count_follows_kvcached_within_a_step_and_rereads_it_each
     from vllm.v1.core.block_pool import BlockPool
 
     from kvcached.integration.common.blocks import EngineBlocks
-    from kvcached.integration.common.geometry import engine_layout
+    from kvcached.integration.common.engine_layout import engine_layout
     from kvcached.integration.vllm.v0_32.block_pool import building, make_block_pool_class
     from kvcached.registry import registry_for
 

@@ -7,10 +7,9 @@
 
 #include <memory>
 
-#include "../../src/host/host_backend.hpp"
-#include "../../src/host/host_populator.hpp"
 #include "bindings.hpp"
 #include "configured_option.hpp"
+#include "kvcached/backends/host_backend.hpp"
 #include "kvcached/device/device.hpp"
 
 namespace nb = nanobind;

@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "bindings.hpp"
+#include "error_translation.hpp"
 #include "kv_values.hpp"
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
@@ -31,7 +32,7 @@ using AnyArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu>;
 using IdArrayOut = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 
 [[noreturn]] void not_integer_ids(const std::string& what) {
-  throw nb::type_error(("ids must be integer block ids, got " + what).c_str());
+  throw_invalid_type("ids must be integer block ids, got " + what);
 }
 
 template <typename T>
@@ -100,9 +101,8 @@ std::vector<std::int64_t> ids_from(nb::handle ids) {
     return out;
   }
   if (PyIndex_Check(ids.ptr()) && !PyBool_Check(ids.ptr())) {  // one id (an int, a numpy integer)
-    throw nb::type_error(("ids must be a sequence or 1-D array of block ids, got the single id " + text_of(ids) +
-                          " (" + text_of(ids.type().attr("__name__")) + "): pass [" + text_of(ids) + "]")
-                             .c_str());
+    throw_invalid_type("ids must be a sequence or 1-D array of block ids, got the single id " + text_of(ids) + " (" +
+                       text_of(ids.type().attr("__name__")) + "): pass [" + text_of(ids) + "]");
   }
   if (!PySequence_Check(ids.ptr()) || PyUnicode_Check(ids.ptr()) || PyBytes_Check(ids.ptr())) {
     not_integer_ids("an object of type " + text_of(ids.type().attr("__name__")));

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "bindings.hpp"
+#include "error_translation.hpp"
 #include "kv_values.hpp"
 
 namespace nb = nanobind;
@@ -22,9 +23,7 @@ namespace kvcached::bindings {
 
 std::size_t size_arg(const char* name, nb::handle value, bool allow_zero) {
   if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
-    throw nb::type_error((std::string(name) + " must be an integer, got " +
-                          text_of(value.type().attr("__name__")))
-                             .c_str());
+    throw_invalid_type(std::string(name) + " must be an integer, got " + text_of(value.type().attr("__name__")));
   }
   nb::object index = nb::steal(PyNumber_Index(value.ptr()));
   if (!index.is_valid()) throw nb::python_error();

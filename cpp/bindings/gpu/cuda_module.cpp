@@ -4,9 +4,9 @@
 
 #include <memory>
 
-#include "cuda/cuda_backend.hpp"
 #include "error_translation.hpp"
 #include "gpu/backend_capsule.hpp"
+#include "kvcached/backends/cuda_backend.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -11,7 +11,7 @@
 #include "configured_option.hpp"
 #include "error_translation.hpp"
 #include "gpu/backend_capsule.hpp"
-#include "hip/hip_backend.hpp"
+#include "kvcached/backends/hip_backend.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -4,7 +4,7 @@
 //
 // The primary context is the one the CUDA runtime (and so PyTorch) uses, so
 // memory mapped here is usable by their kernels without any peer set-up.
-#include "cuda/cuda_backend.hpp"
+#include "kvcached/backends/cuda_backend.hpp"
 
 #include <cuda.h>
 

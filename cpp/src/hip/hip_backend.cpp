@@ -6,7 +6,7 @@
 // run unchanged on ROCm 7.x (MI300X); names newer than 5.2 sit behind HIP_VERSION.
 // Never run on AMD hardware so far: see docs/amd.md for what is emulated, from
 // which public report, and what remains unverified.
-#include "hip/hip_backend.hpp"
+#include "kvcached/backends/hip_backend.hpp"
 
 #include <atomic>
 #include <chrono>

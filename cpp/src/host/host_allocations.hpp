@@ -30,16 +30,10 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kvcached/backends/host_backend.hpp"  // HostMemory
 #include "kvcached/device/backend.hpp"
 
 namespace kvcached {
-
-// KVCACHED_HOST_MEMORY (docs/configuration.md; shared files unless set).
-enum class HostMemory {
-  kAnonymous,   // 4 KiB pages, allocated at create
-  kHugePages,   // 2 MiB pages where the kernel allows them, allocated at create
-  kSharedFiles  // memfd files mapped shared
-};
 
 class HostAllocations {
  public:

@@ -1,7 +1,7 @@
 // Host backend: reservations are PROT_NONE anonymous mappings; physical
 // allocations are memfd files mapped shared (the default) or anonymous memory
 // moved into place by mremap (KVCACHED_HOST_MEMORY, host_allocations.hpp).
-#include "host_backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 #include "host_allocations.hpp"
 #include "host_populator.hpp"

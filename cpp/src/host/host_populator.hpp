@@ -18,7 +18,7 @@
 
 #include <cstddef>
 
-#include "kvcached/device/backend.hpp"
+#include "kvcached/backends/host_backend.hpp"
 
 namespace kvcached {
 
@@ -29,7 +29,7 @@ namespace kvcached {
 // fault in on first write.
 void populate_in_background(VirtualAddress address, std::size_t size_bytes) noexcept;
 
-// Blocks until every range queued so far has been populated (tests, benchmarks).
-void wait_for_population() noexcept;
+// wait_for_population() (kvcached/backends/host_backend.hpp) blocks until every
+// range queued so far has been populated.
 
 }  // namespace kvcached

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcached.errors import InvalidArgumentError
+
 WORD_BYTES = 8  # the pattern is written as int64 words
 HOST_DEVICES = ("cpu", "host")
 
@@ -23,7 +25,7 @@ def needs_torch(device: str) -> bool:
 def _strides_in_words(space: Any) -> tuple[int, ...]:
     """The ``[layer, buffer, block, word]`` strides of ``space``, checked on the corners."""
     if space.block_stride_bytes % WORD_BYTES or space.block_bytes % WORD_BYTES:
-        raise ValueError("block sizes must be multiples of 8 bytes for the demo's pattern")
+        raise InvalidArgumentError("block sizes must be multiples of 8 bytes for the demo's pattern")
     # The view is only right for a layout with uniform strides; prove it on the corners.
     for layer in (0, space.num_layers - 1):
         for buffer in (0, space.num_buffers - 1):
@@ -31,7 +33,7 @@ def _strides_in_words(space: Any) -> tuple[int, ...]:
                 expected = layer * space.layer_stride_bytes + buffer * space.buffer_stride_bytes
                 expected += block * space.block_stride_bytes
                 if space.offset_of(layer, buffer, block) != expected:
-                    raise ValueError(f"layout {space.layout!r} has no uniform block stride; use per_layer")
+                    raise InvalidArgumentError(f"layout {space.layout!r} has no uniform block stride; use per_layer")
     strides = (space.layer_stride_bytes, space.buffer_stride_bytes, space.block_stride_bytes)
     return tuple(stride // WORD_BYTES for stride in strides) + (1,)
 

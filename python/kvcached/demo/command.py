@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvcached.cli_support import EXIT_USAGE, check_settings, names_a_setting, report_failure
-from kvcached.errors import ConfigurationError, KvcachedError
+from kvcached.errors import ConfigurationError, InvalidArgumentError, KvcachedError
 from kvcached.registry import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -60,11 +60,11 @@ def _output_path(option: str, path: str) -> Path:
     target = Path(path)
     folder = target.parent
     if target.is_dir():
-        raise ValueError(f"{option} {path!r} is a directory; give a file name")
+        raise InvalidArgumentError(f"{option} {path!r} is a directory; give a file name")
     if not folder.is_dir():
-        raise ValueError(f"{option} {path!r}: the directory {str(folder)!r} does not exist")
+        raise InvalidArgumentError(f"{option} {path!r}: the directory {str(folder)!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path!r}: the directory {str(folder)!r} is not writable")
+        raise InvalidArgumentError(f"{option} {path!r}: the directory {str(folder)!r} is not writable")
     return target
 
 
@@ -76,7 +76,7 @@ def _plot_path(requested: Optional[str]) -> Optional[Path]:
         if requested is None:
             print("kvcached demo: no plot (pip install matplotlib, or 'kvcached[plot]', to get one)")
             return None
-        raise ValueError(f"--plot {requested!r} needs matplotlib: pip install matplotlib (or 'kvcached[plot]')")
+        raise InvalidArgumentError(f"--plot {requested!r} needs matplotlib: pip install matplotlib (or 'kvcached[plot]')")
     return _output_path("--plot", requested or DEFAULT_PLOT_PATH)
 
 
@@ -92,19 +92,19 @@ def _checked_config(args: argparse.Namespace) -> Any:
     try:
         device = resolve_device(args.device)
     except (KvcachedError, ValueError) as error:
-        raise ValueError(f"--device {args.device!r}: {error}") from None
+        raise InvalidArgumentError(f"--device {args.device!r}: {error}") from None
     if not device.local:
-        raise ValueError(f"--device {args.device!r}: name the device as this process sees it, e.g. cuda:0")
+        raise InvalidArgumentError(f"--device {args.device!r}: name the device as this process sees it, e.g. cuda:0")
     config = DemoConfig(engines=args.engines, duration_s=args.duration, seed=args.seed, budget_bytes=budget_bytes,
                         device=device.local, wait_timeout_s=args.wait_timeout)
     config.validate()
     _free_bytes, total_bytes = open_device(device.local).memory_info()
     if budget_bytes > total_bytes:
         capacity = " (KVCACHED_HOST_CAPACITY_BYTES sets it)" if device.local == "cpu" else ""
-        raise ValueError(f"--budget {format_bytes(budget_bytes)} is more than {device.local} has: "
+        raise InvalidArgumentError(f"--budget {format_bytes(budget_bytes)} is more than {device.local} has: "
                          f"{format_bytes(total_bytes)}{capacity}")
     if needs_torch(config.device) and not _installed("torch"):
-        raise ValueError(f"--device {config.device}: the demo checks GPU blocks through torch: pip install torch")
+        raise InvalidArgumentError(f"--device {config.device}: the demo checks GPU blocks through torch: pip install torch")
     return config
 
 

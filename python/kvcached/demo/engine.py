@@ -33,6 +33,7 @@ import numpy as np
 
 from kvcached.demo.block_pattern import BlockPattern, needs_torch
 from kvcached.demo.traffic import Request
+from kvcached.errors import DemoError
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ def _next_command(commands: Any) -> tuple:
         except queue.Empty:
             parent = multiprocessing.parent_process()
             if parent is not None and not parent.is_alive():
-                raise SystemExit(0)
+                raise SystemExit(0) from None
 
 
 def _serve_one_run(engine: int, name: str, shape: PoolShape, spec: RunSpec, commands: Any, events: Any) -> None:
@@ -305,7 +306,7 @@ def _serve_one_run(engine: int, name: str, shape: PoolShape, spec: RunSpec, comm
             events.put(("ready", engine, spec.run_name, None))
             command, start_monotonic = _next_command(commands)
             if command != "go":
-                raise RuntimeError(f"engine {engine}: expected 'go', got {command!r}")
+                raise DemoError(f"engine {engine}: expected 'go', got {command!r}")
             scheduler.run(start_monotonic)
             result = scheduler.result()
             result["used_blocks_at_end"] = pool.stats()["used_blocks"]
@@ -339,7 +340,7 @@ def engine_main(
             if message[0] == "stop":
                 return
             if message[0] != "run":
-                raise RuntimeError(f"engine {engine}: unknown command {message[0]!r}")
+                raise DemoError(f"engine {engine}: unknown command {message[0]!r}")
             _serve_one_run(engine, name, shape, message[1], commands, events)
     except BaseException:
         events.put(("error", engine, None, traceback.format_exc()))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from kvcached.demo.block_pattern import needs_torch
 from kvcached.demo.engine import PoolShape, engine_main
+from kvcached.errors import DemoError
 
 if TYPE_CHECKING:
     from kvcached.demo.run import DemoConfig, Geometry
@@ -74,10 +75,10 @@ class EngineFleet:
         except queue.Empty:
             event = None
         if event is not None and event[0] == "error":
-            raise RuntimeError(f"{engine_name(event[1])} failed:\n{event[3]}")
+            raise DemoError(f"{engine_name(event[1])} failed:\n{event[3]}")
         for process in self.processes:
             if event is None and process.exitcode not in (None, 0):
-                raise RuntimeError(f"{process.name} exited with code {process.exitcode}")
+                raise DemoError(f"{process.name} exited with code {process.exitcode}")
         return event
 
     def stop(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Protocol
 from kvcached.demo.engine import RunSpec
 from kvcached.demo.fleet import EngineFleet, engine_name
 from kvcached.demo.traffic import TrafficProfile, generate, make_profile
-from kvcached.errors import ConfigurationError, KvcachedError
+from kvcached.errors import ConfigurationError, DemoError, InvalidArgumentError, KvcachedError
 from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry, registry_for
 
 logger = logging.getLogger(__name__)
@@ -70,17 +70,17 @@ class DemoConfig:
     def validate(self) -> None:
         """Raises ValueError, naming the option, on settings the demo cannot run with."""
         if not 1 <= self.engines <= MAX_ENGINES:
-            raise ValueError(f"--engines must be between 1 and {MAX_ENGINES}, got {self.engines}")
+            raise InvalidArgumentError(f"--engines must be between 1 and {MAX_ENGINES}, got {self.engines}")
         if not (math.isfinite(self.duration_s) and 0 < self.duration_s <= MAX_DURATION_S):
-            raise ValueError(f"--duration must be a number of seconds in (0, {MAX_DURATION_S:g}], "
+            raise InvalidArgumentError(f"--duration must be a number of seconds in (0, {MAX_DURATION_S:g}], "
                              f"got {self.duration_s}")
         if not (math.isfinite(self.wait_timeout_s) and 0 <= self.wait_timeout_s <= MAX_DURATION_S):
-            raise ValueError(f"--wait-timeout must be a number of seconds in [0, {MAX_DURATION_S:g}], "
+            raise InvalidArgumentError(f"--wait-timeout must be a number of seconds in [0, {MAX_DURATION_S:g}], "
                              f"got {self.wait_timeout_s}")
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed must be a non-negative integer below 2**63, got {self.seed}")
+            raise InvalidArgumentError(f"--seed must be a non-negative integer below 2**63, got {self.seed}")
         if self.budget_bytes <= 0:
-            raise ValueError("--budget must be positive")
+            raise InvalidArgumentError("--budget must be positive")
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ def measure_geometry(config: DemoConfig) -> Geometry:
     finally:
         probe.close()
     if config.budget_bytes < page_id_bytes * config.engines:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"--budget {config.budget_bytes} bytes is too small: each of {config.engines} engines needs at "
             f"least one page id of {page_id_bytes} bytes in the static split, {page_id_bytes * config.engines} "
             "bytes in all"
@@ -213,7 +213,7 @@ def _drive_run(
     ready_deadline = time.monotonic() + READY_TIMEOUT_S
     while len(ready) < config.engines:
         if time.monotonic() > ready_deadline:
-            raise RuntimeError(f"engines not ready after {READY_TIMEOUT_S:.0f} s")
+            raise DemoError(f"engines not ready after {READY_TIMEOUT_S:.0f} s")
         event = fleet.next_event(timeout_s=1.0)
         if event is not None and event[0] == "ready":
             ready.add(event[1])
@@ -229,7 +229,7 @@ def _drive_run(
     while len(finished) < config.engines:
         now = time.monotonic()
         if now > run_deadline:
-            raise RuntimeError(f"the {run_name} run did not finish in time")
+            raise DemoError(f"the {run_name} run did not finish in time")
         if now >= next_sample:
             mapped = _sample(registry, names, counters, record, now - start)
             if observer is not None:
@@ -303,7 +303,7 @@ class DemoSetup:
         """Runs both runs for real and returns their raw records (see :mod:`kvcached.demo.summary`)."""
         config, geometry, registry = self.config, self.geometry, self.registry
         if geometry is None or registry is None:
-            raise RuntimeError("DemoSetup.run() needs the setup entered (use it as a context manager)")
+            raise DemoError("DemoSetup.run() needs the setup entered (use it as a context manager)")
         profile = make_profile(geometry.budget_blocks, config.engines, config.duration_s)
         schedules = generate(profile, config.seed)
         fleet: Optional[EngineFleet] = EngineFleet(config, geometry, self.registry_dir)

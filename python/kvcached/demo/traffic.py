@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kvcached.errors import InvalidArgumentError
+
 # A request's prompt fills this many blocks at prefill (uniform, inclusive).
 DEFAULT_PROMPT_BLOCKS = (8, 40)
 # Decoding adds one block per step, this many steps (uniform, inclusive).
@@ -91,7 +93,7 @@ def make_profile(
 ) -> TrafficProfile:
     """A profile whose busy engine needs ``busy_fraction`` of ``budget_blocks`` on average."""
     if budget_blocks <= 0 or num_engines <= 0 or duration_s <= 0:
-        raise ValueError("budget_blocks, num_engines and duration_s must be positive")
+        raise InvalidArgumentError("budget_blocks, num_engines and duration_s must be positive")
     block_seconds = mean_request_block_seconds()
     peaks = max(1, min(MAX_PEAKS_PER_ENGINE, int(duration_s // (num_engines * MIN_PHASE_S))))
     # Little's law: mean blocks in use = arrival rate x block-seconds per request.

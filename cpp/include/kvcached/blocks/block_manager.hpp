@@ -42,6 +42,7 @@
 #include "kvcached/blocks/page_op_log.hpp"
 #include "kvcached/blocks/reserve_policy.hpp"
 #include "kvcached/space/kv_layout.hpp"
+#include "kvcached/space/kv_space.hpp"
 #include "kvcached/space/page_metadata.hpp"
 
 namespace kvcached {

@@ -1,6 +1,7 @@
 // The backend contract: the virtual-memory primitives every device kind provides.
 //
-// One implementation per folder under cpp/src (host, cuda, hip). Implementations
+// One implementation per folder under cpp/src (host, cuda, hip), each created by
+// the factory its header in kvcached/backends/ declares. Implementations
 // are thin: they translate each call to the driver and report failures as
 // DriverError / DeviceOutOfMemory. Rule checking (alignment, overlaps, release
 // while mapped) lives once, in Device (device.hpp), so every backend refuses

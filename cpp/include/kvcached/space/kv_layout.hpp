@@ -8,7 +8,7 @@
 //    blocks back to back (block stride = block_bytes). A page id is one
 //    page_bytes chunk at the same offset of every region: L·B separate
 //    physical allocations, because CUDA cannot map one allocation at several
-//    offsets of it (DESIGN.md, measured facts).
+//    offsets of it (cuMemMap refuses a non-zero offset: docs/gpu-backends.md).
 //  * contiguous — a block is one run holding every layer and buffer
 //    (block stride = L·B·block_bytes). A page id is one *compound page* of
 //    L·B·page_bytes: one allocation, so growing is O(1) driver calls.

@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include "local_page_mapper.hpp"
+
 namespace kvcached {
 
 namespace {

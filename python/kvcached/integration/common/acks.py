@@ -31,6 +31,8 @@ import mmap
 import os
 from typing import Optional
 
+from kvcached.errors import IntegrationError, InvalidArgumentError
+
 _WORD_BYTES = 8
 
 
@@ -49,7 +51,7 @@ class AckBoard:
     def create(cls, num_ranks: int) -> "AckBoard":
         """A new board for ``num_ranks`` ranks (in the deciding process)."""
         if num_ranks <= 0:
-            raise ValueError(f"an acknowledgement board needs at least one rank, got {num_ranks}")
+            raise InvalidArgumentError(f"an acknowledgement board needs at least one rank, got {num_ranks}")
         fd = os.memfd_create("kvcached-acks", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, num_ranks * _WORD_BYTES)
@@ -64,13 +66,13 @@ class AckBoard:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise RuntimeError(
+            raise IntegrationError(
                 f"kvcached: cannot open the acknowledgement board {path} ({exc.strerror}); every rank "
                 "must run on the host of the process that decides blocks, as the same user"
             ) from None
         try:
             if os.fstat(fd).st_size < num_ranks * _WORD_BYTES:
-                raise RuntimeError(f"kvcached: {path} is not an acknowledgement board for {num_ranks} ranks")
+                raise IntegrationError(f"kvcached: {path} is not an acknowledgement board for {num_ranks} ranks")
             return cls(fd, path, num_ranks)
         except BaseException:
             os.close(fd)

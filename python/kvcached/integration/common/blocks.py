@@ -30,9 +30,10 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.integration.common.acks import AckBoard
-from kvcached.integration.common.devices import RankDevice
 from kvcached.integration.common.mirrors import RankMirrors
+from kvcached.integration.common.rank_devices import RankDevice
 from kvcached.layout import KVLayout, Mirror, block_manager_options, space_options
 
 
@@ -130,7 +131,7 @@ class EngineBlocks:
         from kvcached.pool import BlockManager
 
         if not len(layouts) == len(budgets) == len(ranks):
-            raise ValueError(f"{len(layouts)} layouts, {len(budgets)} budgets and {len(ranks)} ranks")
+            raise InvalidArgumentError(f"{len(layouts)} layouts, {len(budgets)} budgets and {len(ranks)} ranks")
         manager = BlockManager(
             layouts[0],
             # Page ops are taken at each engine step; a worker producing them in

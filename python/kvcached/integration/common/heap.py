@@ -35,7 +35,9 @@ import ctypes.util
 import logging
 from typing import Optional
 
-logger = logging.getLogger("kvcached.integration")
+from kvcached.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
 
 #: mallopt parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -74,7 +76,7 @@ def keep_freed_heap(keep_bytes: int, log: Optional[logging.Logger] = None) -> bo
     """
     log = log or logger
     if keep_bytes < 0:
-        raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        raise InvalidArgumentError(f"keep_bytes must be >= 0, got {keep_bytes}")
     if keep_bytes == 0:
         return False
     libc = _glibc()

@@ -38,9 +38,11 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from kvcached.errors import IntegrationError, InvalidArgumentError
+
 __all__ = ["IdleRelease"]
 
-logger = logging.getLogger("kvcached")
+logger = logging.getLogger(__name__)
 
 
 class IdleRelease:
@@ -63,9 +65,9 @@ class IdleRelease:
     def __init__(self, hold_s: float, budgets: Sequence[Any], *, max_hold_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not hold_s >= 0.0:
-            raise ValueError(f"hold_s must be >= 0, got {hold_s!r}")
+            raise InvalidArgumentError(f"hold_s must be >= 0, got {hold_s!r}")
         if not max_hold_s >= 0.0:
-            raise ValueError(f"max_hold_s must be >= 0, got {max_hold_s!r}")
+            raise InvalidArgumentError(f"max_hold_s must be >= 0, got {max_hold_s!r}")
         self.base_hold_s = hold_s
         self.max_hold_s = max(hold_s, max_hold_s) if hold_s > 0.0 else 0.0
         self.hold_s = hold_s  # the current hold (see the module's docstring)
@@ -120,7 +122,7 @@ class IdleRelease:
         ask the engine's own thread to look again (it runs on another thread).
         """
         if self._idle_since is None:
-            raise RuntimeError("wake_when_due() outside an idle period (call due() first)")
+            raise IntegrationError("wake_when_due() outside an idle period (call due() first)")
         with self._cond:
             if self._closed:
                 return

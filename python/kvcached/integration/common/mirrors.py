@@ -20,8 +20,9 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.integration.common.acks import AckBoard
-from kvcached.integration.common.devices import RankDevice
+from kvcached.integration.common.rank_devices import RankDevice
 
 _logger = logging.getLogger(__name__)
 #: Seconds between two checks for dead or stalled ranks (acknowledgements are read every poll).
@@ -60,7 +61,7 @@ class RankMirrors:
         is_alive: Callable[[int], bool] = process_alive,
     ) -> None:
         if manager.num_mirrors != len(ranks) or board.num_ranks != len(ranks):
-            raise ValueError(f"{len(ranks)} ranks, {manager.num_mirrors} mirrors, {board.num_ranks} board slots")
+            raise InvalidArgumentError(f"{len(ranks)} ranks, {manager.num_mirrors} mirrors, {board.num_ranks} board slots")
         self.manager = manager
         self.board = board
         self.ranks = list(ranks)

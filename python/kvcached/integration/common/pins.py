@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvcached.errors import InvalidArgumentError
+
 #: The pins file, ``NAME=value`` lines (shell syntax) and ``#`` comments.
 PINS_FILE = Path(__file__).with_name("engine_pins.env")
 _LINE = re.compile(r"([A-Z_]+)=([0-9A-Za-z.+,-]+)")
@@ -23,7 +25,7 @@ def read_pins(path: Path = PINS_FILE) -> dict[str, str]:
             continue
         match = _LINE.fullmatch(line)
         if match is None:
-            raise ValueError(f"{path}:{number}: expected NAME=version, got {line!r}")
+            raise InvalidArgumentError(f"{path}:{number}: expected NAME=version, got {line!r}")
         pins[match.group(1)] = match.group(2)
     return pins
 

@@ -2,7 +2,7 @@
 
 An engine registers once per rank, before it creates the block manager that
 decides its blocks: each rank's entry is in the registry of that rank's
-physical device (:class:`~kvcached.integration.common.devices.RankDevice`),
+physical device (:class:`~kvcached.integration.common.rank_devices.RankDevice`),
 named after the engine, with the rank and the index it sees as its local device.
 Each entry's budget is the one that rank's memory is charged on (a
 :class:`kvcached.layout.Mirror` each), so ``kvctl list`` shows every rank and
@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
-from kvcached.integration.common.devices import RankDevice
+from kvcached.errors import IntegrationError
+from kvcached.integration.common.rank_devices import RankDevice
 
 _logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def register_rank(
     """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
 
     The registry exists already: the rank's process created it
-    (:func:`~kvcached.integration.common.devices.describe_rank`), so this
+    (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
     process never opens the device. The limit lives in the registry, so
     ``kvctl set-limit`` can change it later.
     """
@@ -35,7 +36,7 @@ def register_rank(
     existing = registry.open_existing(rank.device)
     if existing is None:
         if rank.device != registry.HOST_DEVICE:
-            raise RuntimeError(f"kvcached: no registry for {rank.device}; the rank holding it should have created it")
+            raise IntegrationError(f"kvcached: no registry for {rank.device}; the rank holding it should have created it")
         existing = registry.registry_for(rank.device)
     budget = existing.register(name, limit_bytes=limit_bytes, local_device=rank.label)
     (logger or _logger).info(

@@ -28,9 +28,12 @@ from kvcached.integration.common.front_door import (
     UnsupportedEngineVersion,
     VersionPolicy,
 )
+from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.settings import is_enabled
 
-logger = logging.getLogger("sglang.srt.kvcached")
+# Under kvcached's logger, and also written through SGLang's handlers, if it has its own.
+logger = logging.getLogger(__name__)
+route_to_engine_log(logger, "sglang")
 
 
 class UnsupportedSGLangVersion(UnsupportedEngineVersion):

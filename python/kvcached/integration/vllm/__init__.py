@@ -36,10 +36,12 @@ from kvcached.integration.common.front_door import (
     UnsupportedEngineVersion,
     VersionPolicy,
 )
+from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.settings import is_enabled
 
-# A child of vLLM's logger, so messages appear in vLLM's log stream and format.
-logger = logging.getLogger("vllm.kvcached")
+# Under kvcached's logger, and also written through vLLM's handlers (vLLM's stream and format).
+logger = logging.getLogger(__name__)
+route_to_engine_log(logger, "vllm")
 
 
 class UnsupportedVLLMVersion(UnsupportedEngineVersion):

@@ -84,6 +84,7 @@ from typing import Any, Optional
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.front_door import PatchPoint
 from kvcached.integration.common.settings import Settings
 
@@ -121,7 +122,7 @@ def _hook_resolve_kv_pool_class(original: Any, configurator: Any, *, kind: str, 
         return pool_class
     ours = {MHATokenToKVPool: KvcachedMHATokenToKVPool, MLATokenToKVPool: KvcachedMLATokenToKVPool}
     if pool_class not in ours:
-        raise RuntimeError(f"kvcached cannot back SGLang's {pool_class.__name__}; unset KVCACHED_ENABLE")
+        raise IntegrationError(f"kvcached cannot back SGLang's {pool_class.__name__}; unset KVCACHED_ENABLE")
     return ours[pool_class]
 
 

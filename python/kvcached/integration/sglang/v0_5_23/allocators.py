@@ -11,14 +11,14 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToK
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
-from kvcached.errors import OutOfMemoryError
+from kvcached.errors import IntegrationError, OutOfMemoryError
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.idle import IdleRelease
 
 from . import plan as _plan
 from .sleep_waker import SleepWaker
 
-logger = logging.getLogger("sglang.srt.kvcached")
+logger = logging.getLogger(__name__)
 #: How long the last running request waits for memory before SGLang aborts it.
 LAST_REQUEST_WAIT_S = 30.0
 
@@ -203,7 +203,7 @@ class KvcachedPagedTokenToKVPoolAllocator(_KvcachedAllocator, PagedTokenToKVPool
         if out is None:
             self._release_ids(pages)
         elif leftover.numel():
-            raise RuntimeError(f"kvcached: SGLang used {page_count - leftover.numel()} of {page_count} pages")
+            raise IntegrationError(f"kvcached: SGLang used {page_count - leftover.numel()} of {page_count} pages")
         return out
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:

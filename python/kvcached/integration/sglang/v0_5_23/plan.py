@@ -12,14 +12,15 @@ from typing import Any, Iterator, Optional
 import torch
 
 from kvcached.devices import parse_device
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.blocks import EngineBlocks
-from kvcached.integration.common.devices import RankDevice, describe_rank
 from kvcached.integration.common.heap import keep_freed_heap
+from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.registration import register_rank
 from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
 
-logger = logging.getLogger("sglang.srt.kvcached")
+logger = logging.getLogger(__name__)
 
 
 # ServerArgs attribute -> (unsupported when, what it is). Checked before sizing,
@@ -153,7 +154,7 @@ def require_plan(pool: Any) -> Plan:
     """The plan of the engine building ``pool`` (see :func:`building`)."""
     plan = _current_plan.get()
     if plan is None:
-        raise RuntimeError(f"kvcached: {type(pool).__name__} built outside an engine kvcached plans for")
+        raise IntegrationError(f"kvcached: {type(pool).__name__} built outside an engine kvcached plans for")
     return plan
 
 

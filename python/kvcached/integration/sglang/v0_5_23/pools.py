@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
-from kvcached.geometry import sglang_views, strided_bytes_view
-from kvcached.integration.common.geometry import engine_layout
+from kvcached.errors import IntegrationError
+from kvcached.integration.common.engine_layout import engine_layout
+from kvcached.integration.sglang.token_views import sglang_views
+from kvcached.tensor_views import strided_bytes_view
 
 from .plan import require_plan
 
@@ -16,7 +18,7 @@ class KvcachedMHATokenToKVPool(MHATokenToKVPool):
 
     def _create_buffers_normal(self) -> None:
         if self.kv_cache_layout != "nhd":
-            raise RuntimeError(f"kvcached backs only SGLang's NHD KV layout, not {self.kv_cache_layout!r}")
+            raise IntegrationError(f"kvcached backs only SGLang's NHD KV layout, not {self.kv_cache_layout!r}")
         plan = require_plan(self)
         rows = self.size + self.page_size  # slot 0's page pads dummy writes
         item = torch.empty((), dtype=self.store_dtype).element_size()
@@ -40,7 +42,7 @@ class KvcachedMLATokenToKVPool(MLATokenToKVPool):
 
     def _create_buffers(self) -> None:
         if self.use_dsa or self.kv_cache_dim != self.kv_lora_rank + self.qk_rope_head_dim:
-            raise RuntimeError("kvcached backs only plain MLA pools (no DSA, no packed FP8 rows)")
+            raise IntegrationError("kvcached backs only plain MLA pools (no DSA, no packed FP8 rows)")
         plan = require_plan(self)
         rows = self.size + self.page_size
         item = torch.empty((), dtype=self.store_dtype).element_size()

@@ -16,7 +16,7 @@ import contextvars
 import itertools
 from typing import Any, Optional
 
-from kvcached.errors import KvcachedError
+from kvcached.errors import IntegrationError, KvcachedError
 
 
 class KVCachePoolExhausted(KvcachedError, ValueError):
@@ -61,7 +61,7 @@ def make_block_pool_class(base: type) -> type:
             self._available_seen: Optional[int] = None
             self._count_queue_only = False
             if self._blocks is not None and self._blocks.num_blocks != self.num_gpu_blocks:
-                raise RuntimeError(
+                raise IntegrationError(
                     f"kvcached planned {self._blocks.num_blocks} blocks, vLLM's BlockPool has {self.num_gpu_blocks}"
                 )
 

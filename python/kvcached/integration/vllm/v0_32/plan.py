@@ -18,16 +18,17 @@ import logging
 import socket
 from typing import Any, Optional, Sequence
 
+from kvcached.errors import IntegrationError, KvcachedError
 from kvcached.integration.common.acks import AckBoard
-from kvcached.integration.common.devices import RankDevice
-from kvcached.integration.common.geometry import engine_layout
+from kvcached.integration.common.engine_layout import engine_layout
+from kvcached.integration.common.rank_devices import RankDevice
 from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
 
 from .errors import UnsupportedVLLMConfig
 from .kv_tensors import describe_groups, footprint
 
-logger = logging.getLogger("vllm.kvcached")
+logger = logging.getLogger(__name__)
 
 #: Attributes kvcached adds to vLLM objects that cross processes (EngineCore -> workers).
 PLAN_ATTR = "kvcached_plan"  # on each KVCacheConfig: the EnginePlan (the scheduler's deep copy keeps it)
@@ -67,7 +68,7 @@ def take_board(path: str) -> AckBoard:
     """The board created for the plan at ``path`` (handed to the one scheduler that uses it)."""
     board = _boards.pop(path, None)
     if board is None:
-        raise RuntimeError(f"kvcached: no acknowledgement board {path} was planned in this process")
+        raise IntegrationError(f"kvcached: no acknowledgement board {path} was planned in this process")
     return board
 
 
@@ -106,7 +107,7 @@ def layout_of(kv_cache_config: Any, page_bytes: int) -> KVLayout:
 def _check_ranks(ranks: Sequence[RankDevice], layouts: Sequence[KVLayout]) -> None:
     """Every rank on this host, in rank order, with layouts that differ only in their layers."""
     if [rank.rank for rank in ranks] != list(range(len(layouts))):
-        raise RuntimeError(f"kvcached: workers described ranks {[r.rank for r in ranks]} for {len(layouts)} configs")
+        raise IntegrationError(f"kvcached: workers described ranks {[r.rank for r in ranks]} for {len(layouts)} configs")
     host = socket.gethostname()
     remote = sorted({rank.host for rank in ranks} - {host})
     if remote:
@@ -169,7 +170,7 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
             return configs  # attention-free model: nothing to back
         ranks = _described.get()
         if ranks is None:
-            raise RuntimeError("kvcached: vLLM planned its KV cache without asking the workers for their devices")
+            raise IntegrationError("kvcached: vLLM planned its KV cache without asking the workers for their devices")
         page_bytes = settings().page_bytes
         try:
             layout = layout_of(configs[0], page_bytes)
@@ -177,7 +178,7 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
             return _without_kvcached(original, vllm_config, kv_cache_specs, available_memory, exc)
         rounded = _blocks_in_whole_pages(layout)
         if rounded < 2:
-            raise RuntimeError(
+            raise IntegrationError(
                 f"kvcached: virtual KV capacity of {layout.num_blocks} blocks is below one "
                 f"{layout.page_bytes}-byte page per layer; raise KVCACHED_VIRTUAL_CAPACITY_BYTES"
             )

@@ -25,6 +25,7 @@ import os
 import threading
 from typing import Any
 
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.idle import IdleRelease
 from kvcached.integration.common.registration import register_ranks
@@ -107,7 +108,7 @@ def wrap_scheduler_init(original: Any) -> Any:
             building.reset(token)
         pool = self.kv_cache_manager.block_pool
         if getattr(pool, "_kv", None) is not engine:
-            raise RuntimeError("kvcached: vLLM did not build its BlockPool through kvcached's subclass")
+            raise IntegrationError("kvcached: vLLM did not build its BlockPool through kvcached's subclass")
         self._kvcached = engine
         engine.block_pool = pool
 

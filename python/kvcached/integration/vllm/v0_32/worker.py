@@ -25,15 +25,16 @@ import os
 import threading
 from typing import Any
 
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.acks import AckBoard
-from kvcached.integration.common.devices import RankDevice, describe_rank
 from kvcached.integration.common.heap import keep_freed_heap
+from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.space import WorkerSpace
 
 from .kv_tensors import describe_groups, footprint, views_over
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, RANK_ATTR, settings
 
-logger = logging.getLogger("vllm.kvcached")
+logger = logging.getLogger(__name__)
 
 _spaces: dict[int, WorkerSpace] = {}  # pid -> this worker's space (a forked child must not reuse its parent's)
 _passthrough = threading.local()  # set while vLLM builds a throw-away profiling cache
@@ -42,7 +43,7 @@ _passthrough = threading.local()  # set while vLLM builds a throw-away profiling
 def _current_space() -> WorkerSpace:
     space = _spaces.get(os.getpid())
     if space is None:
-        raise RuntimeError("kvcached: page ops reached a worker that has no kvcached KV space")
+        raise IntegrationError("kvcached: page ops reached a worker that has no kvcached KV space")
     return space
 
 

@@ -1,11 +1,12 @@
-"""Engine-shaped views: every geometry addresses the same bytes the KV space's strides say."""
+"""Kernel- and engine-shaped views: every shape addresses the same bytes the KV space's strides say."""
 
 from __future__ import annotations
 
 import pytest
 
 import kvcached
-from kvcached import _core, geometry
+from kvcached import _core, tensor_views
+from kvcached.integration.sglang.token_views import sglang_views
 
 torch = pytest.importorskip("torch")
 
@@ -33,7 +34,7 @@ def raw_bytes(pool, layer: int, buffer: int, block: int, start: int, size: int) 
 @pytest.mark.parametrize("style", ["flash_attn", "flashinfer"])
 def test_kv_views_write_where_the_space_says(layout, dtype, style):
     with make_pool(layout, dtype) as pool:
-        views = getattr(geometry, f"{style}_views")(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype)
+        views = getattr(tensor_views, f"{style}_views")(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype)
         assert len(views) == NUM_LAYERS
         block = int(pool.alloc(3)[2])
         token, head = 5, 1
@@ -52,8 +53,8 @@ def test_kv_views_write_where_the_space_says(layout, dtype, style):
 @pytest.mark.parametrize("layout", ["per_layer", "contiguous"])
 def test_kv_cells_of_one_buffer_split_into_k_then_v(layout):
     with make_pool(layout, torch.float16, num_buffers=1) as pool:
-        fa = geometry.flash_attn_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
-        fi = geometry.flashinfer_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
+        fa = tensor_views.flash_attn_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
+        fi = tensor_views.flashinfer_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
         block = int(pool.alloc(1)[0])
         fa[1][1, block, 0, 0, 0] = 7.0  # V's first element sits half a block in
         assert fi[1][block, 1, 0, 0, 0] == 7.0
@@ -66,36 +67,36 @@ def test_mla_views(layout):
     dim = 64
     pool = kvcached.KVPool(NUM_LAYERS, BLOCK_SIZE * dim * 2, num_buffers=1, num_blocks=8, page_bytes=16 << 10,
                            layout=layout, device=_core.open_host_device(64 << 20), background_worker=False)
-    views = geometry.mla_views(pool, dim=dim, dtype=torch.bfloat16)
+    views = tensor_views.mla_views(pool, dim=dim, dtype=torch.bfloat16)
     assert tuple(views[0].shape) == (pool.num_blocks, BLOCK_SIZE, dim)
     block = int(pool.alloc(2)[1])
     views[2][block, 3, 4] = 1.5
     assert raw_bytes(pool, 2, 0, block, (3 * dim + 4) * 2, 2) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
     pool.close()
     with make_pool("per_layer", torch.float16) as two_buffers, pytest.raises(ValueError, match="num_buffers=1"):
-        geometry.mla_views(two_buffers, dim=dim, dtype=torch.bfloat16)
+        tensor_views.mla_views(two_buffers, dim=dim, dtype=torch.bfloat16)
 
 
 def test_sglang_views_index_tokens_across_blocks():
     with make_pool("per_layer", torch.float16) as pool:
-        views = geometry.sglang_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
+        views = sglang_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
         k, v = views[1]
         assert tuple(k.shape) == (pool.num_blocks * BLOCK_SIZE, HEADS, HEAD_DIM)
         block = int(pool.alloc(2)[1])
         token = block * BLOCK_SIZE + 3
         v[token, 1, 2] = 4.0
-        fa = geometry.flash_attn_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
+        fa = tensor_views.flash_attn_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
         assert fa[1][1, block, 3, 1, 2] == 4.0 and k[token].abs().sum() == 0
 
 
 def test_sglang_views_need_the_per_layer_layout():
     with make_pool("contiguous", torch.float16) as pool, pytest.raises(ValueError, match="per_layer"):
-        geometry.sglang_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
+        sglang_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
 
 
 def test_layer_views_of_a_caller_given_geometry():
     flat = torch.zeros(4096, dtype=torch.uint8)
-    views = geometry.layer_views(flat, num_layers=2, num_blocks=4, block_shape=(2, 3), dtype=torch.float16,
+    views = tensor_views.layer_views(flat, num_layers=2, num_blocks=4, block_shape=(2, 3), dtype=torch.float16,
                                  layer_stride_bytes=1024, block_stride_bytes=64, offset_bytes=128)
     assert [tuple(v.shape) for v in views] == [(4, 2, 3)] * 2
     views[1][2, 1, 0] = 1.0
@@ -118,19 +119,28 @@ def test_layer_views_refuse_bad_geometry(kwargs, message):
                    block_stride_bytes=64)
     options.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        geometry.layer_views(torch.zeros(4096, dtype=torch.uint8), **options)
+        tensor_views.layer_views(torch.zeros(4096, dtype=torch.uint8), **options)
 
 
 def test_a_block_that_holds_no_whole_token_is_refused():
     with make_pool("per_layer", torch.float16) as pool, pytest.raises(ValueError, match="whole number of tokens"):
-        geometry.flash_attn_views(pool, num_heads=3, head_dim=HEAD_DIM, dtype=torch.float16)
+        tensor_views.flash_attn_views(pool, num_heads=3, head_dim=HEAD_DIM, dtype=torch.float16)
 
 
 def test_views_keep_the_memory_alive_and_read_zeros_after_close():
     pool = make_pool("per_layer", torch.float16)
-    views = geometry.flash_attn_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
+    views = tensor_views.flash_attn_views(pool, num_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float16)
     block = int(pool.alloc(1)[0])
     views[0][0, block] = 2.0
     pool.close()
     del pool
     assert views[0].abs().sum() == 0
+
+
+def test_the_published_kvcached_geometry_names_are_the_tensor_views():
+    """``kvcached.geometry.flash_attn_views`` (the README's example) stays the same function."""
+    from kvcached import geometry
+
+    for name in geometry.__all__:
+        assert getattr(geometry, name) is getattr(tensor_views, name)
+    assert "flash_attn_views" in geometry.__all__ and kvcached.geometry is geometry

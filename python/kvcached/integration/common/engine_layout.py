@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.layout import KVLayout
 
 
@@ -20,7 +21,7 @@ def engine_page_bytes(page_bytes: int, block_bytes: int) -> int:
     """``page_bytes`` grown to the least common multiple with ``block_bytes``, so
     a page holds whole blocks (and stays a multiple of the device granularity)."""
     if page_bytes <= 0 or block_bytes <= 0:
-        raise ValueError(f"page and block sizes must be positive, got {page_bytes} and {block_bytes}")
+        raise InvalidArgumentError(f"page and block sizes must be positive, got {page_bytes} and {block_bytes}")
     return page_bytes * block_bytes // math.gcd(page_bytes, block_bytes)
 
 

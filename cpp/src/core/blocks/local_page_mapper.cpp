@@ -1,5 +1,5 @@
 // LocalPageMapper: a block manager's decisions applied to a KVSpace in this process.
-#include "kvcached/blocks/page_mapper.hpp"
+#include "local_page_mapper.hpp"
 
 namespace kvcached {
 
