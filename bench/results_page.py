@@ -85,7 +85,7 @@ def read_figures(name: str, text: str) -> list[Figure]:
     if split_row(lines[start]) != FIGURES_HEADER:
         raise ValueError(f"{name}.md: the figures table's columns must be {' | '.join(FIGURES_HEADER)}")
     figures = []
-    for number, line in enumerate(lines[start + 2:], start + 3):
+    for number, line in enumerate(lines[start + 2 :], start + 3):
         if not line.startswith("|"):
             break
         cells = split_row(line)
@@ -151,24 +151,46 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def render(runs: list[Run], figures: list[Figure]) -> str:
     """The whole page."""
     targets = by_target(figures)
-    current = [[t, f"**{m[0].figure}**", m[0].measured, m[0].machine, f"`{m[0].tree}`", link(m[0].run)]
-               for t, m in targets.items()]
+    current = [
+        [t, f"**{m[0].figure}**", m[0].measured, m[0].machine, f"`{m[0].tree}`", link(m[0].run)]
+        for t, m in targets.items()
+    ]
     commands = [[t, f"`{m[0].command}`"] for t, m in targets.items()]
     earlier = [[t, f.figure, f.measured, f"`{f.tree}`", link(f.run)] for t, m in targets.items() for f in m[1:]]
     dated = [[r.when, link(r.name), r.title, f"[raw](results/{r.name}.raw.md)" if r.has_raw else ""] for r in runs]
-    out = [INTRO, "## Current figures", "",
-           "The latest measurement of each target (UTC times; trees are commits of this repository).", "",
-           table(["target", "current figure", "measured (UTC)", "machine", "tree", "run"], current), "",
-           "### The commands behind them", "",
-           ("From the repository root; `DIR` / `OUT` a new directory, `REF` the reference's source tarball, "
-            "each run's file says in which environment."), "",
-           table(["target", "command"], commands), ""]
+    out = [
+        INTRO,
+        "## Current figures",
+        "",
+        "The latest measurement of each target (UTC times; trees are commits of this repository).",
+        "",
+        table(["target", "current figure", "measured (UTC)", "machine", "tree", "run"], current),
+        "",
+        "### The commands behind them",
+        "",
+        (
+            "From the repository root; `DIR` / `OUT` a new directory, `REF` the reference's source tarball, "
+            "each run's file says in which environment."
+        ),
+        "",
+        table(["target", "command"], commands),
+        "",
+    ]
     if earlier:
-        out += ["## Earlier measurements of the same targets", "",
-                "Superseded by the figures above; kept to show how a figure moved between runs.", "",
-                table(["target", "figure", "measured (UTC)", "tree", "run"], earlier), ""]
-    out += ["## Every dated run, newest first", "",
-            table(["when (UTC)", "run", "what it measured", "raw output"], dated), ""]
+        out += [
+            "## Earlier measurements of the same targets",
+            "",
+            "Superseded by the figures above; kept to show how a figure moved between runs.",
+            "",
+            table(["target", "figure", "measured (UTC)", "tree", "run"], earlier),
+            "",
+        ]
+    out += [
+        "## Every dated run, newest first",
+        "",
+        table(["when (UTC)", "run", "what it measured", "raw output"], dated),
+        "",
+    ]
     return "\n".join(out)
 
 

@@ -45,8 +45,14 @@ def run_engine(name: str, model: str, args: argparse.Namespace, turn: Any, done:
 
     if args.tiny:
         device = "cpu"
-        engine = sgl.Engine(model_path=model, device="cpu", attention_backend="torch_native",
-                            skip_tokenizer_init=True, dtype="float32", disable_cuda_graph=True)
+        engine = sgl.Engine(
+            model_path=model,
+            device="cpu",
+            attention_backend="torch_native",
+            skip_tokenizer_init=True,
+            dtype="float32",
+            disable_cuda_graph=True,
+        )
         prompts = [[(7 * i + j) % 500 + 3 for j in range(300)] for i in range(24)]
         params = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
         request = {"input_ids": prompts}
@@ -74,8 +80,7 @@ def run_engine(name: str, model: str, args: argparse.Namespace, turn: Any, done:
     outputs = engine.generate(**request, sampling_params=params)
     running = False
     watcher.join()
-    print(f"[{name}] {len(outputs)} requests in {time.time() - t0:.1f} s, peak {peak / 2**20:.1f} MiB",
-          flush=True)
+    print(f"[{name}] {len(outputs)} requests in {time.time() - t0:.1f} s, peak {peak / 2**20:.1f} MiB", flush=True)
     time.sleep(2.0)  # idle: the engine gives its KV memory back
     print(f"[{name}] idle again: {mapped_bytes(device, name) / 2**20:8.1f} MiB mapped", flush=True)
     done.set()

@@ -57,8 +57,13 @@ def main(argv: list[str]) -> int:
     registry = registry_for(args.device, budget_bytes=budget_bytes)
     # Each pool's virtual KV cache is twice the budget: the shared budget, not the size
     # of either cache, is what bounds them.
-    shape = {"num_layers": NUM_LAYERS, "block_bytes": BLOCK_BYTES, "capacity_bytes": 2 * budget_bytes,
-             "device": args.device, "background_worker": False}
+    shape = {
+        "num_layers": NUM_LAYERS,
+        "block_bytes": BLOCK_BYTES,
+        "capacity_bytes": 2 * budget_bytes,
+        "device": args.device,
+        "background_worker": False,
+    }
     with KVPool(name="a", **shape) as a, KVPool(name="b", **shape) as b:
         print(f"budget {budget_bytes >> 20} MiB on {registry.device}; each pool plans for twice that")
         held_by_a = fill(a, "a")

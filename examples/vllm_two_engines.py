@@ -43,8 +43,11 @@ def run_engine(name: str, model: str, args: argparse.Namespace, ready: Any, dela
 
     def kv(label: str) -> None:
         stats = client.call_utility("kvcached_stats")
-        print(f"[{name}] {label:>9}: {stats['mapped_bytes'] / 2**20:8.1f} MiB mapped, "
-              f"{stats['used_bytes'] / 2**20:8.1f} MiB in blocks", flush=True)
+        print(
+            f"[{name}] {label:>9}: {stats['mapped_bytes'] / 2**20:8.1f} MiB mapped, "
+            f"{stats['used_bytes'] / 2**20:8.1f} MiB in blocks",
+            flush=True,
+        )
 
     kv("idle")
     ready.wait()  # both engines loaded
@@ -62,8 +65,10 @@ def run_engine(name: str, model: str, args: argparse.Namespace, ready: Any, dela
     while engine.has_unfinished_requests():
         finished += sum(out.finished for out in engine.step())
         peak_bytes = max(peak_bytes, client.call_utility("kvcached_stats")["mapped_bytes"])
-    print(f"[{name}] {finished} requests in {time.time() - t0:.1f} s, "
-          f"peak {peak_bytes / 2**20:.1f} MiB mapped", flush=True)
+    print(
+        f"[{name}] {finished} requests in {time.time() - t0:.1f} s, peak {peak_bytes / 2**20:.1f} MiB mapped",
+        flush=True,
+    )
     time.sleep(1.0)  # the idle engine flushes its unmaps to the worker
     kv("finished")
     llm.llm_engine.engine_core.shutdown()
@@ -74,10 +79,15 @@ def main() -> None:
     parser.add_argument("--model-a", help="model of engine A (GPU)")
     parser.add_argument("--model-b", help="model of engine B (GPU)")
     parser.add_argument("--tiny", action="store_true", help="two tiny random Llamas (CPU, no download)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                        help="each engine's share for weights and activations; KV memory is elastic")
-    parser.add_argument("--stagger-s", type=float, default=5.0,
-                        help="engine B starts its load this long after engine A")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.4,
+        help="each engine's share for weights and activations; KV memory is elastic",
+    )
+    parser.add_argument(
+        "--stagger-s", type=float, default=5.0, help="engine B starts its load this long after engine A"
+    )
     args = parser.parse_args()
     if args.tiny:
         workdir = tempfile.mkdtemp(prefix="kvcached-example-")

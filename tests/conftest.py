@@ -35,12 +35,12 @@ def env_without_torch(tmp_path) -> dict[str, str]:
 
 
 @pytest.fixture(params=available_device_specs())
-def device(request) -> "kvcached._core.Device":
+def device(request) -> kvcached._core.Device:
     return kvcached.open_device(request.param)
 
 
 @pytest.fixture
-def host_device() -> "kvcached._core.Device":
+def host_device() -> kvcached._core.Device:
     return kvcached.open_device("cpu")
 
 

@@ -76,5 +76,7 @@ def run_emulated(backend: str, code: str, env: Optional[dict[str, str]] = None, 
         timeout=timeout,
     )
     if result.returncode != 0:
-        raise AssertionError(f"emulated {backend} process failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"emulated {backend} process failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
     return json.loads(result.stdout.strip().splitlines()[-1])

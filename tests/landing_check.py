@@ -18,8 +18,9 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from kvcached.registry import DeviceRegistry
 from rank_processes import MASK_VARIABLES, Machine, Worker
@@ -65,11 +66,14 @@ def check_landing(machine: Machine, masks: Sequence[Optional[str]], registry_dir
 
         snapshot = ["$ kvctl list --all", machine.tool(registry_dir, "kvctl", "list", "--all")]
         if len(physical) > 1:  # a tool under a mask names the GPU behind its own index
-            one = json.loads(machine.tool(registry_dir, "kvctl", "list", "--json", "--device",
-                                          f"{machine.backend}:0", mask="1,0"))
+            one = json.loads(
+                machine.tool(registry_dir, "kvctl", "list", "--json", "--device", f"{machine.backend}:0", mask="1,0")
+            )
             assert (one["device"], one["local_device"]) == (physical[1], f"{machine.backend}:0"), one
-            snapshot += [f"$ {machine.mask_variable}=1,0 kvctl list --device {machine.backend}:0",
-                         machine.tool(registry_dir, "kvctl", "list", "--device", f"{machine.backend}:0", mask="1,0")]
+            snapshot += [
+                f"$ {machine.mask_variable}=1,0 kvctl list --device {machine.backend}:0",
+                machine.tool(registry_dir, "kvctl", "list", "--device", f"{machine.backend}:0", mask="1,0"),
+            ]
         frame = machine.tool(registry_dir, "kvtop", "--once")
         check_kvtop_frame(frame, expected)
         snapshot += ["$ kvtop --once", frame]
@@ -105,8 +109,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     machine = Machine.current(args.backend)
     gpus = args.gpus or min(2, len(machine.physical_identities()))
     masks = LANDING_MASKS_TWO_GPUS if gpus >= 2 else LANDING_MASKS_ONE_GPU
-    print(f"landing check: {gpus} GPU(s), processes with {machine.mask_variable} = "
-          + ", ".join("(unset)" if m is None else repr(m) for m in masks), flush=True)
+    print(
+        f"landing check: {gpus} GPU(s), processes with {machine.mask_variable} = "
+        + ", ".join("(unset)" if m is None else repr(m) for m in masks),
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="kvcached-landing-") as directory:
         print(check_landing(machine, masks, Path(directory)))  # raises AssertionError on a failure
     print("landing check passed: every process landed in the registry of the physical GPU it uses")

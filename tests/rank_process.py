@@ -40,8 +40,9 @@ class RankProcess:
     def __init__(self, layout: Any, rank: int, board_path: str, num_ranks: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, pickle.dumps(layout), rank, board_path, num_ranks),
-                                       daemon=True)
+        self.process = context.Process(
+            target=_serve, args=(child, pickle.dumps(layout), rank, board_path, num_ranks), daemon=True
+        )
         self.process.start()
         self._device: Any = None
 

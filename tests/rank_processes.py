@@ -39,7 +39,7 @@ class Machine:
     _physical: Optional[list[str]] = dataclasses.field(default=None, repr=False)
 
     @classmethod
-    def current(cls, backend: str = "cuda") -> "Machine":
+    def current(cls, backend: str = "cuda") -> Machine:
         """The GPUs as this process's environment reaches them: the real drivers, or the
         emulation when this process was started over it."""
         env = {k: v for k, v in os.environ.items() if k not in ALL_MASKS}
@@ -47,7 +47,7 @@ class Machine:
         return cls(backend, env)
 
     @classmethod
-    def emulated(cls, backend: str = "cuda", gpus: int = 2) -> "Machine":
+    def emulated(cls, backend: str = "cuda", gpus: int = 2) -> Machine:
         from emulated_process import emulated_env
 
         return cls(backend, emulated_env(backend, {"KVCACHED_EMULATED_GPUS": str(gpus)}))
@@ -76,8 +76,13 @@ class Machine:
 
     def tool(self, registry_dir: Path, module: str, *args: str, mask: Optional[str] = None) -> str:
         """Runs kvctl / kvtop as a user would; returns its output (fails the test on an error)."""
-        done = subprocess.run([sys.executable, "-m", f"kvcached.{module}", *args], env=self.env(mask, registry_dir),
-                              capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-m", f"kvcached.{module}", *args],
+            env=self.env(mask, registry_dir),
+            capture_output=True,
+            text=True,
+            timeout=TOOL_TIMEOUT_S,
+        )
         if done.returncode != 0:
             raise AssertionError(f"{module} {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
         return done.stdout
@@ -91,20 +96,25 @@ class Worker:
         self.closed = False
         ours, theirs = multiprocessing.Pipe()
         self.connection = ours
-        self.process = subprocess.Popen([sys.executable, "-m", "rank_worker", str(theirs.fileno())],
-                                        env=machine.env(mask, registry_dir), pass_fds=(theirs.fileno(),))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rank_worker", str(theirs.fileno())],
+            env=machine.env(mask, registry_dir),
+            pass_fds=(theirs.fileno(),),
+        )
         theirs.close()
 
     def call(self, command: str, *args: Any) -> Any:
         try:
             self.connection.send((command, *args))
             if not self.connection.poll(ANSWER_TIMEOUT_S):
-                raise AssertionError(f"the process with {self.label} did not answer {command!r} "
-                                     f"in {ANSWER_TIMEOUT_S:.0f} s")
+                raise AssertionError(
+                    f"the process with {self.label} did not answer {command!r} in {ANSWER_TIMEOUT_S:.0f} s"
+                )
             status, value = self.connection.recv()
         except (EOFError, BrokenPipeError):
-            raise AssertionError(f"the process with {self.label} died during {command!r} "
-                                 f"(exit code {self.process.wait(30)})") from None
+            raise AssertionError(
+                f"the process with {self.label} died during {command!r} (exit code {self.process.wait(30)})"
+            ) from None
         if status != "ok":
             raise AssertionError(f"the process with {self.label} failed {command!r}: {value}")
         return value

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import kvcached
 from kvcached.registry import DeviceRegistry
@@ -52,8 +53,13 @@ SAME_GPU_REORDERED = (Placement("1", 0), Placement("0,1", 1))
 # Two ranks on two GPUs: the usual cuda:0 / cuda:1, and the same GPUs seen in the other order.
 TWO_GPUS = (Placement(None, 0), Placement(None, 1))
 TWO_GPUS_REORDERED = (Placement("1,0", 1), Placement("1,0", 0))
-PLACEMENTS = {"same_gpu": SAME_GPU, "same_gpu_reordered": SAME_GPU_REORDERED,
-              "two_gpus": TWO_GPUS, "two_gpus_reordered": TWO_GPUS_REORDERED}
+PLACEMENTS = {
+    "same_gpu": SAME_GPU,
+    "same_gpu_reordered": SAME_GPU_REORDERED,
+    "two_gpus": TWO_GPUS,
+    "two_gpus_reordered": TWO_GPUS_REORDERED,
+}
+
 
 def gpus_needed(placements: Sequence[Placement]) -> int:
     """How many GPUs the placements' masks and indices refer to."""
@@ -95,7 +101,8 @@ def start_ranks(machine: Machine, placements: Sequence[Placement], registry_dir:
             expected = physical[placement.physical_index]
             assert device["identity"] == expected, (
                 f"rank {index} ({placement}) uses {device['local']}, which should be physical GPU "
-                f"{placement.physical_index} ({expected}), but names it {device['identity']}")
+                f"{placement.physical_index} ({expected}), but names it {device['identity']}"
+            )
             registry = DeviceRegistry(expected)  # created by the rank; opened here by name only
             assert registry.path == device["path"], "the rank and this process use different registry files"
             ranks.append(Rank(index, placement, worker, device["local"], expected, seen["pid"], registry))
@@ -121,7 +128,8 @@ def register_ranks(ranks: Sequence[Rank], tag: str) -> None:
         opened = rank.worker.call("open_space", LAYOUT, rank.local_device)
         assert (opened["identity"], opened["registry_path"]) == (rank.identity, rank.registry.path), (
             f"rank {rank.index}'s space is on {opened['identity']} ({opened['registry_path']}), "
-            f"expected {rank.identity} ({rank.registry.path})")
+            f"expected {rank.identity} ({rank.registry.path})"
+        )
         assert (opened["mapped_pages"], opened["page_bytes_created"]) == (0, 0), f"rank {rank.index}: {opened}"
         rank.name = f"{tag}-rank{rank.index}"
         rank.budget = rank.registry.register(rank.name, pid=rank.pid, local_device=rank.local_device)
@@ -154,7 +162,8 @@ class Ledger:
             readings.append(f"rank{i} {mapped >> 20} MiB")
             assert mapped == self.charged_pages[i] * PAGE_ID_BYTES, (
                 f"{step}: rank {i}'s entry on {rank.identity} reads {mapped} bytes, "
-                f"expected {self.charged_pages[i]} page(s) of {PAGE_ID_BYTES}")
+                f"expected {self.charged_pages[i]} page(s) of {PAGE_ID_BYTES}"
+            )
         for registry, members in self.by_registry().items():
             expected = sum(self.charged_pages[i] for i in members) * PAGE_ID_BYTES
             actual = self.ranks[members[0]].registry.mapped_bytes
@@ -173,11 +182,19 @@ class Ledger:
         assert reply["mapped_pages"] == self.mapped_pages[i], f"{step}: rank {i} maps {reply['mapped_pages']} pages"
         assert reply["page_bytes_created"] == self.mapped_pages[i] * PAGE_ID_BYTES, (
             f"{step}: rank {i}'s device holds {reply['page_bytes_created']} bytes of pages, "
-            f"expected {self.mapped_pages[i]} page(s)")
+            f"expected {self.mapped_pages[i]} page(s)"
+        )
 
 
-def _apply_everywhere(manager: Any, ranks: Sequence[Rank], ledger: Ledger, ops: Any, step: str,
-                      unmapped_pages: int = 0, write: Optional[tuple[list[int], int]] = None) -> None:
+def _apply_everywhere(
+    manager: Any,
+    ranks: Sequence[Rank],
+    ledger: Ledger,
+    ops: Any,
+    step: str,
+    unmapped_pages: int = 0,
+    write: Optional[tuple[list[int], int]] = None,
+) -> None:
     """Each rank in turn applies ``ops`` and acknowledges it; the ledger is checked after each.
     With ``write``, kernels writing those blocks are still running when the batch arrives."""
     mapped_pages = len(ops.map_pages) - len(ops.unmap_pages)
@@ -208,8 +225,9 @@ def check_budgets_follow_every_step(ranks: Sequence[Rank], rounds: int = 3) -> l
     returns to zero. Returns the ledger's record."""
     register_ranks(ranks, "tp")
     ledger = Ledger(ranks)
-    manager = kvcached.BlockManager(LAYOUT, kvcached.BlockManagerOptions(),
-                                    mirrors=[kvcached.Mirror(rank.budget) for rank in ranks])
+    manager = kvcached.BlockManager(
+        LAYOUT, kvcached.BlockManagerOptions(), mirrors=[kvcached.Mirror(rank.budget) for rank in ranks]
+    )
     try:
         ledger.check("registered")
         live: list[int] = []
@@ -233,12 +251,20 @@ def check_budgets_follow_every_step(ranks: Sequence[Rank], rounds: int = 3) -> l
             ops = manager.take_page_ops()
             assert len(ops.unmap_pages) == 2 and not ops.map_pages
             ledger.check(f"round {round_}: unmap 2 pages decided")  # held until each rank acknowledges
-            _apply_everywhere(manager, ranks, ledger, ops, f"round {round_}: unmap while writing",
-                              unmapped_pages=2, write=(live, value + 8))
+            _apply_everywhere(
+                manager,
+                ranks,
+                ledger,
+                ops,
+                f"round {round_}: unmap while writing",
+                unmapped_pages=2,
+                write=(live, value + 8),
+            )
             for i, rank in enumerate(ranks):
                 assert rank.worker.call("read", kept) == [[value + 8 + i]] * len(kept), f"rank {i}: kept blocks changed"
-                assert rank.worker.call("read", freed[:: BLOCKS_PER_PAGE]) == [[0]] * 2, (
-                    f"rank {i}: unmapped blocks must read zeros (zero backing)")
+                assert rank.worker.call("read", freed[::BLOCKS_PER_PAGE]) == [[0]] * 2, (
+                    f"rank {i}: unmapped blocks must read zeros (zero backing)"
+                )
             live = kept
 
         manager.free(live)
@@ -263,8 +289,9 @@ def check_refusal_leaves_nothing_taken(ranks: Sequence[Rank]) -> list[str]:
     one GPU, the first is charged and given back when the second is refused)."""
     register_ranks(ranks, "full")
     ledger = Ledger(ranks)
-    manager = kvcached.BlockManager(LAYOUT, kvcached.BlockManagerOptions(),
-                                    mirrors=[kvcached.Mirror(rank.budget) for rank in ranks])
+    manager = kvcached.BlockManager(
+        LAYOUT, kvcached.BlockManagerOptions(), mirrors=[kvcached.Mirror(rank.budget) for rank in ranks]
+    )
     try:
         first = manager.alloc(BLOCKS_PER_PAGE).tolist()
         ledger.charge(1)

@@ -107,8 +107,14 @@ class Rank:
         for ordinal in range(status.device_count):
             local = f"{backend}:{ordinal}"
             registry = registry_for(local)
-            devices.append({"local": local, "identity": canonical_device_name(local), "registry": registry.device,
-                            "path": registry.path})
+            devices.append(
+                {
+                    "local": local,
+                    "identity": canonical_device_name(local),
+                    "registry": registry.device,
+                    "path": registry.path,
+                }
+            )
         return {"pid": _pid(), "devices": devices}
 
     def register(self, name: str, backend: str) -> dict[str, Any]:
@@ -132,8 +138,12 @@ class Rank:
         self.space = kvcached.KVSpace(layout, local_device, kvcached.KVSpaceOptions(zero_backing=True))
         self.access = EmulatedAccess(self.space) if emulated_gpu() else KernelAccess(self.space)
         self.baseline_created_bytes = self.space.device.counters()["created_bytes"]  # the zero backing
-        return {"pid": _pid(), "identity": self.space.device.canonical_name, "registry_path": registry.path,
-                **self.memory()}
+        return {
+            "pid": _pid(),
+            "identity": self.space.device.canonical_name,
+            "registry_path": registry.path,
+            **self.memory(),
+        }
 
     def memory(self) -> dict[str, int]:
         """What the space holds, from the space and from the device's own allocation count."""

@@ -73,14 +73,17 @@ def test_kvctl_never_creates_a_registry(env, tmp_path, args):
     assert list(tmp_path.iterdir()) == [], "kvctl made a registry"
 
 
-@pytest.mark.parametrize("target, words", [
-    ("9223372036854775808", "is not a process id (1 to 2147483647); for an instance named so, write name:"),
-    ("99999999999", "is not a process id"),
-    ("pid:0", "is not a process id"),
-    ("pid:-1", "is not a process id: expected pid:<digits>"),
-    ("pid:x", "is not a process id: expected pid:<digits>"),
-    ("name:", "names no instance"),
-])
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("9223372036854775808", "is not a process id (1 to 2147483647); for an instance named so, write name:"),
+        ("99999999999", "is not a process id"),
+        ("pid:0", "is not a process id"),
+        ("pid:-1", "is not a process id: expected pid:<digits>"),
+        ("pid:x", "is not a process id: expected pid:<digits>"),
+        ("name:", "names no instance"),
+    ],
+)
 def test_kvctl_refuses_a_target_that_can_name_no_instance_in_one_line(env, registry, target, words):
     done = run(env, "kvcached.kvctl", "set-limit", target, "1G", expect_rc=None)
     assert_one_line(done, 1, f"{target!r} {words}")
@@ -119,15 +122,18 @@ def test_kvctl_refuses_to_limit_a_dead_instance(env, registry):
 # ---- --json: failures are JSON too -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, variables, rc", [
-    (("bogus", "--json"), {}, 2),
-    (("--json", "set-limit"), {}, 2),
-    (("list", "--all", "--device", "cpu", "--json"), {}, 2),
-    (("set-limit", "x", "lots", "--json"), {}, 1),
-    (("set-budget", "1G", "--json"), {}, 1),
-    (("list", "--json"), {"KVCACHED_REGISTRY_GROUP": "no-such-group-kvcached"}, 1),
-    (("list", "--json"), {"KVCACHED_GPU_UTILIZATION": "2"}, 1),
-])
+@pytest.mark.parametrize(
+    "args, variables, rc",
+    [
+        (("bogus", "--json"), {}, 2),
+        (("--json", "set-limit"), {}, 2),
+        (("list", "--all", "--device", "cpu", "--json"), {}, 2),
+        (("set-limit", "x", "lots", "--json"), {}, 1),
+        (("set-budget", "1G", "--json"), {}, 1),
+        (("list", "--json"), {"KVCACHED_REGISTRY_GROUP": "no-such-group-kvcached"}, 1),
+        (("list", "--json"), {"KVCACHED_GPU_UTILIZATION": "2"}, 1),
+    ],
+)
 def test_kvctl_failures_are_json_on_stdout_under_json(env, args, variables, rc):
     done = run({**env, **variables}, "kvcached.kvctl", *args, expect_rc=rc)
     failure = json.loads(done.stdout)
@@ -138,8 +144,9 @@ def test_kvctl_failures_are_json_on_stdout_under_json(env, args, variables, rc):
 # ---- every tool -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module, name", [("kvcached", "kvcached"), ("kvcached.kvctl", "kvctl"),
-                                          ("kvcached.kvtop", "kvtop")])
+@pytest.mark.parametrize(
+    "module, name", [("kvcached", "kvcached"), ("kvcached.kvctl", "kvctl"), ("kvcached.kvtop", "kvtop")]
+)
 def test_every_tool_prints_the_package_version(env, module, name):
     assert run(env, module, "--version").stdout.split() == [name, kvcached.__version__]
 
@@ -174,8 +181,12 @@ def test_kvtop_keeps_names_whole_at_80_columns(env, registry):
 
 def test_kvtop_without_a_terminal_streams_plain_snapshots(env, registry):
     engine = registry.register("piped-engine")
-    view = subprocess.Popen([sys.executable, "-m", "kvcached.kvtop", "--interval", "0.2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    view = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.kvtop", "--interval", "0.2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     seen = b""
     try:
         deadline = time.monotonic() + COMMAND_TIMEOUT_S

@@ -32,8 +32,9 @@ def test_the_doc_table_is_the_one_generated_from_the_options():
 
 
 def test_the_doc_check_fails_when_a_default_differs(tmp_path, monkeypatch):
-    monkeypatch.setitem(config.OPTIONS, "max_reserve_pages",
-                        dataclasses.replace(config.OPTIONS["max_reserve_pages"], default=5))
+    monkeypatch.setitem(
+        config.OPTIONS, "max_reserve_pages", dataclasses.replace(config.OPTIONS["max_reserve_pages"], default=5)
+    )
     copy = tmp_path / "configuration.md"
     copy.write_text(DOC.read_text())
     assert config_doc.main(["--check", str(copy)]) == 1
@@ -129,8 +130,10 @@ def test_invalid_values_raise_a_clear_value_error(monkeypatch, name, text):
     assert isinstance(info.value, ConfigurationError)  # a KvcachedError that is also a ValueError
 
 
-@pytest.mark.parametrize("env, text", [("KVCACHED_HOST_MEMORY", "bogus"), ("KVCACHED_HOST_POPULATE", "eager"),
-                                       ("KVCACHED_HOST_CAPACITY_BYTES", "12x")])
+@pytest.mark.parametrize(
+    "env, text",
+    [("KVCACHED_HOST_MEMORY", "bogus"), ("KVCACHED_HOST_POPULATE", "eager"), ("KVCACHED_HOST_CAPACITY_BYTES", "12x")],
+)
 def test_a_bad_host_setting_is_one_clear_line_from_the_command_line(env, text):
     import subprocess
     import sys
@@ -138,8 +141,9 @@ def test_a_bad_host_setting_is_one_clear_line_from_the_command_line(env, text):
     env_vars = dict(os.environ, **{env: text})
     info = subprocess.run([sys.executable, "-m", "kvcached", "info"], capture_output=True, text=True, env=env_vars)
     assert f"cpu: cannot be used: {env}={text!r}" in info.stdout  # the host shows why; the others are still listed
-    demo = subprocess.run([sys.executable, "-m", "kvcached", "demo"], capture_output=True, text=True,
-                          env=env_vars, timeout=120)
+    demo = subprocess.run(
+        [sys.executable, "-m", "kvcached", "demo"], capture_output=True, text=True, env=env_vars, timeout=120
+    )
     assert demo.returncode == 1
     assert demo.stderr.splitlines()[-1].startswith(f"kvcached: error: {env}={text!r}")
     assert "Traceback" not in info.stderr + demo.stderr
@@ -149,8 +153,14 @@ def test_an_invalid_variable_stops_pool_creation(monkeypatch):
     kvcached = pytest.importorskip("kvcached")
     monkeypatch.setenv("KVCACHED_LAYOUT", "sideways")
     with pytest.raises(ValueError, match="KVCACHED_LAYOUT"):
-        kvcached.KVPool(1, 4096, num_blocks=4, page_bytes=16384, device=kvcached._core.open_host_device(1 << 20),
-                        background_worker=False)
+        kvcached.KVPool(
+            1,
+            4096,
+            num_blocks=4,
+            page_bytes=16384,
+            device=kvcached._core.open_host_device(1 << 20),
+            background_worker=False,
+        )
 
 
 def test_a_missing_registry_dir_is_created_private(tmp_path, monkeypatch):
@@ -215,8 +225,9 @@ def test_a_pool_gets_its_device_kinds_layout_unless_told(monkeypatch, host_devic
     monkeypatch.setenv("KVCACHED_LAYOUT", "per_layer")
     with kvcached.KVPool(2, 4096, num_blocks=16, page_bytes=16384, device=host_device, register=False) as pool:
         assert pool.layout == "per_layer"
-    with kvcached.KVPool(2, 4096, num_blocks=16, page_bytes=16384, device=host_device, register=False,
-                         layout="contiguous") as pool:
+    with kvcached.KVPool(
+        2, 4096, num_blocks=16, page_bytes=16384, device=host_device, register=False, layout="contiguous"
+    ) as pool:
         assert pool.layout == "contiguous"  # an argument wins over the variable
 
 

@@ -113,7 +113,11 @@ def _demo_env(base=None) -> dict:
 def _run_demo(tmp_path, *args: str, variables=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvcached", "demo", *args],
-        cwd=tmp_path, env={**_demo_env(), **(variables or {})}, check=False, capture_output=True, text=True,
+        cwd=tmp_path,
+        env={**_demo_env(), **(variables or {})},
+        check=False,
+        capture_output=True,
+        text=True,
         timeout=DEMO_TIMEOUT_S,
     )
 
@@ -128,8 +132,14 @@ def _kvctl_lists_the_demo_engines(demo: subprocess.Popen, header: list[str]) -> 
     env = {**os.environ, variable: directory}
     deadline = time.monotonic() + KVCTL_WAIT_S
     while demo.poll() is None and time.monotonic() < deadline:
-        listing = subprocess.run([sys.executable, "-m", "kvcached.kvctl", "list", "--json"], env=env,
-                                 check=False, capture_output=True, text=True, timeout=KVCTL_WAIT_S)
+        listing = subprocess.run(
+            [sys.executable, "-m", "kvcached.kvctl", "list", "--json"],
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=KVCTL_WAIT_S,
+        )
         names = sorted(entry["name"] for entry in json.loads(listing.stdout).get("instances", []))
         if any(name.startswith("demo-engine-") for name in names):
             return names
@@ -143,9 +153,28 @@ def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path, env_without_t
     summary_path, plot_path = tmp_path / "out.json", tmp_path / "out.png"
     # Phases of 2.5 s, like the default run's: the peaks take turns (seed 1's are marked).
     demo = subprocess.Popen(
-        [sys.executable, "-m", "kvcached", "demo", "--engines", "2", "--duration", "5", "--seed", "1",
-         "--json", str(summary_path), "--plot", str(plot_path), "--no-live"],
-        cwd=tmp_path, env=_demo_env(env_without_torch), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvcached",
+            "demo",
+            "--engines",
+            "2",
+            "--duration",
+            "5",
+            "--seed",
+            "1",
+            "--json",
+            str(summary_path),
+            "--plot",
+            str(plot_path),
+            "--no-live",
+        ],
+        cwd=tmp_path,
+        env=_demo_env(env_without_torch),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         header = [demo.stdout.readline() for _ in range(2)]
@@ -191,22 +220,25 @@ def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path, env_without_t
     assert 600 <= width <= 4000 and 400 <= height <= 4000
 
 
-@pytest.mark.parametrize("args, variables, words", [
-    (("--engines", "0"), {}, "--engines"),
-    (("--engines", "100000"), {}, "--engines"),
-    (("--budget", "lots"), {}, "not a size"),
-    (("--budget", "1M"), {}, "--budget"),
-    (("--budget", "1T"), {}, "--budget"),
-    (("--device", "bogus"), {}, "--device 'bogus'"),
-    (("--device", "cuda:77"), {}, "--device 'cuda:77'"),
-    (("--duration", "nan"), {}, "--duration"),
-    (("--duration", "inf"), {}, "--duration"),
-    (("--wait-timeout", "inf"), {}, "--wait-timeout"),
-    (("--seed", "-1"), {}, "--seed"),
-    (("--plot", "/nonexistent/x.png"), {}, "--plot '/nonexistent/x.png'"),
-    (("--json", "/nonexistent/x.json"), {}, "--json '/nonexistent/x.json'"),
-    ((), {"KVCACHED_HOST_CAPACITY_BYTES": "1M"}, "KVCACHED_HOST_CAPACITY_BYTES"),
-])
+@pytest.mark.parametrize(
+    "args, variables, words",
+    [
+        (("--engines", "0"), {}, "--engines"),
+        (("--engines", "100000"), {}, "--engines"),
+        (("--budget", "lots"), {}, "not a size"),
+        (("--budget", "1M"), {}, "--budget"),
+        (("--budget", "1T"), {}, "--budget"),
+        (("--device", "bogus"), {}, "--device 'bogus'"),
+        (("--device", "cuda:77"), {}, "--device 'cuda:77'"),
+        (("--duration", "nan"), {}, "--duration"),
+        (("--duration", "inf"), {}, "--duration"),
+        (("--wait-timeout", "inf"), {}, "--wait-timeout"),
+        (("--seed", "-1"), {}, "--seed"),
+        (("--plot", "/nonexistent/x.png"), {}, "--plot '/nonexistent/x.png'"),
+        (("--json", "/nonexistent/x.json"), {}, "--json '/nonexistent/x.json'"),
+        ((), {"KVCACHED_HOST_CAPACITY_BYTES": "1M"}, "KVCACHED_HOST_CAPACITY_BYTES"),
+    ],
+)
 def test_demo_refuses_a_bad_option_in_one_line_before_starting(tmp_path, args, variables, words):
     done = _run_demo(tmp_path, *args, "--no-live", variables=variables)
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -216,12 +248,15 @@ def test_demo_refuses_a_bad_option_in_one_line_before_starting(tmp_path, args, v
     assert list(tmp_path.iterdir()) == [], "nothing written"
 
 
-@pytest.mark.parametrize("variable, value", [
-    ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached"),
-    ("KVCACHED_PAGE_BYTES", "4GB"),
-    ("KVCACHED_LAYOUT", "diagonal"),
-    ("KVCACHED_ZERO_BACKING", "maybe"),
-])
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached"),
+        ("KVCACHED_PAGE_BYTES", "4GB"),
+        ("KVCACHED_LAYOUT", "diagonal"),
+        ("KVCACHED_ZERO_BACKING", "maybe"),
+    ],
+)
 def test_demo_refuses_a_bad_setting_in_one_line_before_starting(tmp_path, variable, value):
     done = _run_demo(tmp_path, "--no-live", variables={variable: value})
     assert done.returncode == 1, (done.stdout, done.stderr)

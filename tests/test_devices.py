@@ -8,7 +8,6 @@ import sys
 import pytest
 
 import kvcached
-from device_access import has_gpu
 
 
 def test_host_backend_is_always_available():

@@ -27,7 +27,7 @@ from rank_scenario import (
 pytestmark = pytest.mark.emulation
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def emulated(backend: str, gpus: int) -> Machine:
     """One machine per configuration, so its physical GPU order is asked once."""
     return Machine.emulated(backend, gpus)

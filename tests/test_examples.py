@@ -11,9 +11,14 @@ EXAMPLE_TIMEOUT_S = 120
 
 
 def test_two_pools_one_budget_runs_without_torch(env_without_torch):
-    done = subprocess.run([sys.executable, str(EXAMPLES / "two_pools_one_budget.py"), "--budget", "32MiB"],
-                          env=env_without_torch, check=False, capture_output=True, text=True,
-                          timeout=EXAMPLE_TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "two_pools_one_budget.py"), "--budget", "32MiB"],
+        env=env_without_torch,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     # a fills the budget and b is refused; after a gives its pages back, b gets the same memory.

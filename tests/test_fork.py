@@ -97,16 +97,18 @@ def _resident_bytes_in(pid: int, start: int, end: int) -> int:
 @pytest.mark.parametrize("host_memory", ["shared_files", "anonymous"])
 def test_a_forked_child_keeps_none_of_the_parents_host_memory(host_memory):
     env = dict(os.environ, KVCACHED_HOST_MEMORY=host_memory)
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=env)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         report = json.loads(parent.stdout.readline())
         assert report["before"] == [64 << 20] and report["after"] == []  # the registry counts 0 now
         assert len(report["files"]) == (32 if host_memory == "shared_files" else 0)  # a memfd per allocation
         # The child reads zeros where the parent's pages were, and cannot map there.
         assert report["seen"]["first_byte"] == 0
-        assert report["seen"]["map"].startswith("BackendUnavailableError: host: create refused: this process is "
-                                                "a child of fork()")
+        assert report["seen"]["map"].startswith(
+            "BackendUnavailableError: host: create refused: this process is a child of fork()"
+        )
         # Nothing in the child keeps the parent's files (so their memory) alive.
         held = _memfd_inodes_held_by(report["child"])
         assert not held & set(report["files"]), f"the child still holds {len(held)} of the parent's memory files"

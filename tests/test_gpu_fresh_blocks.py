@@ -22,8 +22,16 @@ LAYERS, BLOCK_BYTES, STEPS = 4, 64 << 10, 32
 def test_kernels_see_blocks_as_soon_as_they_are_handed_out(layout):
     torch = pytest.importorskip("torch")
     spec = kvcached.default_device()
-    pool = kvcached.KVPool(LAYERS, BLOCK_BYTES, capacity_bytes=2 << 30, device=spec, layout=layout,
-                           zero_backing=True, background_worker=False, register=False)
+    pool = kvcached.KVPool(
+        LAYERS,
+        BLOCK_BYTES,
+        capacity_bytes=2 << 30,
+        device=spec,
+        layout=layout,
+        zero_backing=True,
+        background_worker=False,
+        register=False,
+    )
     space = pool.space
     flat = torch.from_dlpack(pool.tensor())
     wrong, held = [], []
@@ -34,7 +42,7 @@ def test_kernels_see_blocks_as_soon_as_they_are_handed_out(layout):
         for layer in range(LAYERS):
             for buffer in range(2):
                 offset = space.offset_of(layer, buffer, int(blocks[0]))
-                view = flat[offset:offset + BLOCK_BYTES]
+                view = flat[offset : offset + BLOCK_BYTES]
                 view.fill_(step + 1)  # the first kernel on the fresh mapping
                 views.append(view)
         for index, view in enumerate(views):

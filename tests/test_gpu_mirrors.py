@@ -59,7 +59,7 @@ def gpu_mirror_main(conn, device: str) -> None:
         elif command == "read":
             values = []
             for block in args[0]:
-                view = torch.stack([block_view(l, b, block) for l in range(NUM_LAYERS) for b in range(2)])
+                view = torch.stack([block_view(layer, b, block) for layer in range(NUM_LAYERS) for b in range(2)])
                 values.append(sorted(set(view.unique().tolist())))
             conn.send(values)
         elif command == "close":

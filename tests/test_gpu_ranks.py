@@ -90,8 +90,23 @@ def test_processes_under_four_masks_land_in_the_registries_of_the_two_physical_g
 
 
 def start_demo(machine: Machine, device: str, budget_mib: int, summary_path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvcached", "demo", "--device", device, "--budget", f"{budget_mib}MiB",
-               "--duration", DEMO_DURATION_S, "--no-live", "--plot", "", "--json", str(summary_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "kvcached",
+        "demo",
+        "--device",
+        device,
+        "--budget",
+        f"{budget_mib}MiB",
+        "--duration",
+        DEMO_DURATION_S,
+        "--no-live",
+        "--plot",
+        "",
+        "--json",
+        str(summary_path),
+    ]
     return subprocess.Popen(command, env=machine.base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -119,8 +134,10 @@ def test_two_demos_at_once_on_two_gpus_keep_separate_budgets(machine, tmp_path):
     budget, which it could not be if they shared one."""
     require_gpus(machine, 2)
     small, large = (f"{machine.backend}:0", 240), (f"{machine.backend}:1", 480)
-    demos = [(start_demo(machine, device, mib, tmp_path / f"{mib}.json"), tmp_path / f"{mib}.json")
-             for device, mib in (small, large)]
+    demos = [
+        (start_demo(machine, device, mib, tmp_path / f"{mib}.json"), tmp_path / f"{mib}.json")
+        for device, mib in (small, large)
+    ]
     summaries = [finished_demo(demo, path) for demo, path in demos]
     assert [s["config"]["device"] for s in summaries] == [small[0], large[0]]
     peak_of_large = summaries[1]["runs"]["elastic"]["peak_device_mapped_bytes"]

@@ -103,8 +103,9 @@ def _anon_huge_kib(address: int) -> int:
     return 0
 
 
-@pytest.mark.skipif(_huge_page_setting() not in ("always", "madvise"),
-                    reason="transparent huge pages are off or absent on this kernel")
+@pytest.mark.skipif(
+    _huge_page_setting() not in ("always", "madvise"), reason="transparent huge pages are off or absent on this kernel"
+)
 def test_host_huge_pages_are_huge_pages_allocated_at_create(monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_MEMORY", "huge_pages")
     device = _core.open_host_device(64 * 2**20)
@@ -194,8 +195,7 @@ def _populated_after_access(device) -> int:
 
 
 @pytest.mark.parametrize("populate", ["background", "on_touch"])
-def test_shared_files_pages_are_populated_when_mapped_unless_asked_otherwise(monkeypatch, bound_to_one_cpu,
-                                                                             populate):
+def test_shared_files_pages_are_populated_when_mapped_unless_asked_otherwise(monkeypatch, bound_to_one_cpu, populate):
     monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
     monkeypatch.setenv("KVCACHED_HOST_POPULATE", populate)
     device = _core.open_host_device(64 * 2**20)

@@ -46,8 +46,9 @@ _BURST = textwrap.dedent("""
 
 
 def _burst(keep_bytes: int) -> tuple[bool, int]:
-    out = subprocess.run([sys.executable, "-c", _BURST, str(keep_bytes)], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _BURST, str(keep_bytes)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
     return out[0] == "True", int(out[1])
 
 

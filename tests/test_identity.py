@@ -37,7 +37,7 @@ def identities(backend: str, **env: str) -> list[str]:
     return list(_identities(backend, tuple(sorted(env.items()))))
 
 
-@functools.lru_cache(maxsize=None)  # one process per configuration
+@functools.cache  # one process per configuration
 def _identities(backend: str, env: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
     seen = run_emulated(backend, IDENTITIES.format(backend=backend), {**TWO_GPUS, **dict(env)})
     assert seen["names"] == seen["opened"], "canonical_device_name and Device.canonical_name disagree"
@@ -76,8 +76,15 @@ def test_each_physical_gpu_has_its_own_uuid_identity(backend, pattern):
     assert all(pattern.fullmatch(name) for name in names), names
 
 
-@pytest.mark.parametrize("backend, mask", [("cuda", "CUDA_VISIBLE_DEVICES"), ("hip", "HIP_VISIBLE_DEVICES"),
-                                           ("hip", "ROCR_VISIBLE_DEVICES"), ("hip", "CUDA_VISIBLE_DEVICES")])
+@pytest.mark.parametrize(
+    "backend, mask",
+    [
+        ("cuda", "CUDA_VISIBLE_DEVICES"),
+        ("hip", "HIP_VISIBLE_DEVICES"),
+        ("hip", "ROCR_VISIBLE_DEVICES"),
+        ("hip", "CUDA_VISIBLE_DEVICES"),
+    ],
+)
 def test_reordered_devices_keep_their_identity(backend, mask):
     physical = identities(backend)
     assert identities(backend, **{mask: "1,0"}) == [physical[1], physical[0]]

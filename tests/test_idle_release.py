@@ -178,7 +178,6 @@ def test_an_idle_release_of_zero_is_accepted(monkeypatch):
     assert config.get("idle_release_s") == 0.0
 
 
-
 def _idle_spell(idle: IdleRelease, clock: FakeClock, seconds: float) -> bool:
     """An idle spell of ``seconds`` (due() asked at its start and end), then work; whether it released."""
     idle.due()

@@ -14,7 +14,6 @@ from kvcached.integration.common.mirrors import process_alive
 from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
-from kvcached.pool import KVSpace
 from kvcached.registry import DeviceRegistry, registry_for
 from rank_process import RankProcess, close_all
 
@@ -357,11 +356,15 @@ def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
         print(json.dumps(dataclasses.asdict(describe_rank(torch.device("cuda:{index}"), {rank}))))
     """
     seen = [
-        run_emulated("cuda", code.format(rocm="", index=0, rank=0), {"KVCACHED_EMULATED_GPUS": "2",
-                                                                      "CUDA_VISIBLE_DEVICES": "1"}),
+        run_emulated(
+            "cuda", code.format(rocm="", index=0, rank=0), {"KVCACHED_EMULATED_GPUS": "2", "CUDA_VISIBLE_DEVICES": "1"}
+        ),
         run_emulated("cuda", code.format(rocm="", index=1, rank=1), {"KVCACHED_EMULATED_GPUS": "2"}),
-        run_emulated("hip", code.format(rocm='torch.version.hip = "7.0"', index=0, rank=2),
-                     {"KVCACHED_EMULATED_GPUS": "2", "HIP_VISIBLE_DEVICES": "1"}),
+        run_emulated(
+            "hip",
+            code.format(rocm='torch.version.hip = "7.0"', index=0, rank=2),
+            {"KVCACHED_EMULATED_GPUS": "2", "HIP_VISIBLE_DEVICES": "1"},
+        ),
     ]
     ranks = [RankDevice(**fields) for fields in seen]
     assert ranks[0].device == ranks[1].device and ranks[0].device.startswith("cuda-GPU-")
@@ -370,8 +373,10 @@ def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
     budgets = register_ranks("tp-engine", ranks, limit_bytes=None)  # this process never opens a GPU
     try:
         entries = registry_for(ranks[0].device).entries()
-        assert sorted(e["local_device"] for e in entries if e["name"] == "tp-engine") == ["rank0-cuda:0",
-                                                                                          "rank1-cuda:1"]
+        assert sorted(e["local_device"] for e in entries if e["name"] == "tp-engine") == [
+            "rank0-cuda:0",
+            "rank1-cuda:1",
+        ]
         assert [e["local_device"] for e in registry_for(ranks[2].device).entries()] == ["rank2-hip:0"]
     finally:
         for budget in budgets:
@@ -379,14 +384,24 @@ def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
 
 
 def test_settings_come_from_the_one_options_table(monkeypatch):
-    for name in ("KVCACHED_VIRTUAL_CAPACITY_BYTES", "KVCACHED_PAGE_BYTES", "KVCACHED_IDLE_CACHE_BYTES",
-                 "KVCACHED_RANK_ACK_TIMEOUT_S"):
+    for name in (
+        "KVCACHED_VIRTUAL_CAPACITY_BYTES",
+        "KVCACHED_PAGE_BYTES",
+        "KVCACHED_IDLE_CACHE_BYTES",
+        "KVCACHED_RANK_ACK_TIMEOUT_S",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVCACHED_LIMIT_BYTES", "64MiB")
     monkeypatch.setenv("KVCACHED_NAME", "engine-a")
     settings = Settings.from_env()
-    assert settings == Settings(virtual_bytes=None, limit_bytes=64 << 20, page_bytes=DEFAULT_PAGE_BYTES,
-                                name="engine-a", idle_cache_bytes=0, rank_ack_timeout_s=120.0)
+    assert settings == Settings(
+        virtual_bytes=None,
+        limit_bytes=64 << 20,
+        page_bytes=DEFAULT_PAGE_BYTES,
+        name="engine-a",
+        idle_cache_bytes=0,
+        rank_ack_timeout_s=120.0,
+    )
     monkeypatch.setenv("KVCACHED_LIMIT_BYTES", "lots")
     with pytest.raises(ValueError, match="KVCACHED_LIMIT_BYTES"):
         Settings.from_env()

@@ -13,8 +13,9 @@ LAYERS, BUFFERS, BLOCK_BYTES = 2, 2, 64 << 10
 
 
 def make_space(device, layout: str = "per_layer", **options) -> kvcached.KVSpace:
-    kv_layout = kvcached.KVLayout(LAYERS, BLOCK_BYTES, kind=layout, num_buffers=BUFFERS, capacity_bytes=1 << 30,
-                                  device=device)
+    kv_layout = kvcached.KVLayout(
+        LAYERS, BLOCK_BYTES, kind=layout, num_buffers=BUFFERS, capacity_bytes=1 << 30, device=device
+    )
     return kvcached.KVSpace(kv_layout, device, kvcached.KVSpaceOptions(**options))
 
 
@@ -25,8 +26,11 @@ def test_a_run_of_pages_maps_and_unmaps_across_zero_chunks(device, layout):
     per_page = space.blocks_per_page
     run = list(range(3, 3 + 40))  # spans several coarse zero chunks on GPUs
 
+    base_address = space.base_address
+    offset_of = space.offset_of
+
     def address(layer: int, buffer: int, page: int) -> int:
-        return space.base_address + space.offset_of(layer, buffer, page * per_page)
+        return base_address + offset_of(layer, buffer, page * per_page)
 
     space.map_pages(run)
     for page in (run[0], run[17], run[-1]):
@@ -74,11 +78,13 @@ def test_apply_takes_batches_in_order_unmapping_before_mapping(device):
     assert space.is_mapped(0) and not space.is_mapped(1) and space.mapped_pages == 1
     access.write(address, b"\x07")
     assert access.read(address, 1) == b"\x07"
-    for bad, message in [(kvcached.PageOps(2, [3], []), "applied already"),
-                         (kvcached.PageOps(4, [3], []), "missing"),
-                         (kvcached.PageOps(3, [0], []), "mapped already"),
-                         (kvcached.PageOps(3, [], [5]), "not mapped"),
-                         (kvcached.PageOps(0, [5], []), "seq")]:
+    for bad, message in [
+        (kvcached.PageOps(2, [3], []), "applied already"),
+        (kvcached.PageOps(4, [3], []), "missing"),
+        (kvcached.PageOps(3, [0], []), "mapped already"),
+        (kvcached.PageOps(3, [], [5]), "not mapped"),
+        (kvcached.PageOps(0, [5], []), "seq"),
+    ]:
         with pytest.raises(ValueError, match=message):
             space.apply(bad)
         assert space.applied_seq == 2 and space.mapped_pages == 1  # nothing changed
@@ -104,7 +110,9 @@ def test_a_batch_that_runs_out_of_memory_leaves_the_space_as_it_was(layout):
     for page in (4, 5, 6):
         assert not space.is_mapped(page)
         for layer in range(LAYERS):
-            assert access.read(space.base_address + space.offset_of(layer, 1, page * space.blocks_per_page), 2) == bytes(2)
+            assert access.read(
+                space.base_address + space.offset_of(layer, 1, page * space.blocks_per_page), 2
+            ) == bytes(2)
     assert access.read(address, 1) == b"\x09"
     space.map_pages([4, 5])  # what fits still maps
     assert space.mapped_pages == 3

@@ -66,7 +66,10 @@ def test_kvctl_list_shows_instances_and_device_totals(env, registry):
     (entry,) = listing["instances"]
     assert (entry["name"], entry["pid"], entry["alive"]) == ("llama", os.getpid(), True)
     assert (entry["limit_bytes"], entry["used_bytes"], entry["free_mapped_bytes"]) == (
-        8 * PAGE_BYTES, PAGE_BYTES, 2 * PAGE_BYTES)
+        8 * PAGE_BYTES,
+        PAGE_BYTES,
+        2 * PAGE_BYTES,
+    )
     human = run(env, "kvctl").stdout  # no command means list
     assert "llama" in human and "6.0 MiB" in human and "16.0 MiB" in human
 
@@ -153,7 +156,10 @@ def test_kvtop_live_view_refreshes_until_interrupted(env, registry):
     engine = registry.register("live-engine")  # kept: dropping unregisters
     view = subprocess.Popen(
         [sys.executable, "-m", "kvcached.kvtop", "--interval", "0.1"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # A shell's background job ignores SIGINT and children inherit that: undo it, so the
         # test means the same however the suite was started.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -185,46 +191,55 @@ def run_in_process(capsys, module: str, *args: str) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
-@pytest.mark.parametrize("args, rc, words", [
-    (("set-limit", "x", "1e99"), 1, "exponents"),
-    (("set-limit", "x", "0.5"), 1, "whole number of bytes"),
-    (("set-limit", "x", "-1"), 1, "negative"),
-    (("set-limit", "x", "99999999999999999999"), 1, "too large"),
-    (("set-limit", "x", "inf"), 1, "not a size"),
-    (("set-budget", "nan"), 1, "not a size"),
-    (("set-budget", "9223372036854775808"), 1, "too large"),
-    (("--device", "../x", "list"), 1, "unknown device '../x'"),
-    (("--device", "cuda:0/../../etc", "clean"), 1, "unknown device"),
-    (("--device", "cuda:77", "list"), 1, "cannot open"),
-    (("--device", "cuda:77", "set-budget", "1G"), 1, "cannot open"),
-    (("--device", "cuda-GPU-not-a-uuid", "set-budget", "1G"), 1, "unknown device"),
-    (("set-limit", "x"), 2, "the following arguments are required"),
-    (("frobnicate",), 2, "invalid choice"),
-    (("--bogus",), 2, "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args, rc, words",
+    [
+        (("set-limit", "x", "1e99"), 1, "exponents"),
+        (("set-limit", "x", "0.5"), 1, "whole number of bytes"),
+        (("set-limit", "x", "-1"), 1, "negative"),
+        (("set-limit", "x", "99999999999999999999"), 1, "too large"),
+        (("set-limit", "x", "inf"), 1, "not a size"),
+        (("set-budget", "nan"), 1, "not a size"),
+        (("set-budget", "9223372036854775808"), 1, "too large"),
+        (("--device", "../x", "list"), 1, "unknown device '../x'"),
+        (("--device", "cuda:0/../../etc", "clean"), 1, "unknown device"),
+        (("--device", "cuda:77", "list"), 1, "cannot open"),
+        (("--device", "cuda:77", "set-budget", "1G"), 1, "cannot open"),
+        (("--device", "cuda-GPU-not-a-uuid", "set-budget", "1G"), 1, "unknown device"),
+        (("set-limit", "x"), 2, "the following arguments are required"),
+        (("frobnicate",), 2, "invalid choice"),
+        (("--bogus",), 2, "unrecognized arguments"),
+    ],
+)
 def test_kvctl_answers_bad_arguments_in_one_line(env, tmp_path, capsys, args, rc, words):
     assert_one_line_failure(run_in_process(capsys, "kvctl", *args), rc, words)
     assert list(tmp_path.iterdir()) == [], "a bad argument creates nothing"
 
 
-@pytest.mark.parametrize("args, words", [
-    (("--interval", "nan"), "'nan' is not between"),
-    (("--interval", "inf"), "'inf' is not between"),
-    (("--interval", "-1"), "is not between"),
-    (("--interval", "0"), "is not between"),
-    (("--interval", "soon"), "is not a number of seconds"),
-    (("--device", "../x", "--once"), "unknown device '../x'"),
-    (("--device", "cuda:77", "--once"), "cannot open"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--interval", "nan"), "'nan' is not between"),
+        (("--interval", "inf"), "'inf' is not between"),
+        (("--interval", "-1"), "is not between"),
+        (("--interval", "0"), "is not between"),
+        (("--interval", "soon"), "is not a number of seconds"),
+        (("--device", "../x", "--once"), "unknown device '../x'"),
+        (("--device", "cuda:77", "--once"), "cannot open"),
+    ],
+)
 def test_kvtop_answers_bad_arguments_in_one_line(env, capsys, args, words):
     assert_one_line_failure(run_in_process(capsys, "kvtop", *args), 2, words)
 
 
 @pytest.mark.parametrize("module", ["kvctl", "kvtop"])
-@pytest.mark.parametrize("variable, value, words", [
-    ("KVCACHED_REGISTRY_DIR", "relative/dir", "absolute path"),
-    ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached", "names no group"),
-])
+@pytest.mark.parametrize(
+    "variable, value, words",
+    [
+        ("KVCACHED_REGISTRY_DIR", "relative/dir", "absolute path"),
+        ("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached", "names no group"),
+    ],
+)
 def test_a_bad_setting_is_one_line_too(env, monkeypatch, module, variable, value, words):
     env = {**env, variable: value}
     args = ("list",) if module == "kvctl" else ("--once",)
@@ -263,15 +278,20 @@ def test_kvctl_list_all_shows_each_device_once_with_the_index_each_instance_sees
     gpu = DeviceRegistry(GPU, BUDGET_BYTES)
     other = DeviceRegistry(OTHER_GPU, BUDGET_BYTES)
     # One GPU seen as cuda:1 by one process and cuda:0 by another; a second GPU.
-    kept = [gpu.register("rank-0", local_device="cuda:1"), gpu.register("rank-1", local_device="cuda:0"),
-            other.register("solo", local_device="cuda:0")]
+    kept = [
+        gpu.register("rank-0", local_device="cuda:1"),
+        gpu.register("rank-1", local_device="cuda:0"),
+        other.register("solo", local_device="cuda:0"),
+    ]
     assert kept[0].try_acquire(PAGE_BYTES)
     listing = kvctl_json(env, "list", "--all")
     assert listing["directory"] == str(tmp_path) and listing["unusable"] == []
     by_device = {device["device"]: device for device in listing["devices"]}
     assert sorted(by_device) == sorted([DEVICE, GPU, OTHER_GPU]) and len(listing["devices"]) == 3
     assert {(e["name"], e["local_device"]) for e in by_device[GPU]["instances"]} == {
-        ("rank-0", "cuda:1"), ("rank-1", "cuda:0")}
+        ("rank-0", "cuda:1"),
+        ("rank-1", "cuda:0"),
+    }
     assert by_device[GPU]["mapped_bytes"] == PAGE_BYTES and by_device[OTHER_GPU]["mapped_bytes"] == 0
     human = run(env, "kvctl", "list", "--all").stdout
     headers = [line for line in human.splitlines() if line.startswith(("cpu", "cuda-GPU-"))]
@@ -314,13 +334,17 @@ def test_kvtop_names_a_gpu_by_identity_and_by_the_index_this_process_sees(env, t
     from emulated_process import emulated_env, run_emulated
 
     gpus = {"KVCACHED_EMULATED_GPUS": "2", "KVCACHED_REGISTRY_DIR": str(tmp_path)}
-    physical = run_emulated("cuda", """
+    physical = run_emulated(
+        "cuda",
+        """
         import json
         from kvcached.devices import canonical_device_name
         from kvcached.registry import registry_for
         registry_for("cuda:0").register("kept-by-the-file")  # creates the registry; the entry dies with us
         print(json.dumps([canonical_device_name("cuda:0"), canonical_device_name("cuda:1")]))
-    """, gpus)
+    """,
+        gpus,
+    )
     masked = {**emulated_env("cuda", gpus), "CUDA_VISIBLE_DEVICES": "1,0", "COLUMNS": TERMINAL_COLUMNS}
     frame = run(masked, "kvtop", "--once", "--device", "cuda:1", "--device", physical[0]).stdout
     assert f"{physical[0]} (cuda:1 here)" in frame and frame.count(physical[0]) == 1, frame

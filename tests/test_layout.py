@@ -29,17 +29,20 @@ def test_for_capacity_holds_whole_pages():
         _core.KVLayout.for_capacity(2, 4 << 10, 100, PAGE_BYTES)
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (dict(num_layers=-1), ValueError, "num_layers must be positive, got -1"),
-    (dict(num_layers=0), ValueError, "num_layers must be positive"),
-    (dict(num_layers=2.0), TypeError, "num_layers must be an integer"),
-    (dict(num_layers=True), TypeError, "num_layers must be an integer"),
-    (dict(num_blocks=10**30), ValueError, "num_blocks=.* is too large"),
-    (dict(num_layers=1 << 40), ValueError, "too large"),
-    (dict(num_buffers=3), ValueError, "num_buffers must be 1"),
-    (dict(block_bytes=3000), ValueError, "would work"),
-    (dict(kind="diagonal"), ValueError, "per_layer"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (dict(num_layers=-1), ValueError, "num_layers must be positive, got -1"),
+        (dict(num_layers=0), ValueError, "num_layers must be positive"),
+        (dict(num_layers=2.0), TypeError, "num_layers must be an integer"),
+        (dict(num_layers=True), TypeError, "num_layers must be an integer"),
+        (dict(num_blocks=10**30), ValueError, "num_blocks=.* is too large"),
+        (dict(num_layers=1 << 40), ValueError, "too large"),
+        (dict(num_buffers=3), ValueError, "num_buffers must be 1"),
+        (dict(block_bytes=3000), ValueError, "would work"),
+        (dict(kind="diagonal"), ValueError, "per_layer"),
+    ],
+)
 def test_bad_layouts_are_refused_with_the_reason(args, error, message):
     values = dict(num_layers=2, block_bytes=4 << 10, num_blocks=30, page_bytes=PAGE_BYTES)
     values.update(args)
@@ -52,8 +55,9 @@ def test_values_compare_hash_and_pickle():
     again = pickle.loads(pickle.dumps(layout))
     assert again == layout and hash(again) == hash(layout) and len({layout, again}) == 1
     assert layout != kvcached.KVLayout(2, 4 << 10, 31, page_bytes=PAGE_BYTES, kind="contiguous")
-    options = kvcached.BlockManagerOptions(null_block=True, limit_bytes=1 << 20, min_free_pages=1, max_free_pages=3,
-                                           placement="fullest_first")
+    options = kvcached.BlockManagerOptions(
+        null_block=True, limit_bytes=1 << 20, min_free_pages=1, max_free_pages=3, placement="fullest_first"
+    )
     assert pickle.loads(pickle.dumps(options)) == options != kvcached.BlockManagerOptions()
     space_options = kvcached.KVSpaceOptions(zero_backing=False, max_spare_pages=2)
     assert pickle.loads(pickle.dumps(space_options)) == space_options

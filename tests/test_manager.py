@@ -15,8 +15,9 @@ PAGE_BYTES = 16 << 10  # 4 blocks per page
 
 def make_manager(num_blocks: int = 30, **kwargs) -> kvcached.KVCacheManager:
     kwargs.setdefault("device", _core.open_host_device(64 << 20))
-    return kvcached.KVCacheManager(num_blocks, BLOCK_SIZE, CELL_SIZE, NUM_LAYERS, page_bytes=PAGE_BYTES,
-                                   background_worker=False, **kwargs)
+    return kvcached.KVCacheManager(
+        num_blocks, BLOCK_SIZE, CELL_SIZE, NUM_LAYERS, page_bytes=PAGE_BYTES, background_worker=False, **kwargs
+    )
 
 
 def test_alloc_returns_a_list_of_ids_and_free_gives_them_back():
@@ -58,8 +59,13 @@ def test_free_refuses_bad_ids_and_frees_nothing():
     with make_manager() as m:
         ids = m.alloc(4)
         before = m.stats()
-        for bad, error in [([ids[0], ids[0]], ValueError), ([30], ValueError), ([-1], ValueError),
-                           ([ids[0], 29], ValueError), ([1.5], TypeError)]:
+        for bad, error in [
+            ([ids[0], ids[0]], ValueError),
+            ([30], ValueError),
+            ([-1], ValueError),
+            ([ids[0], 29], ValueError),
+            ([1.5], TypeError),
+        ]:
             with pytest.raises(error):
                 m.free(bad)
             assert m.stats() == before
@@ -139,7 +145,7 @@ def test_kv_tensors_are_per_layer_views_of_the_cache(layout):
         tensors[1][1, block, 2] = 3.0
         flat = torch.from_dlpack(m.pool.tensor())
         start = m.pool.space.offset_of(1, 1, block) + 2 * CELL_SIZE
-        assert flat[start:start + CELL_SIZE].view(torch.float16).eq(3.0).all()
+        assert flat[start : start + CELL_SIZE].view(torch.float16).eq(3.0).all()
     assert tensors[1].abs().sum() == 0  # closed: reads zeros, never faults
 
 

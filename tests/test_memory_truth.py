@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-import pytest
-
 import kvcached
 from kvcached import _core
 
@@ -15,8 +12,15 @@ NUM_LAYERS = 2
 
 
 def make_manager(num_blocks: int, *, page_bytes: int = 16 << 10, device=None, **kwargs) -> kvcached.KVCacheManager:
-    return kvcached.KVCacheManager(num_blocks, BLOCK_SIZE, CELL_SIZE, NUM_LAYERS, page_bytes=page_bytes,
-                                   device=device or _core.open_host_device(256 << 20), **kwargs)
+    return kvcached.KVCacheManager(
+        num_blocks,
+        BLOCK_SIZE,
+        CELL_SIZE,
+        NUM_LAYERS,
+        page_bytes=page_bytes,
+        device=device or _core.open_host_device(256 << 20),
+        **kwargs,
+    )
 
 
 def test_freed_blocks_are_allocatable_at_once_while_the_worker_unmaps():
@@ -39,8 +43,7 @@ def test_stats_say_where_every_page_is():
         m.free(ids)
         for _ in range(200):
             s = m.stats()
-            states = ("used_pages", "free_pages", "mapping_pages", "unmapping_pages", "pending_pages",
-                      "unmapped_pages")
+            states = ("used_pages", "free_pages", "mapping_pages", "unmapping_pages", "pending_pages", "unmapped_pages")
             assert sum(s[k] for k in states) == s["num_pages"], s
             assert s["used_pages"] == 0 and s["used_blocks"] == 0, s
             assert s["mapped_pages"] == s["used_pages"] + s["free_pages"]

@@ -157,8 +157,14 @@ def test_acknowledging_an_unknown_mirror_or_seq_is_refused():
 
 
 def test_a_pool_that_maps_its_own_pages_has_no_page_ops():
-    with kvcached.KVPool(NUM_LAYERS, BLOCK_BYTES, num_blocks=NUM_BLOCKS, page_bytes=PAGE_BYTES,
-                         device=_core.open_host_device(64 << 20), background_worker=False) as pool:
+    with kvcached.KVPool(
+        NUM_LAYERS,
+        BLOCK_BYTES,
+        num_blocks=NUM_BLOCKS,
+        page_bytes=PAGE_BYTES,
+        device=_core.open_host_device(64 << 20),
+        background_worker=False,
+    ) as pool:
         with pytest.raises(ValueError, match="no page ops"):
             pool.take_page_ops()
 
@@ -170,11 +176,12 @@ class Mirrors:
     """In-process mirror KV spaces (one per rank or stage) fed the manager's batches."""
 
     def __init__(self, layouts) -> None:
-        self.spaces = [kvcached.KVSpace(layout, _core.open_host_device(64 << 20), kvcached.KVSpaceOptions())
-                       for layout in layouts]
+        self.spaces = [
+            kvcached.KVSpace(layout, _core.open_host_device(64 << 20), kvcached.KVSpaceOptions()) for layout in layouts
+        ]
 
     def apply(self, manager, ops, to=None) -> None:
-        for i in (range(len(self.spaces)) if to is None else to):
+        for i in range(len(self.spaces)) if to is None else to:
             manager.acknowledge(i, self.spaces[i].apply(ops))
 
     def close(self) -> None:
@@ -227,8 +234,10 @@ def test_a_budget_refusing_on_one_mirror_leaves_nothing_taken_on_the_others():
 
 def test_pipeline_stages_are_charged_what_a_page_costs_on_them():
     whole = kvcached.KVLayout(4, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES)  # 4 layers in all
-    stages = [kvcached.KVLayout(3, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES),
-              kvcached.KVLayout(1, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES)]
+    stages = [
+        kvcached.KVLayout(3, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES),
+        kvcached.KVLayout(1, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES),
+    ]
     budgets = [_core.FixedBudget(1 << 30) for _ in stages]
     manager = kvcached.BlockManager(whole, mirrors=[kvcached.Mirror(b, s) for b, s in zip(budgets, stages)])
     mirrors = Mirrors(stages)

@@ -49,13 +49,17 @@ def packages(monkeypatch, engine):
     root = types.ModuleType("kvcached_fake_integration")
     root.__path__ = []
     fits = types.ModuleType("kvcached_fake_integration.v1_4")
-    fits.PATCH_POINTS = (PatchPoint(ENGINE, "Scheduler.schedule", ("self", "budget")),
-                         PatchPoint(ENGINE, "Scheduler", members=("shutdown",)),
-                         PatchPoint(ENGINE, "allocate", ("config", "device", "layout"), exact=True))
+    fits.PATCH_POINTS = (
+        PatchPoint(ENGINE, "Scheduler.schedule", ("self", "budget")),
+        PatchPoint(ENGINE, "Scheduler", members=("shutdown",)),
+        PatchPoint(ENGINE, "allocate", ("config", "device", "layout"), exact=True),
+    )
     fits.install = lambda settings: installed.append(settings)
     old = types.ModuleType("kvcached_fake_integration.v1_3")
-    old.PATCH_POINTS = (PatchPoint(ENGINE, "Scheduler.step"),
-                        PatchPoint(ENGINE, "allocate", ("config", "device"), exact=True))
+    old.PATCH_POINTS = (
+        PatchPoint(ENGINE, "Scheduler.step"),
+        PatchPoint(ENGINE, "allocate", ("config", "device"), exact=True),
+    )
     old.install = lambda settings: installed.append(settings)
     for module in (root, fits, old):
         monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -63,8 +67,9 @@ def packages(monkeypatch, engine):
 
 
 def _policy(releases=None):
-    return VersionPolicy(engine="Fake", package="kvcached_fake_integration",
-                         releases=releases or {(1, 4): "v1_4"}, release_parts=2)
+    return VersionPolicy(
+        engine="Fake", package="kvcached_fake_integration", releases=releases or {(1, 4): "v1_4"}, release_parts=2
+    )
 
 
 def test_every_refusal_is_a_kvcached_error():
@@ -90,28 +95,47 @@ def test_one_policy_per_engine_names_every_supported_release():
         assert vllm_plugin.POLICY.releases[vllm_plugin.POLICY.release_of(version)] == package
 
 
-@pytest.mark.parametrize("policy,version", [(vllm_plugin.POLICY, "0.31.2"), (vllm_plugin.POLICY, "0.35.0"),
-                                            (vllm_plugin.POLICY, "dev"), (sglang_plugin.POLICY, "0.5.24"),
-                                            (sglang_plugin.POLICY, "0.5")])
+@pytest.mark.parametrize(
+    "policy,version",
+    [
+        (vllm_plugin.POLICY, "0.31.2"),
+        (vllm_plugin.POLICY, "0.35.0"),
+        (vllm_plugin.POLICY, "dev"),
+        (sglang_plugin.POLICY, "0.5.24"),
+        (sglang_plugin.POLICY, "0.5"),
+    ],
+)
 def test_other_releases_are_refused_naming_the_supported_ones(policy, version):
     with pytest.raises(policy.error, match=f"supported: {policy.supported}"):
         policy.package_for(version)
 
 
 def test_patch_points_that_are_in_place_pass(engine):
-    verify_patch_points([PatchPoint(ENGINE, "Scheduler.schedule", ("self", "budget", "throttle")),
-                         PatchPoint(ENGINE, "allocate", ("config", "device", "layout"), exact=True)],
-                        engine="Fake", version="1.4.2", package="v1_4")
+    verify_patch_points(
+        [
+            PatchPoint(ENGINE, "Scheduler.schedule", ("self", "budget", "throttle")),
+            PatchPoint(ENGINE, "allocate", ("config", "device", "layout"), exact=True),
+        ],
+        engine="Fake",
+        version="1.4.2",
+        package="v1_4",
+    )
 
 
-@pytest.mark.parametrize("point,why", [
-    (PatchPoint(ENGINE, "Scheduler.step"), "Scheduler.step is gone"),
-    (PatchPoint(ENGINE, "Scheduler", members=("shutdown", "_preempt")), "lacks _preempt"),
-    (PatchPoint(ENGINE, "Scheduler.schedule", ("self", "throttle", "budget")), "no longer takes"),
-    (PatchPoint(ENGINE, "allocate", ("config", "device"), exact=True), "no longer takes"),
-    (PatchPoint(ENGINE + "_moved", "allocate"), "is gone"),
-    (PatchPoint(ENGINE + "_moved", "allocate", optional=True), "is gone"),  # optional: may fail to import, not vanish
-])
+@pytest.mark.parametrize(
+    "point,why",
+    [
+        (PatchPoint(ENGINE, "Scheduler.step"), "Scheduler.step is gone"),
+        (PatchPoint(ENGINE, "Scheduler", members=("shutdown", "_preempt")), "lacks _preempt"),
+        (PatchPoint(ENGINE, "Scheduler.schedule", ("self", "throttle", "budget")), "no longer takes"),
+        (PatchPoint(ENGINE, "allocate", ("config", "device"), exact=True), "no longer takes"),
+        (PatchPoint(ENGINE + "_moved", "allocate"), "is gone"),
+        (
+            PatchPoint(ENGINE + "_moved", "allocate", optional=True),
+            "is gone",
+        ),  # optional: may fail to import, not vanish
+    ],
+)
 def test_a_patch_point_that_moved_fails_loudly_naming_it(engine, point, why):
     with pytest.raises(PatchPointMoved, match=why) as raised:
         verify_patch_points([point], engine="Fake", version="1.4.2", package="v1_4")

@@ -19,16 +19,22 @@ LAYOUTS = ["per_layer", "contiguous"]
 
 
 def make_pool(layout: str = "per_layer", *, device=None, capacity_bytes: int = 64 << 20, **kwargs) -> kvcached.KVPool:
-    options = dict(num_blocks=64, page_bytes=PAGE_BYTES, layout=layout, background_worker=False,
-                   min_reserve_pages=0, max_reserve_pages=0)
+    options = dict(
+        num_blocks=64,
+        page_bytes=PAGE_BYTES,
+        layout=layout,
+        background_worker=False,
+        min_reserve_pages=0,
+        max_reserve_pages=0,
+    )
     options.update(kwargs)
     return kvcached.KVPool(NUM_LAYERS, BLOCK_BYTES, device=device or _core.open_host_device(capacity_bytes), **options)
 
 
-def block_bytes_view(pool: kvcached.KVPool, layer: int, buffer: int, block: int) -> "torch.Tensor":
+def block_bytes_view(pool: kvcached.KVPool, layer: int, buffer: int, block: int) -> torch.Tensor:
     flat = torch.from_dlpack(pool.tensor())
     start = pool.space.offset_of(layer, buffer, block)
-    return flat[start:start + BLOCK_BYTES]
+    return flat[start : start + BLOCK_BYTES]
 
 
 def fill(pool: kvcached.KVPool, ids, seed: int) -> None:
@@ -123,8 +129,9 @@ def test_null_block_is_never_handed_out_or_freed():
     ],
 )
 def test_bad_construction_arguments_raise_value_error(kwargs, message):
-    options = dict(num_layers=NUM_LAYERS, block_bytes=BLOCK_BYTES, num_blocks=64, page_bytes=PAGE_BYTES,
-                   background_worker=False)
+    options = dict(
+        num_layers=NUM_LAYERS, block_bytes=BLOCK_BYTES, num_blocks=64, page_bytes=PAGE_BYTES, background_worker=False
+    )
     options.update(kwargs)
     device = _core.open_host_device(64 << 20)
     with pytest.raises(ValueError, match=message):
@@ -134,8 +141,9 @@ def test_bad_construction_arguments_raise_value_error(kwargs, message):
 
 def test_block_larger_than_page_names_a_page_size_that_works():
     with pytest.raises(ValueError) as info:
-        kvcached.KVPool(NUM_LAYERS, 3 * PAGE_BYTES, num_blocks=4, page_bytes=PAGE_BYTES,
-                        device=_core.open_host_device(1 << 30))
+        kvcached.KVPool(
+            NUM_LAYERS, 3 * PAGE_BYTES, num_blocks=4, page_bytes=PAGE_BYTES, device=_core.open_host_device(1 << 30)
+        )
     assert f"a page of {3 * PAGE_BYTES} bytes would work" in str(info.value)
 
 
@@ -243,7 +251,7 @@ def test_limit_below_use_is_deferred_until_blocks_are_freed(pool):
     pool.free(ids[: 2 * pool.blocks_per_page])
     pool.maintain()
     assert pool.stats()["mapped_pages"] == 2
-    pool.free(ids[2 * pool.blocks_per_page:])
+    pool.free(ids[2 * pool.blocks_per_page :])
     pool.maintain()
     assert pool.stats()["mapped_pages"] == 0  # this pool keeps no free pages in reserve
     assert pool.available() == pool.blocks_per_page  # the limit of one page still holds

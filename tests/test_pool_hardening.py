@@ -23,8 +23,9 @@ def make_pool(**kwargs) -> kvcached.KVPool:
 
 
 def make_manager(**kwargs) -> kvcached.KVCacheManager:
-    return kvcached.KVCacheManager(32, 16, 256, 2, page_bytes=PAGE_BYTES,
-                                   device=_core.open_host_device(64 << 20), **kwargs)
+    return kvcached.KVCacheManager(
+        32, 16, 256, 2, page_bytes=PAGE_BYTES, device=_core.open_host_device(64 << 20), **kwargs
+    )
 
 
 def close_from_two_threads(closable) -> None:
@@ -63,8 +64,18 @@ def test_close_from_two_threads_at_once_neither_hangs_nor_raises(kind):
         close_from_two_threads(obj)
 
 
-@pytest.mark.parametrize("bad", [[2.9], [1.0], [True, False], np.array([2.9]), np.array([True, False]),
-                                 np.array([1.0, 2.0], dtype=np.float32), ["3"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [2.9],
+        [1.0],
+        [True, False],
+        np.array([2.9]),
+        np.array([True, False]),
+        np.array([1.0, 2.0], dtype=np.float32),
+        ["3"],
+    ],
+)
 def test_free_and_alloc_ids_refuse_non_integer_ids(bad):
     with make_pool(background_worker=False) as pool:
         ids = pool.alloc(4)
@@ -109,8 +120,14 @@ def test_absurd_sizes_get_a_value_error_with_the_reason(kwargs, message):
     assert device.counters()["reserved_bytes"] == 0
 
 
-HUGE_GEOMETRY = {"num_layers": 1, "num_buffers": 1, "block_bytes": 4096, "page_bytes": 4096, "device": "cpu",
-                 "register": False}
+HUGE_GEOMETRY = {
+    "num_layers": 1,
+    "num_buffers": 1,
+    "block_bytes": 4096,
+    "page_bytes": 4096,
+    "device": "cpu",
+    "register": False,
+}
 
 
 @pytest.mark.parametrize("num_blocks", [2**28, 2**30, 2**32 - 1])
@@ -118,9 +135,11 @@ def test_a_geometry_whose_bookkeeping_would_exhaust_the_host_is_refused_up_front
     # 2^28 page ids grew to ~22 GB before the first block (OOM-killed); 2^30 raised std::bad_alloc.
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
-    with pytest.raises(ValueError,
-                       match=rf"over {num_blocks} page ids \(.*\) keeps \d+ bytes of bookkeeping per page id.*"
-                             r"more than the \d+ bytes kvcached allows.*Use larger pages \(page_bytes\) or fewer blocks"):
+    with pytest.raises(
+        ValueError,
+        match=rf"over {num_blocks} page ids \(.*\) keeps \d+ bytes of bookkeeping per page id.*"
+        r"more than the \d+ bytes kvcached allows.*Use larger pages \(page_bytes\) or fewer blocks",
+    ):
         kvcached.KVPool(num_blocks=num_blocks, **HUGE_GEOMETRY)
     assert time.monotonic() - started < 2.0, "refused before sizing anything"
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kib < 64 << 10, "no bookkeeping was allocated"
@@ -182,8 +201,11 @@ def _block_manager() -> kvcached.BlockManager:
 
 @pytest.mark.parametrize("kind", ["block_manager", "pool", "manager"])
 def test_block_counts_are_checked_naming_the_argument_and_change_nothing(kind):
-    obj = {"block_manager": _block_manager, "pool": lambda: make_pool(background_worker=False),
-           "manager": lambda: make_manager(background_worker=False)}[kind]()
+    obj = {
+        "block_manager": _block_manager,
+        "pool": lambda: make_pool(background_worker=False),
+        "manager": lambda: make_manager(background_worker=False),
+    }[kind]()
     with obj:
         pool = obj.pool if kind == "manager" else obj
         alloc = obj.alloc
@@ -254,8 +276,9 @@ def test_stats_report_a_limit_set_from_outside_and_the_tighter_of_two():
 def test_available_is_bound_by_the_device_before_the_first_alloc():
     """72 MiB of host memory, a 1 GiB budget, 256 MiB of virtual capacity in 16 MiB page ids."""
     device = _core.open_host_device(72 << 20)
-    with kvcached.KVPool(num_layers=4, block_bytes=32 << 10, capacity_bytes=256 << 20, device=device,
-                         budget=_core.FixedBudget(1 << 30)) as pool:
+    with kvcached.KVPool(
+        num_layers=4, block_bytes=32 << 10, capacity_bytes=256 << 20, device=device, budget=_core.FixedBudget(1 << 30)
+    ) as pool:
         assert pool.page_id_bytes == 16 << 20
         assert pool.available() == 4 * pool.blocks_per_page  # 4 page ids fit in 72 MiB, not 16
         ids = pool.alloc(pool.available())

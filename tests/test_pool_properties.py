@@ -18,22 +18,31 @@ from kvcached import _core
 
 BLOCK_BYTES = 4 << 10
 PAGE_BYTES = 16 << 10  # 4 blocks per page
-NUM_BLOCKS = 46        # 12 pages, the last one holding 2 blocks
+NUM_BLOCKS = 46  # 12 pages, the last one holding 2 blocks
 NUM_LAYERS = 2
 
 
 class PoolMachine(RuleBasedStateMachine):
     """The model: the ids handed out, the limit and the budget in pages."""
 
-    @initialize(layout=st.sampled_from(["per_layer", "contiguous"]), null_block=st.booleans(),
-                budget_pages=st.integers(min_value=3, max_value=14),
-                placement=st.sampled_from(["fewest_pages", "fullest_first"]))
+    @initialize(
+        layout=st.sampled_from(["per_layer", "contiguous"]),
+        null_block=st.booleans(),
+        budget_pages=st.integers(min_value=3, max_value=14),
+        placement=st.sampled_from(["fewest_pages", "fullest_first"]),
+    )
     def open_pool(self, layout: str, null_block: bool, budget_pages: int, placement: str) -> None:
         self.device = _core.open_host_device(64 << 20)
         kv_layout = kvcached.KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind=layout)
         self.budget = _core.FixedBudget(budget_pages * kv_layout.page_id_bytes)
-        options = kvcached.BlockManagerOptions(null_block=null_block, min_free_pages=1, max_free_pages=2,
-                                               max_spare_pages=2, background_worker=True, placement=placement)
+        options = kvcached.BlockManagerOptions(
+            null_block=null_block,
+            min_free_pages=1,
+            max_free_pages=2,
+            max_spare_pages=2,
+            background_worker=True,
+            placement=placement,
+        )
         self.pool = kvcached.KVPool(kv_layout=kv_layout, options=options, device=self.device, budget=self.budget)
         self.per_page = kv_layout.blocks_per_page
         self.num_pages = kv_layout.num_pages
@@ -151,27 +160,41 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None,
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPool = PoolMachine.TestCase
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout=st.sampled_from(["per_layer", "contiguous"]), num_layers=st.integers(1, 3),
-       device_bytes=st.integers(1, 16 * 4 * PAGE_BYTES * 3), budget_pages=st.none() | st.integers(0, 14),
-       limit_pages=st.none() | st.integers(0, 14), first=st.integers(0, 20), worker=st.booleans())
-def test_alloc_of_what_available_reports_succeeds_whatever_binds(layout, num_layers, device_bytes, budget_pages,
-                                                                  limit_pages, first, worker):
+@given(
+    layout=st.sampled_from(["per_layer", "contiguous"]),
+    num_layers=st.integers(1, 3),
+    device_bytes=st.integers(1, 16 * 4 * PAGE_BYTES * 3),
+    budget_pages=st.none() | st.integers(0, 14),
+    limit_pages=st.none() | st.integers(0, 14),
+    first=st.integers(0, 20),
+    worker=st.booleans(),
+)
+def test_alloc_of_what_available_reports_succeeds_whatever_binds(
+    layout, num_layers, device_bytes, budget_pages, limit_pages, first, worker
+):
     """available() applies every bound alloc applies (device memory, budget, limit, page ids), so an
     alloc of what it reports succeeds and one block more is refused, before and after other allocs."""
     kv_layout = kvcached.KVLayout(num_layers, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind=layout)
     page = kv_layout.page_id_bytes
     device = _core.open_host_device(-(-device_bytes // 4096) * 4096)  # whole host pages
     budget = None if budget_pages is None else _core.FixedBudget(budget_pages * page + page // 3)
-    with kvcached.KVPool(kv_layout=kv_layout, device=device, budget=budget,
-                         limit_bytes=None if limit_pages is None else limit_pages * page + page // 2,
-                         background_worker=worker, register=False) as pool:
+    with kvcached.KVPool(
+        kv_layout=kv_layout,
+        device=device,
+        budget=budget,
+        limit_bytes=None if limit_pages is None else limit_pages * page + page // 2,
+        background_worker=worker,
+        register=False,
+    ) as pool:
         held = []
         for count in (min(first, pool.available()), None):
             n = pool.available() if count is None else count

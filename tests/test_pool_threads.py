@@ -18,8 +18,17 @@ ROUNDS = 2000
 @pytest.mark.parametrize("layout", ["per_layer", "contiguous"])
 def test_concurrent_alloc_and_free_never_duplicate_ids(layout):
     device = _core.open_host_device(256 << 20)
-    pool = kvcached.KVPool(2, 4 << 10, num_blocks=512, page_bytes=16 << 10, layout=layout, device=device,
-                           background_worker=True, min_reserve_pages=1, max_reserve_pages=2)
+    pool = kvcached.KVPool(
+        2,
+        4 << 10,
+        num_blocks=512,
+        page_bytes=16 << 10,
+        layout=layout,
+        device=device,
+        background_worker=True,
+        min_reserve_pages=1,
+        max_reserve_pages=2,
+    )
     owner: dict[int, int] = {}  # id -> thread holding it
     owner_lock = threading.Lock()
     errors: list[BaseException] = []
@@ -97,8 +106,16 @@ def test_the_fast_path_never_waits_on_another_process():
     from kvcached.registry import registry_for
 
     registry_for("cpu")  # make sure the registry exists
-    pool = kvcached.KVPool(2, 4 << 10, num_blocks=512, page_bytes=16 << 10, device=_core.open_host_device(64 << 20),
-                           background_worker=False, min_reserve_pages=0, max_reserve_pages=0)
+    pool = kvcached.KVPool(
+        2,
+        4 << 10,
+        num_blocks=512,
+        page_bytes=16 << 10,
+        device=_core.open_host_device(64 << 20),
+        background_worker=False,
+        min_reserve_pages=0,
+        max_reserve_pages=0,
+    )
     try:
         held = pool.alloc(1)  # page 0 mapped, 3 free blocks on it
         ctx = mp.get_context("spawn")

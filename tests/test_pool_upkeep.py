@@ -5,7 +5,6 @@ back from another process, and the device's free memory known without a driver c
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import time
 
@@ -20,8 +19,16 @@ LAYERS, BLOCK_BYTES = 2, 64 << 10  # 2 MiB pages hold 32 blocks
 def make_pool(device, layout: str, **kwargs) -> kvcached.KVPool:
     kwargs.setdefault("register", False)
     kwargs.setdefault("background_worker", False)
-    return kvcached.KVPool(LAYERS, BLOCK_BYTES, capacity_bytes=2 << 30, layout=layout, page_bytes=2 << 20,
-                           device=device, zero_backing=True, **kwargs)
+    return kvcached.KVPool(
+        LAYERS,
+        BLOCK_BYTES,
+        capacity_bytes=2 << 30,
+        layout=layout,
+        page_bytes=2 << 20,
+        device=device,
+        zero_backing=True,
+        **kwargs,
+    )
 
 
 def worker_round(pool: kvcached.KVPool) -> None:
@@ -78,8 +85,9 @@ def test_a_burst_makes_the_look_ahead_follow(device):
 
 
 def test_a_shrink_keeps_its_allocations_until_the_next_round(host_device):
-    with make_pool(host_device, "contiguous", min_reserve_pages=0, max_reserve_pages=0,
-                   budget=_core.FixedBudget(1 << 30)) as pool:
+    with make_pool(
+        host_device, "contiguous", min_reserve_pages=0, max_reserve_pages=0, budget=_core.FixedBudget(1 << 30)
+    ) as pool:
         ids = pool.alloc(3 * pool.blocks_per_page)
         created = host_device.counters()["created_bytes"]
         pool.free(ids)
@@ -115,8 +123,15 @@ PAGES = 4
 def _holder(conn, device: str) -> None:
     """Holds PAGES page ids until told to free them; its worker gives them back."""
     try:
-        pool = kvcached.KVPool(LAYERS, BLOCK_BYTES, capacity_bytes=64 << 20, layout="contiguous",
-                               page_bytes=2 << 20, device=device, name="holder")
+        pool = kvcached.KVPool(
+            LAYERS,
+            BLOCK_BYTES,
+            capacity_bytes=64 << 20,
+            layout="contiguous",
+            page_bytes=2 << 20,
+            device=device,
+            name="holder",
+        )
         ids = pool.alloc(PAGES * pool.blocks_per_page)
         conn.send("held")
         conn.recv()
@@ -144,8 +159,16 @@ def test_a_waiting_alloc_gets_the_memory_another_process_gives_back(tmp_path, mo
     proc.start()
     try:
         assert parent.poll(60) and parent.recv() == "held"
-        with kvcached.KVPool(LAYERS, BLOCK_BYTES, capacity_bytes=64 << 20, layout="contiguous", page_bytes=2 << 20,
-                             device="cpu", name="waiter", min_reserve_pages=0) as pool:
+        with kvcached.KVPool(
+            LAYERS,
+            BLOCK_BYTES,
+            capacity_bytes=64 << 20,
+            layout="contiguous",
+            page_bytes=2 << 20,
+            device="cpu",
+            name="waiter",
+            min_reserve_pages=0,
+        ) as pool:
             want = PAGES * pool.blocks_per_page
             with pytest.raises(kvcached.OutOfMemoryError):
                 pool.alloc(want)  # no timeout: refused at once

@@ -259,7 +259,9 @@ def test_a_gpu_is_resolved_to_its_physical_identity_and_remembered_as_this_proce
     second = registry_for(_OpenedGpu("cuda:0", GPU_A)).register("seen-as-cuda-0")  # same GPU, another mask
     assert first.registered and second.registered
     assert [(e["name"], e["local_device"]) for e in DeviceRegistry(GPU_A).entries()] == [
-        ("seen-as-cuda-1", "cuda:1"), ("seen-as-cuda-0", "cuda:0")], "one registry, each entry as its process sees it"
+        ("seen-as-cuda-1", "cuda:1"),
+        ("seen-as-cuda-0", "cuda:0"),
+    ], "one registry, each entry as its process sees it"
 
 
 def test_a_gpu_without_identity_is_keyed_by_index_and_a_bad_identity_is_refused(caplog):

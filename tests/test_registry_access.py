@@ -54,7 +54,9 @@ def test_a_group_shared_file_needs_the_group_setting():
     group_name = grp.getgrgid(os.getegid()).gr_name
     registry = DeviceRegistry("cpu", 4 * PAGE_BYTES)
     os.chmod(registry.path, 0o660)
-    with pytest.raises(RegistryAccessError, match=f"shared with group .*set KVCACHED_REGISTRY_GROUP={group_name} to use it"):
+    with pytest.raises(
+        RegistryAccessError, match=f"shared with group .*set KVCACHED_REGISTRY_GROUP={group_name} to use it"
+    ):
         DeviceRegistry("cpu")
 
 
@@ -67,20 +69,27 @@ def test_the_group_setting_creates_shared_files_and_refuses_private_ones(monkeyp
     assert (file_info.st_mode & 0o777, file_info.st_gid) == (0o660, group.gr_gid)
     assert (dir_info.st_mode & 0o777, dir_info.st_gid) == (0o770, group.gr_gid)
     os.chmod(registry.path, 0o600)
-    with pytest.raises(RegistryAccessError, match=f"not shared with the group in KVCACHED_REGISTRY_GROUP={group.gr_name}"):
+    with pytest.raises(
+        RegistryAccessError, match=f"not shared with the group in KVCACHED_REGISTRY_GROUP={group.gr_name}"
+    ):
         DeviceRegistry("cpu")
 
 
 def test_an_unknown_group_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("KVCACHED_REGISTRY_GROUP", "no-such-group-kvcached")
-    with pytest.raises(ValueError, match="KVCACHED_REGISTRY_GROUP='no-such-group-kvcached' is invalid: it names no group"):
+    with pytest.raises(
+        ValueError, match="KVCACHED_REGISTRY_GROUP='no-such-group-kvcached' is invalid: it names no group"
+    ):
         DeviceRegistry("cpu", PAGE_BYTES)
 
 
-@pytest.mark.parametrize("mode, message", [
-    (0o777, "writable by every user without the sticky bit"),
-    (0o770, "writable by group .* without the sticky bit"),
-])
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        (0o777, "writable by every user without the sticky bit"),
+        (0o770, "writable by group .* without the sticky bit"),
+    ],
+)
 def test_a_directory_where_others_could_swap_files_is_refused(isolated_registry_dir, mode, message):
     directory = isolated_registry_dir / "loose"
     directory.mkdir()
@@ -92,10 +101,13 @@ def test_a_directory_where_others_could_swap_files_is_refused(isolated_registry_
     assert registry_for("cpu", total_bytes=PAGE_BYTES).budget_bytes == PAGE_BYTES
 
 
-@pytest.mark.parametrize("mode, message", [
-    (0o777, r"directory .*/above above the registry directory .* writable by every user without the sticky bit"),
-    (0o775, r"directory .*/above above the registry directory .* writable by group .* without the sticky bit"),
-])
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        (0o777, r"directory .*/above above the registry directory .* writable by every user without the sticky bit"),
+        (0o775, r"directory .*/above above the registry directory .* writable by group .* without the sticky bit"),
+    ],
+)
 def test_a_parent_where_others_could_move_the_registry_directory_is_refused(isolated_registry_dir, mode, message):
     above = isolated_registry_dir / "above"
     (above / "mid").mkdir(parents=True)
@@ -126,8 +138,11 @@ def _ensure_account(name: str, groups: tuple[str, ...] = ()) -> pwd.struct_passw
         return pwd.getpwnam(name)
     except KeyError:
         extra = ["-G", ",".join(groups)] if groups else []
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", *extra, name],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", *extra, name],
+            check=True,
+            capture_output=True,
+        )
         return pwd.getpwnam(name)
 
 
@@ -140,8 +155,11 @@ def accounts():
         grp.getgrnam(SHARED_GROUP)
     except KeyError:
         subprocess.run(["groupadd", "--system", SHARED_GROUP], check=True, capture_output=True)
-    return {"peer": _ensure_account(PEER, (SHARED_GROUP,)), "outsider": _ensure_account(OUTSIDER),
-            "group": grp.getgrnam(SHARED_GROUP)}
+    return {
+        "peer": _ensure_account(PEER, (SHARED_GROUP,)),
+        "outsider": _ensure_account(OUTSIDER),
+        "group": grp.getgrnam(SHARED_GROUP),
+    }
 
 
 @pytest.fixture
@@ -208,8 +226,12 @@ def test_another_user_can_neither_read_nor_change_nor_damage_a_private_registry(
         assert kvctl_as(accounts["peer"], shared_dir, *args)[0] == 1, args
 
     def damage() -> None:
-        attempts = (lambda: open(registry.path, "r+b"), lambda: os.truncate(registry.path, 0),
-                    lambda: os.unlink(registry.path), lambda: os.rename(registry.path, "/tmp/x"))
+        attempts = (
+            lambda: open(registry.path, "r+b"),
+            lambda: os.truncate(registry.path, 0),
+            lambda: os.unlink(registry.path),
+            lambda: os.rename(registry.path, "/tmp/x"),
+        )
         for attempt in attempts:
             try:
                 attempt()

@@ -87,7 +87,7 @@ def child_engine(ready, go, results) -> None:
     ready.set()
     go.wait(CHILD_TIMEOUT_S)
     # Lock-free reads touch the mapping directly: a truncated file faults here.
-    budget.available_bytes, budget.external_limit_bytes, budget.pressure_bytes, budget.registered
+    _ = (budget.available_bytes, budget.external_limit_bytes, budget.pressure_bytes, budget.registered)
     budget.report_usage(PAGE_BYTES, PAGE_BYTES)
     seen = {}
     try:
@@ -120,7 +120,9 @@ def test_an_engine_survives_its_registry_being_damaged_and_is_told_why(damage):
     assert child.exitcode == 0, "no SIGBUS, no abort"
     assert re.search(DAMAGES[damage], seen["try_acquire"]) and "Restart the engine" in seen["try_acquire"]
     assert seen["entries"] == seen["try_acquire"]
-    assert (seen["available"], seen["registered"], seen["pressure"]) == (0, False, 0), "a detached budget grants nothing"
+    assert (seen["available"], seen["registered"], seen["pressure"]) == (0, False, 0), (
+        "a detached budget grants nothing"
+    )
 
 
 def child_hammer(ready, results) -> None:
@@ -134,7 +136,7 @@ def child_hammer(ready, results) -> None:
         try:
             if budget.try_acquire(PAGE_BYTES):
                 budget.release(PAGE_BYTES)
-            budget.available_bytes, budget.external_limit_bytes, budget.pressure_bytes
+            _ = (budget.available_bytes, budget.external_limit_bytes, budget.pressure_bytes)
             rounds += 1
         except RegistryUnusableError:
             results.put(("detached", rounds))
@@ -183,10 +185,12 @@ def test_a_sigbus_elsewhere_still_ends_the_process(tmp_path):
     # A fresh interpreter, where the handler before kvcached's is the default action.
     other.write_bytes(b"x" * 4096)
     code = "import sys, test_registry_faults as t; t.child_fault_outside_any_registry(sys.argv[1])"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                     os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", code, str(other)], env=env, capture_output=True,
-                          timeout=CHILD_TIMEOUT_S)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(other)], env=env, capture_output=True, timeout=CHILD_TIMEOUT_S
+    )
     assert done.returncode == -signal.SIGBUS, done.stderr
 
 
@@ -244,10 +248,13 @@ def test_a_fifo_at_the_path_is_refused_without_blocking(isolated_registry_dir):
     assert time.monotonic() - started < 1.0
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "is empty"),
-    (b"\0" * 100, "starts with zeros"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty"),
+        (b"\0" * 100, "starts with zeros"),
+    ],
+)
 def test_a_damaged_file_is_reported_then_replaced_by_the_next_engine(isolated_registry_dir, content, message):
     path = isolated_registry_dir / "kvcached-cpu"
     path.write_bytes(content)
@@ -310,8 +317,11 @@ def test_a_reused_pid_does_not_keep_a_dead_entry_alive():
         budget = registry.register("was-here", pid=sleeper.pid)
         assert budget.try_acquire(2 * PAGE_BYTES)
         # Same pid, another process: what the registry sees after the pid is reused.
-        poke(registry.path, entry_offset(budget.slot, "start_time_ticks"),
-             (start_ticks(sleeper.pid) + 1).to_bytes(8, "little"))
+        poke(
+            registry.path,
+            entry_offset(budget.slot, "start_time_ticks"),
+            (start_ticks(sleeper.pid) + 1).to_bytes(8, "little"),
+        )
         (entry,) = registry.entries()
         assert entry["pid"] == sleeper.pid and not entry["alive"]
         assert registry.clean_stale() == 1 and registry.mapped_bytes == 0

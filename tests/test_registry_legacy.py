@@ -32,8 +32,13 @@ def dead_entry(name: str = "old-engine") -> tuple[int, int, str]:
 
 
 def kvctl(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "kvcached.kvctl", *args, "--json"],
-                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcached.kvctl", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -42,7 +47,9 @@ def test_an_old_host_registry_in_use_is_refused_naming_its_users(isolated_regist
     path = isolated_registry_dir / "kvcached-cpu"
     write_v1_registry(path, "cpu", [live_entry()])
     before = path.read_bytes()
-    with pytest.raises(RegistryUnusableError, match=rf"{path} was made by an older kvcached \(layout version 1.*pid {os.getpid()}"):
+    with pytest.raises(
+        RegistryUnusableError, match=rf"{path} was made by an older kvcached \(layout version 1.*pid {os.getpid()}"
+    ):
         DeviceRegistry("cpu", 4 * PAGE_BYTES)
     assert path.read_bytes() == before, "left as it is for the old engines"
 
@@ -59,7 +66,9 @@ def test_an_old_host_registry_nobody_uses_is_replaced(isolated_registry_dir):
 def test_a_gpu_engine_is_refused_while_an_old_index_registry_has_live_instances(isolated_registry_dir):
     write_v1_registry(isolated_registry_dir / OLD_GPU_FILE, "cuda:0", [live_entry()])
     registry = DeviceRegistry(GPU_A, 8 * PAGE_BYTES)
-    with pytest.raises(RegistryUnusableError, match=rf"{OLD_GPU_FILE} keys a GPU by index, as older .* two independent budgets"):
+    with pytest.raises(
+        RegistryUnusableError, match=rf"{OLD_GPU_FILE} keys a GPU by index, as older .* two independent budgets"
+    ):
         registry.register("new-engine")
     assert registry.entries() == []
     DeviceRegistry("cpu", PAGE_BYTES).register("host-engine")  # the host is not a GPU: unaffected

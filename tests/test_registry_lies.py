@@ -110,8 +110,14 @@ def test_honest_entries_at_the_limit_of_plausible_sizes_are_accepted():
 
 def test_an_absurd_request_is_recorded_as_pressure_without_poisoning_the_file():
     registry = make_registry(4)
-    with kvcached.KVPool(num_layers=1, block_bytes=PAGE_BYTES, num_blocks=8, device=DEVICE,
-                         page_bytes=PAGE_BYTES, background_worker=False) as pool:
+    with kvcached.KVPool(
+        num_layers=1,
+        block_bytes=PAGE_BYTES,
+        num_blocks=8,
+        device=DEVICE,
+        page_bytes=PAGE_BYTES,
+        background_worker=False,
+    ) as pool:
         for blocks in (2**40, 2**62):
             with pytest.raises(OutOfMemoryError):
                 pool.alloc(blocks)
@@ -146,9 +152,16 @@ def test_an_engine_whose_registry_directory_is_renamed_stops_taking_memory(tmp_p
 @pytest.mark.parametrize("background_worker", [False, True], ids=["no-worker", "worker"])
 def test_a_pool_whose_registry_was_truncated_says_so_on_alloc(isolated_registry_dir, background_worker):
     registry = make_registry(8)
-    with kvcached.KVPool(num_layers=1, block_bytes=PAGE_BYTES, num_blocks=8, device=DEVICE,
-                         page_bytes=PAGE_BYTES, background_worker=background_worker,
-                         min_reserve_pages=0, max_reserve_pages=0) as pool:
+    with kvcached.KVPool(
+        num_layers=1,
+        block_bytes=PAGE_BYTES,
+        num_blocks=8,
+        device=DEVICE,
+        page_bytes=PAGE_BYTES,
+        background_worker=background_worker,
+        min_reserve_pages=0,
+        max_reserve_pages=0,
+    ) as pool:
         blocks = pool.alloc(2)
         os.truncate(registry.path, 0)
         with pytest.raises(RegistryUnusableError, match="was truncated.*Restart the engine"):
@@ -160,9 +173,16 @@ def test_a_pool_whose_registry_was_truncated_says_so_on_alloc(isolated_registry_
 
 def test_a_pool_whose_registry_lies_says_so_instead_of_out_of_memory():
     registry = make_registry(8)
-    with kvcached.KVPool(num_layers=1, block_bytes=PAGE_BYTES, num_blocks=8, device=DEVICE,
-                         page_bytes=PAGE_BYTES, background_worker=False, min_reserve_pages=0,
-                         max_reserve_pages=0) as pool:
+    with kvcached.KVPool(
+        num_layers=1,
+        block_bytes=PAGE_BYTES,
+        num_blocks=8,
+        device=DEVICE,
+        page_bytes=PAGE_BYTES,
+        background_worker=False,
+        min_reserve_pages=0,
+        max_reserve_pages=0,
+    ) as pool:
         other = registry.register("other")
         write_u64(registry.path, entry_offset(other.slot, "mapped_bytes"), 2**63)
         with pytest.raises(RegistryUnusableError, match="cannot be true"):
@@ -171,7 +191,15 @@ def test_a_pool_whose_registry_lies_says_so_instead_of_out_of_memory():
 
 def test_a_full_but_sound_registry_is_still_out_of_memory():
     make_registry(2)
-    with kvcached.KVPool(num_layers=1, block_bytes=PAGE_BYTES, num_blocks=8, device=DEVICE,
-                         page_bytes=PAGE_BYTES, background_worker=False) as pool, \
-            pytest.raises(OutOfMemoryError, match="bound by the memory budget"):
+    with (
+        kvcached.KVPool(
+            num_layers=1,
+            block_bytes=PAGE_BYTES,
+            num_blocks=8,
+            device=DEVICE,
+            page_bytes=PAGE_BYTES,
+            background_worker=False,
+        ) as pool,
+        pytest.raises(OutOfMemoryError, match="bound by the memory budget"),
+    ):
         pool.alloc(4)

@@ -310,8 +310,9 @@ def _resources() -> tuple[int, int, int]:
 
 def test_pool_create_close_cycles_leave_descriptors_mappings_and_threads_flat():
     def cycle() -> None:
-        with kvcached.KVPool(num_layers=2, block_bytes=64 << 10, num_blocks=64, device="cpu",
-                             page_bytes=256 << 10) as pool:
+        with kvcached.KVPool(
+            num_layers=2, block_bytes=64 << 10, num_blocks=64, device="cpu", page_bytes=256 << 10
+        ) as pool:
             pool.free(pool.alloc(8))
 
     for _ in range(20):  # warm up: lazily created singletons, allocator arenas

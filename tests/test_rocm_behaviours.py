@@ -17,8 +17,10 @@ VMM_ATTRIBUTE = "hipDeviceAttributeVirtualMemoryManagementSupported"
 # Wider than any scheduling hiccup between a map and the next line of Python,
 # so work issued right after a map without the fence reliably lands inside it.
 WIDE_WINDOW_US = 50_000
-WIDE_WINDOW = {"KVCACHED_EMULATED_HIP_MAPPING_DELAY_US": str(WIDE_WINDOW_US),
-               "KVCACHED_HIP_MAPPING_SETTLE_US": str(WIDE_WINDOW_US)}
+WIDE_WINDOW = {
+    "KVCACHED_EMULATED_HIP_MAPPING_DELAY_US": str(WIDE_WINDOW_US),
+    "KVCACHED_HIP_MAPPING_SETTLE_US": str(WIDE_WINDOW_US),
+}
 
 
 def test_a_device_without_vmm_support_fails_to_open_naming_the_attribute():
@@ -84,8 +86,11 @@ def test_blocks_handed_out_are_visible_to_gpu_work_at_once(layout):
 
 def test_the_default_settle_time_covers_the_reported_window():
     # ~2 ms made the reported corruption disappear; the emulated window is a bit shorter.
-    seen = run_emulated("hip", FRESH_PAGES.format(make=POOL.format(layout="per_layer")),
-                        {"KVCACHED_EMULATED_HIP_MAPPING_DELAY_US": "1500"})
+    seen = run_emulated(
+        "hip",
+        FRESH_PAGES.format(make=POOL.format(layout="per_layer")),
+        {"KVCACHED_EMULATED_HIP_MAPPING_DELAY_US": "1500"},
+    )
     assert seen["stale"] == []
 
 

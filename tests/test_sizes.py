@@ -128,5 +128,10 @@ def test_formatters_round_and_fit():
     assert format_bytes(3 * GIB // 2) == "1.5 GiB" and format_bytes(2 * PIB) == "2.0 PiB"
     assert parse_bytes(format_bytes(3 * GIB // 2)) == 3 * GIB // 2, "what people read, the parser reads back"
     assert [format_bytes_short(n) for n in (None, 512, 512 * MIB, 7 * GIB // 2, 100 * TIB)] == [
-        "-", "512B", "512M", "3.5G", "100T"]
+        "-",
+        "512B",
+        "512M",
+        "3.5G",
+        "100T",
+    ]
     assert all(len(format_bytes_short(n)) <= 5 for n in (0, 1023, 1024, 10 * MIB - 1, 999 * GIB, 2**63 - 1))

@@ -19,14 +19,22 @@ def make_pool(layout: str, dtype, num_buffers: int = 2) -> kvcached.KVPool:
     itemsize = torch.empty((), dtype=dtype).element_size()
     block_bytes = BLOCK_SIZE * HEADS * HEAD_DIM * itemsize * (2 if num_buffers == 1 else 1)
     page_bytes = max(4096, block_bytes * 4)
-    return kvcached.KVPool(NUM_LAYERS, block_bytes, num_buffers=num_buffers, num_blocks=16, page_bytes=page_bytes,
-                           layout=layout, device=_core.open_host_device(64 << 20), background_worker=False)
+    return kvcached.KVPool(
+        NUM_LAYERS,
+        block_bytes,
+        num_buffers=num_buffers,
+        num_blocks=16,
+        page_bytes=page_bytes,
+        layout=layout,
+        device=_core.open_host_device(64 << 20),
+        background_worker=False,
+    )
 
 
 def raw_bytes(pool, layer: int, buffer: int, block: int, start: int, size: int) -> bytes:
     flat = torch.from_dlpack(pool.tensor())
     offset = pool.space.offset_of(layer, buffer, block) + start
-    return bytes(flat[offset:offset + size].numpy().tobytes())
+    return bytes(flat[offset : offset + size].numpy().tobytes())
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "contiguous"])
@@ -45,7 +53,9 @@ def test_kv_views_write_where_the_space_says(layout, dtype, style):
         cell[token, head] = value
         itemsize = value.element_size()
         start = (token * HEADS + head) * HEAD_DIM * itemsize
-        assert raw_bytes(pool, layer, kv, block, start, HEAD_DIM * itemsize) == value.view(torch.uint8).numpy().tobytes()
+        assert (
+            raw_bytes(pool, layer, kv, block, start, HEAD_DIM * itemsize) == value.view(torch.uint8).numpy().tobytes()
+        )
         total = views[layer].view(torch.uint8) if dtype == torch.uint8 else views[layer].float()
         assert int(total.count_nonzero()) == HEAD_DIM - 1  # nothing else was touched
 
@@ -59,19 +69,33 @@ def test_kv_cells_of_one_buffer_split_into_k_then_v(layout):
         fa[1][1, block, 0, 0, 0] = 7.0  # V's first element sits half a block in
         assert fi[1][block, 1, 0, 0, 0] == 7.0
         half = pool.space.block_bytes // 2
-        assert raw_bytes(pool, 1, 0, block, half, 2) == torch.tensor([7.0], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+        assert (
+            raw_bytes(pool, 1, 0, block, half, 2)
+            == torch.tensor([7.0], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+        )
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "contiguous"])
 def test_mla_views(layout):
     dim = 64
-    pool = kvcached.KVPool(NUM_LAYERS, BLOCK_SIZE * dim * 2, num_buffers=1, num_blocks=8, page_bytes=16 << 10,
-                           layout=layout, device=_core.open_host_device(64 << 20), background_worker=False)
+    pool = kvcached.KVPool(
+        NUM_LAYERS,
+        BLOCK_SIZE * dim * 2,
+        num_buffers=1,
+        num_blocks=8,
+        page_bytes=16 << 10,
+        layout=layout,
+        device=_core.open_host_device(64 << 20),
+        background_worker=False,
+    )
     views = tensor_views.mla_views(pool, dim=dim, dtype=torch.bfloat16)
     assert tuple(views[0].shape) == (pool.num_blocks, BLOCK_SIZE, dim)
     block = int(pool.alloc(2)[1])
     views[2][block, 3, 4] = 1.5
-    assert raw_bytes(pool, 2, 0, block, (3 * dim + 4) * 2, 2) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert (
+        raw_bytes(pool, 2, 0, block, (3 * dim + 4) * 2, 2)
+        == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    )
     pool.close()
     with make_pool("per_layer", torch.float16) as two_buffers, pytest.raises(ValueError, match="num_buffers=1"):
         tensor_views.mla_views(two_buffers, dim=dim, dtype=torch.bfloat16)
@@ -96,12 +120,20 @@ def test_sglang_views_need_the_per_layer_layout():
 
 def test_layer_views_of_a_caller_given_geometry():
     flat = torch.zeros(4096, dtype=torch.uint8)
-    views = tensor_views.layer_views(flat, num_layers=2, num_blocks=4, block_shape=(2, 3), dtype=torch.float16,
-                                 layer_stride_bytes=1024, block_stride_bytes=64, offset_bytes=128)
+    views = tensor_views.layer_views(
+        flat,
+        num_layers=2,
+        num_blocks=4,
+        block_shape=(2, 3),
+        dtype=torch.float16,
+        layer_stride_bytes=1024,
+        block_stride_bytes=64,
+        offset_bytes=128,
+    )
     assert [tuple(v.shape) for v in views] == [(4, 2, 3)] * 2
     views[1][2, 1, 0] = 1.0
     start = 128 + 1024 + 2 * 64 + 3 * 2
-    assert flat[start:start + 2].tolist() == list(torch.tensor([1.0], dtype=torch.float16).view(torch.uint8).tolist())
+    assert flat[start : start + 2].tolist() == list(torch.tensor([1.0], dtype=torch.float16).view(torch.uint8).tolist())
 
 
 @pytest.mark.parametrize(
@@ -115,8 +147,14 @@ def test_layer_views_of_a_caller_given_geometry():
     ],
 )
 def test_layer_views_refuse_bad_geometry(kwargs, message):
-    options = dict(num_layers=2, num_blocks=4, block_shape=(2, 3), dtype=torch.float16, layer_stride_bytes=1024,
-                   block_stride_bytes=64)
+    options = dict(
+        num_layers=2,
+        num_blocks=4,
+        block_shape=(2, 3),
+        dtype=torch.float16,
+        layer_stride_bytes=1024,
+        block_stride_bytes=64,
+    )
     options.update(kwargs)
     with pytest.raises(ValueError, match=message):
         tensor_views.layer_views(torch.zeros(4096, dtype=torch.uint8), **options)

@@ -48,8 +48,7 @@ struct Options {
 };
 
 enum Operation { kReserve, kCreate, kMap, kSetAccess, kUnmap, kRelease, kOperationCount };
-const char* const kOperationNames[kOperationCount] = {"reserve", "create",     "map",
-                                                      "set_access", "unmap", "release"};
+const char* const kOperationNames[kOperationCount] = {"reserve", "create", "map", "set_access", "unmap", "release"};
 
 using Samples = std::vector<double>;  // microseconds
 
@@ -118,8 +117,8 @@ double percentile(const Samples& sorted, double fraction) {
 }
 
 void print_table(const std::vector<ThreadSamples>& per_thread) {
-  std::printf("%-12s %8s %10s %10s %10s %10s %10s\n", "operation", "count", "avg_us", "p50_us",
-              "p90_us", "p99_us", "max_us");
+  std::printf("%-12s %8s %10s %10s %10s %10s %10s\n", "operation", "count", "avg_us", "p50_us", "p90_us", "p99_us",
+              "max_us");
   for (int op = 0; op < kOperationCount; ++op) {
     Samples all;
     for (const auto& thread : per_thread) {
@@ -129,9 +128,8 @@ void print_table(const std::vector<ThreadSamples>& per_thread) {
     double sum = 0.0;
     for (double sample : all) sum += sample;
     const double average = all.empty() ? 0.0 : sum / static_cast<double>(all.size());
-    std::printf("%-12s %8zu %10.2f %10.2f %10.2f %10.2f %10.2f\n", kOperationNames[op], all.size(),
-                average, percentile(all, 0.50), percentile(all, 0.90), percentile(all, 0.99),
-                all.empty() ? 0.0 : all.back());
+    std::printf("%-12s %8zu %10.2f %10.2f %10.2f %10.2f %10.2f\n", kOperationNames[op], all.size(), average,
+                percentile(all, 0.50), percentile(all, 0.90), percentile(all, 0.99), all.empty() ? 0.0 : all.back());
   }
 }
 
@@ -149,16 +147,17 @@ bool run_backend(const std::string& name, const Options& options) {
   const std::size_t page_bytes =
       options.page_mib != 0 ? options.page_mib * kBytesPerMiB : granularity.recommended_bytes;
   if (page_bytes % granularity.minimum_bytes != 0) {
-    std::printf("== %s: --page-mib %zu is not a multiple of the minimum granularity (%zu bytes)\n",
-                name.c_str(), options.page_mib, granularity.minimum_bytes);
+    std::printf("== %s: --page-mib %zu is not a multiple of the minimum granularity (%zu bytes)\n", name.c_str(),
+                options.page_mib, granularity.minimum_bytes);
     return false;
   }
   const std::size_t range_bytes = page_bytes * options.pages_per_thread;
-  std::printf("== %s device %d: %d thread(s) x %zu page(s) of %.1f MiB, %d iteration(s); "
-              "granularity minimum %zu, recommended %zu bytes\n",
-              name.c_str(), backend->device_ordinal(), options.threads, options.pages_per_thread,
-              static_cast<double>(page_bytes) / kBytesPerMiB, options.iterations,
-              granularity.minimum_bytes, granularity.recommended_bytes);
+  std::printf(
+      "== %s device %d: %d thread(s) x %zu page(s) of %.1f MiB, %d iteration(s); "
+      "granularity minimum %zu, recommended %zu bytes\n",
+      name.c_str(), backend->device_ordinal(), options.threads, options.pages_per_thread,
+      static_cast<double>(page_bytes) / kBytesPerMiB, options.iterations, granularity.minimum_bytes,
+      granularity.recommended_bytes);
 
   std::vector<ThreadSamples> samples(options.threads);
   Barrier barrier(options.threads);
@@ -238,10 +237,8 @@ bool run_backend(const std::string& name, const Options& options) {
   std::size_t pairs = 0;
   for (const auto& thread : samples) pairs += thread.by_operation[kSetAccess].size();
   const double pairs_per_second =
-      map_phase_wall_us > 0.0 ? static_cast<double>(pairs) * kMicrosecondsPerSecond / map_phase_wall_us
-                              : 0.0;
-  std::printf("map+set_access: %.0f per second in total over %d thread(s)\n", pairs_per_second,
-              options.threads);
+      map_phase_wall_us > 0.0 ? static_cast<double>(pairs) * kMicrosecondsPerSecond / map_phase_wall_us : 0.0;
+  std::printf("map+set_access: %.0f per second in total over %d thread(s)\n", pairs_per_second, options.threads);
   if (!first_error.empty()) {
     std::printf("FAILED: %s\n\n", first_error.c_str());
     return false;

@@ -39,8 +39,8 @@ bool check(const char* call, hipError_t code) {
 
 // One fresh page filled by GPU work right after mapping; true when the fill
 // landed everywhere. `fence`: call fence_new_mappings() before the fill.
-bool fill_lands(kvcached::VmmBackend& backend, std::size_t page_bytes, bool fence,
-                std::vector<unsigned char>& host, bool& ok) {
+bool fill_lands(kvcached::VmmBackend& backend, std::size_t page_bytes, bool fence, std::vector<unsigned char>& host,
+                bool& ok) {
   const kvcached::VirtualAddress base = backend.reserve(page_bytes, page_bytes);
   const kvcached::PhysicalHandle handle = backend.create(page_bytes);
   backend.map(base, page_bytes, handle);
@@ -63,7 +63,7 @@ bool fill_lands(kvcached::VmmBackend& backend, std::size_t page_bytes, bool fenc
 int main(int argc, char** argv) {
   int iterations = 200;
   std::size_t page_mib = 0;  // 0: the recommended granularity
-  long settle_us = 2000;      // kvcached.config's default: the C++ core reads no environment
+  long settle_us = 2000;     // kvcached.config's default: the C++ core reads no environment
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const long value = std::strtol(argv[i + 1], nullptr, 10);
@@ -84,13 +84,12 @@ int main(int argc, char** argv) {
   }
   try {
     std::shared_ptr<kvcached::VmmBackend> backend = kvcached::make_hip_backend(0, std::chrono::microseconds(settle_us));
-    const std::size_t page_bytes =
-        page_mib != 0 ? page_mib * kBytesPerMiB : backend->granularity().recommended_bytes;
+    const std::size_t page_bytes = page_mib != 0 ? page_mib * kBytesPerMiB : backend->granularity().recommended_bytes;
     std::vector<unsigned char> host(page_bytes);
-    std::printf("== hip device 0 (%s): %d fresh page(s) of %.1f MiB each filled by GPU work "
-                "(hipMemset) right after map + set_access, then copied back\n",
-                backend->physical_device_name().c_str(), iterations,
-                static_cast<double>(page_bytes) / kBytesPerMiB);
+    std::printf(
+        "== hip device 0 (%s): %d fresh page(s) of %.1f MiB each filled by GPU work "
+        "(hipMemset) right after map + set_access, then copied back\n",
+        backend->physical_device_name().c_str(), iterations, static_cast<double>(page_bytes) / kBytesPerMiB);
     int lost[2] = {0, 0};
     for (int fence = 0; fence < 2; ++fence) {
       for (int i = 0; i < iterations; ++i) {
@@ -100,8 +99,8 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("without the fence: %d of %d page(s) lost the fill\n", lost[0], iterations);
-    std::printf("with fence_new_mappings (settle %ld us): %d of %d page(s) lost the fill\n",
-                settle_us, lost[1], iterations);
+    std::printf("with fence_new_mappings (settle %ld us): %d of %d page(s) lost the fill\n", settle_us, lost[1],
+                iterations);
     return lost[1] == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());

@@ -72,6 +72,7 @@ def serve_passes(result_fd: int, run_pass: Callable[..., dict]) -> None:
     and blocks until a ``go`` line comes (see :func:`run_lockstep_pass`).
     Any other line (or the end of stdin) ends the loop."""
     with os.fdopen(result_fd, "w") as results:
+
         def say(message: dict) -> None:
             results.write(json.dumps(message) + "\n")
             results.flush()
@@ -120,23 +121,41 @@ def paired_parser(description: str, *, passes: int, timeout_s: float, gap_help: 
     parser.add_argument("--passes", type=int, default=passes)
     parser.add_argument("--gap-s", type=float, default=2.0, help=gap_help)
     parser.add_argument("--timeout-s", type=float, default=timeout_s, help="limit for an engine's start or one pass")
-    parser.add_argument("--restarts", type=int, default=1, metavar="R",
-                        help="start R pairs of engines one after the other, each serving its share of the passes "
-                             "(odd pairs started in the opposite order): one process can be a few per cent faster "
-                             "than another for its whole life, so one pair's ratio carries its draw")
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=1,
+        metavar="R",
+        help="start R pairs of engines one after the other, each serving its share of the passes "
+        "(odd pairs started in the opposite order): one process can be a few per cent faster "
+        "than another for its whole life, so one pair's ratio carries its draw",
+    )
     return parser
 
 
 def add_setting_options(parser: argparse.ArgumentParser) -> None:
     """--on-env, --off-env and --control: how the two engines differ besides kvcached (see :func:`engine_settings`)."""
-    parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="an extra environment variable for the engine with kvcached (a setting to compare)")
-    parser.add_argument("--off-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="an extra environment variable for the engine without kvcached (with KVCACHED_ENABLE=1 "
-                             "it runs kvcached too: two settings compared)")
-    parser.add_argument("--control", action="store_true",
-                        help="an A/A control: the second engine runs without kvcached too (its --on-env still "
-                             "applies), so what the harness itself gives one side shows")
+    parser.add_argument(
+        "--on-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an extra environment variable for the engine with kvcached (a setting to compare)",
+    )
+    parser.add_argument(
+        "--off-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an extra environment variable for the engine without kvcached (with KVCACHED_ENABLE=1 "
+        "it runs kvcached too: two settings compared)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A control: the second engine runs without kvcached too (its --on-env still "
+        "applies), so what the harness itself gives one side shows",
+    )
 
 
 def engine_settings(args: argparse.Namespace, on: bool) -> tuple[bool, dict[str, str]]:
@@ -149,8 +168,10 @@ def engine_settings(args: argparse.Namespace, on: bool) -> tuple[bool, dict[str,
 def settings_note(args: argparse.Namespace) -> str:
     """The report's words for :func:`engine_settings` ("" when the engines differ only by kvcached)."""
     on_env = args.on_env + (["no kvcached (--control: an A/A run)"] if args.control else [])
-    return "; ".join([f"the engine with kvcached also has {', '.join(on_env)}"] * bool(on_env) +
-                     [f"the engine without it has {', '.join(args.off_env)}"] * bool(args.off_env))
+    return "; ".join(
+        [f"the engine with kvcached also has {', '.join(on_env)}"] * bool(on_env)
+        + [f"the engine without it has {', '.join(args.off_env)}"] * bool(args.off_env)
+    )
 
 
 def parse_paired(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
@@ -179,8 +200,15 @@ class EngineProcess:
         self.log_path = out / f"engine-{self.label}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, script, "--serve", str(spec_path), str(write_fd)], env=env, stdin=subprocess.PIPE,
-            stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True, text=True)
+            [sys.executable, script, "--serve", str(spec_path), str(write_fd)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            text=True,
+        )
         os.close(write_fd)
         self.results = os.fdopen(read_fd)
 
@@ -188,9 +216,11 @@ class EngineProcess:
         ready, _, _ = select.select([self.results], [], [], timeout_s)
         line = self.results.readline() if ready else ""
         if not line:
-            raise RuntimeError(f"the {self.label} engine sent nothing within {timeout_s:.0f} s "
-                               f"(exit code {self.proc.poll()}); see engine-{self.label}.log "
-                               f"(engine-{self.label}.pairR.log with --restarts)")
+            raise RuntimeError(
+                f"the {self.label} engine sent nothing within {timeout_s:.0f} s "
+                f"(exit code {self.proc.poll()}); see engine-{self.label}.log "
+                f"(engine-{self.label}.pairR.log with --restarts)"
+            )
         return json.loads(line)
 
     def send(self, line: str) -> None:
@@ -227,8 +257,17 @@ class EngineProcess:
         self.log.close()
 
 
-def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProcess], passes: int, gap_s: float,
-               timeout_s: float, note: str = "", restarts: int = 1, lockstep: bool = False) -> list[dict]:
+def run_paired(
+    out: Path,
+    name: str,
+    start_engine: Callable[[bool], EngineProcess],
+    passes: int,
+    gap_s: float,
+    timeout_s: float,
+    note: str = "",
+    restarts: int = 1,
+    lockstep: bool = False,
+) -> list[dict]:
     """Runs ``passes`` ABBA passes on ``restarts`` pairs of engines in turn; writes runs.json and NAME.md.
 
     Each pair's two engines start one after the other (pair 0 the one without
@@ -248,7 +287,7 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
         last_pass = passes * (pair + 1) // restarts
         engines: dict[bool, EngineProcess] = {}
         try:
-            for on in ((False, True) if pair % 2 == 0 else (True, False)):  # one start-up at a time
+            for on in (False, True) if pair % 2 == 0 else (True, False):  # one start-up at a time
                 engines[on] = start_engine(on)
                 engines[on].next_result(timeout_s)
             for k in range(first_pass, last_pass):
@@ -262,11 +301,24 @@ def run_paired(out: Path, name: str, start_engine: Callable[[bool], EngineProces
                         time.sleep(gap_s)
                         uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
                     result = results[engines[on]] if lockstep else engines[on].run(k, timeout_s)
-                    entry = dict(label=f"p{k}-{engines[on].label}", kvcached=on, round=k, engine_pair=pair,
-                                 uptime_before=uptime, **result)
+                    entry = dict(
+                        label=f"p{k}-{engines[on].label}",
+                        kvcached=on,
+                        round=k,
+                        engine_pair=pair,
+                        uptime_before=uptime,
+                        **result,
+                    )
                     runs.append(entry)
-                    print(json.dumps({key: entry.get(key) for key in ("label", "tokens_per_s", "tpot_p99_ms",
-                                                                       "ttft_p50_ms", "wall_s")}), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                key: entry.get(key)
+                                for key in ("label", "tokens_per_s", "tpot_p99_ms", "ttft_p50_ms", "wall_s")
+                            }
+                        ),
+                        flush=True,
+                    )
                     (out / "runs.json").write_text(json.dumps(runs, indent=1))
         finally:
             for engine in engines.values():
@@ -336,8 +388,9 @@ def counted_after_first_pass(runs_json: Path, key: str | None = None) -> dict[st
 # ----------------------------------------------------------------------------- the figures
 
 
-def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0,
-                    groups: list[int] | None = None) -> tuple[float, float]:
+def median_interval(
+    ratios: list[float], resamples: int = 10_000, seed: int = 0, groups: list[int] | None = None
+) -> tuple[float, float]:
     """Bootstrap 95 % interval of the median of ``ratios`` (passes resampled with replacement).
 
     ``groups``: each ratio's engine pair. With more than one, the pairs are
@@ -352,13 +405,15 @@ def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0,
     def resample() -> list[float]:
         if len(members) == 1:
             return rng.choices(ratios, k=len(ratios))
-        return [ratio for chosen in rng.choices(members, k=len(members)) for ratio in rng.choices(chosen, k=len(chosen))]
+        return [
+            ratio for chosen in rng.choices(members, k=len(members)) for ratio in rng.choices(chosen, k=len(chosen))
+        ]
 
     medians = sorted(statistics.median(resample()) for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def minor_faults(run: dict) -> "int | None":
+def minor_faults(run: dict) -> int | None:
     """The minor page faults all of a pass's engine processes took (None where not recorded)."""
     counts = [process.get("minor_faults") for process in run.get("processes", {}).values()]
     return sum(counts) if counts and None not in counts else None
@@ -374,37 +429,60 @@ def summary(runs: list[dict]) -> str:
         return "no complete pass\n"
     groups = [pair[False].get("engine_pair", 0) for pair in pairs]
     engine_pairs = sorted(set(groups))
-    lines = [f"{len(pairs)} passes, each on both engines" +
-             (f", over {len(engine_pairs)} engine pairs (intervals resample the pairs, then their passes)"
-              if len(engine_pairs) > 1 else "") + "; ratios kvcached on ÷ off:"]
-    for key, name, target in (("tokens_per_s", "output tokens/s", "target ≥ 0.97"),
-                              ("tpot_p99_ms", "TPOT p99", "target ≤ 1.05"),
-                              ("ttft_p50_ms", "TTFT p50", None), ("ttft_p99_ms", "TTFT p99", None)):
+    lines = [
+        f"{len(pairs)} passes, each on both engines"
+        + (
+            f", over {len(engine_pairs)} engine pairs (intervals resample the pairs, then their passes)"
+            if len(engine_pairs) > 1
+            else ""
+        )
+        + "; ratios kvcached on ÷ off:"
+    ]
+    for key, name, target in (
+        ("tokens_per_s", "output tokens/s", "target ≥ 0.97"),
+        ("tpot_p99_ms", "TPOT p99", "target ≤ 1.05"),
+        ("ttft_p50_ms", "TTFT p50", None),
+        ("ttft_p99_ms", "TTFT p99", None),
+    ):
         ratios = [pair[True][key] / pair[False][key] for pair in pairs]
         low, high = median_interval(ratios, groups=groups)
-        lines.append(f"- {name}: median **{statistics.median(ratios):.3f}** (bootstrap 95 % interval "
-                     f"{low:.3f}–{high:.3f})" + (f"; {target}" if target else ""))
-    pooled = {on: sum(pair[on]["output_tokens"] for pair in pairs) / sum(pair[on]["wall_s"] for pair in pairs)
-              for on in (False, True)}
-    lines.append(f"- pooled output tokens/s (all tokens ÷ all timed seconds): off {pooled[False]:.1f}, "
-                 f"on {pooled[True]:.1f}, on ÷ off **{pooled[True] / pooled[False]:.3f}**")
+        lines.append(
+            f"- {name}: median **{statistics.median(ratios):.3f}** (bootstrap 95 % interval "
+            f"{low:.3f}–{high:.3f})" + (f"; {target}" if target else "")
+        )
+    pooled = {
+        on: sum(pair[on]["output_tokens"] for pair in pairs) / sum(pair[on]["wall_s"] for pair in pairs)
+        for on in (False, True)
+    }
+    lines.append(
+        f"- pooled output tokens/s (all tokens ÷ all timed seconds): off {pooled[False]:.1f}, "
+        f"on {pooled[True]:.1f}, on ÷ off **{pooled[True] / pooled[False]:.3f}**"
+    )
     if len(engine_pairs) > 1:
         per_pair = []
         for group in engine_pairs:
-            ratios = [pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"]
-                      for pair, of in zip(pairs, groups) if of == group]
+            ratios = [
+                pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"]
+                for pair, of in zip(pairs, groups)
+                if of == group
+            ]
             per_pair.append(f"{group}: {statistics.median(ratios):.3f} ({len(ratios)})")
         lines.append("- output tokens/s by engine pair (median, passes): " + ", ".join(per_pair))
     if all(pair[on].get("cpu_s") for pair in pairs for on in (False, True)):
         ratios = [pair[True]["cpu_s"] / pair[False]["cpu_s"] for pair in pairs]
         low, high = median_interval(ratios, groups=groups)
-        lines.append(f"- CPU seconds of the engine's processes per pass (the same work on both): median "
-                     f"**{statistics.median(ratios):.3f}** (bootstrap 95 % interval {low:.3f}–{high:.3f})")
+        lines.append(
+            f"- CPU seconds of the engine's processes per pass (the same work on both): median "
+            f"**{statistics.median(ratios):.3f}** (bootstrap 95 % interval {low:.3f}–{high:.3f})"
+        )
     faults = {on: [minor_faults(pair[on]) for pair in pairs] for on in (False, True)}
     if all(count is not None for counts in faults.values() for count in counts):
-        lines.append(f"- minor page faults of the engine's processes per pass (median): off "
-                     f"{statistics.median(faults[False]):.0f}, on {statistics.median(faults[True]):.0f}")
+        lines.append(
+            f"- minor page faults of the engine's processes per pass (median): off "
+            f"{statistics.median(faults[False]):.0f}, on {statistics.median(faults[True]):.0f}"
+        )
     if all(pair[on].get("engine_step_ms_per_step") is not None for pair in pairs for on in (False, True)):
+
         def added(key: str) -> float:
             return statistics.median(pair[True][key] - pair[False][key] for pair in pairs)
 
@@ -422,10 +500,25 @@ def summary(runs: list[dict]) -> str:
             f"(off {statistics.median(p[False]['engine_step_ms_per_step'] for p in pairs):.2f} ms), worker "
             f"{added('worker_ms_per_step'):+.3f} ms, of which kvcached's page-op apply {apply_ms:.3f} ms{worker_cpu}; "
             f"worker page faults {added('worker_faults_per_step'):+.0f}; scheduler CPU "
-            f"{added('scheduler_cpu_us_per_step'):+.0f} µs")
+            f"{added('scheduler_cpu_us_per_step'):+.0f} µs"
+        )
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineProcess", "add_setting_options", "counted_after_first_pass", "engine_settings", "median_interval",
-           "minor_faults", "paired_parser", "parse_paired", "pass_prompts", "run_paired", "serve_if_child", "serve_passes",
-           "settings_note", "summary", "wait_for_first_pass"]
+__all__ = [
+    "EngineProcess",
+    "add_setting_options",
+    "counted_after_first_pass",
+    "engine_settings",
+    "median_interval",
+    "minor_faults",
+    "paired_parser",
+    "parse_paired",
+    "pass_prompts",
+    "run_paired",
+    "serve_if_child",
+    "serve_passes",
+    "settings_note",
+    "summary",
+    "wait_for_first_pass",
+]

@@ -53,8 +53,17 @@ SLACK_PAGE_IDS = 6  # budget beyond N: each pool's free reserve page and spare a
 def _pool(device: str, layout: str, zero_backing: bool, capacity_bytes: int, name: str):
     from kvcached.pool import KVPool
 
-    return KVPool(NUM_LAYERS, BLOCK_BYTES, NUM_BUFFERS, capacity_bytes=capacity_bytes, layout=layout,
-                  page_bytes=PAGE_BYTES, device=device, zero_backing=zero_backing, name=name)
+    return KVPool(
+        NUM_LAYERS,
+        BLOCK_BYTES,
+        NUM_BUFFERS,
+        capacity_bytes=capacity_bytes,
+        layout=layout,
+        page_bytes=PAGE_BYTES,
+        device=device,
+        zero_backing=zero_backing,
+        name=name,
+    )
 
 
 def _hold(pool: Any, blocks: int) -> Any:
@@ -141,8 +150,16 @@ def _expect(conn: Any, kind: str, timeout_s: float) -> Any:
     return payload
 
 
-def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, handovers: int,
-               retry_s: float, timeout_s: float, warmup: int = 1) -> dict:
+def run_config(
+    device: str,
+    layout: str,
+    zero_backing: bool,
+    size_bytes: int,
+    handovers: int,
+    retry_s: float,
+    timeout_s: float,
+    warmup: int = 1,
+) -> dict:
     from kvcached.registry import registry_for
 
     page_id_bytes = NUM_LAYERS * NUM_BUFFERS * PAGE_BYTES
@@ -155,7 +172,9 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
     pipes, procs = [], []
     for i in range(2):
         parent_end, child_end = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child_end, device, layout, zero_backing, 4 * size_bytes, f"handover-{i}"))
+        proc = ctx.Process(
+            target=worker, args=(child_end, device, layout, zero_backing, 4 * size_bytes, f"handover-{i}")
+        )
         proc.start()
         pipes.append(parent_end)
         procs.append(proc)
@@ -175,8 +194,11 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
             got = _expect(waiter, "got", timeout_s)
             start = freed["free"]
             record = dict(
-                handover=i - warmup, warmup=i < warmup, waiting_since_ms=(start - waiting_since) * 1e3,
-                total_ms=(got["done"] - start) * 1e3, refusals=got["refusals"],
+                handover=i - warmup,
+                warmup=i < warmup,
+                waiting_since_ms=(start - waiting_since) * 1e3,
+                total_ms=(got["done"] - start) * 1e3,
+                refusals=got["refusals"],
                 free_call_ms=(freed["free_returned"] - start) * 1e3,
             )
             if "released" in freed:
@@ -198,10 +220,20 @@ def run_config(device: str, layout: str, zero_backing: bool, size_bytes: int, ha
             proc.kill()
     import kvcached
 
-    return dict(device=device, layout=layout, zero_backing=zero_backing, size_bytes=size_bytes,
-                kvcached_from=kvcached.__file__, waiter="retry" if retry_s > 0 else "waiting alloc",
-                blocks=blocks, budget_bytes=budget, retry_s=retry_s, handovers=records, error=error,
-                allocations_per_handover=(size_bytes // PAGE_BYTES) if layout == "per_layer" else size_bytes // page_id_bytes)
+    return dict(
+        device=device,
+        layout=layout,
+        zero_backing=zero_backing,
+        size_bytes=size_bytes,
+        kvcached_from=kvcached.__file__,
+        waiter="retry" if retry_s > 0 else "waiting alloc",
+        blocks=blocks,
+        budget_bytes=budget,
+        retry_s=retry_s,
+        handovers=records,
+        error=error,
+        allocations_per_handover=(size_bytes // PAGE_BYTES) if layout == "per_layer" else size_bytes // page_id_bytes,
+    )
 
 
 def nearest_rank(values: list[float], fraction: float) -> float:
@@ -254,9 +286,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="hand-overs first, reported apart")
     parser.add_argument("--layouts", default="contiguous,per_layer")
     parser.add_argument("--zero-backing", default="on,off", help="on, off or on,off")
-    parser.add_argument("--retry-ms", type=float, default=0.0,
-                        help="0: the waiter makes one waiting alloc(n, timeout_s); > 0: it retries a plain alloc "
-                             "with this pause in between")
+    parser.add_argument(
+        "--retry-ms",
+        type=float,
+        default=0.0,
+        help="0: the waiter makes one waiting alloc(n, timeout_s); > 0: it retries a plain alloc "
+        "with this pause in between",
+    )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="limit on any one step")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="no new configuration after this long")
     parser.add_argument("--out", required=True)
@@ -272,11 +308,22 @@ def main() -> None:
             if time.monotonic() > deadline:
                 print(f"skipped {layout}, zero backing {zero}: past the deadline", flush=True)
                 continue
-            config = run_config(args.device, layout, zero == "on", parse_bytes(args.size), args.handovers,
-                                args.retry_ms / 1e3, args.timeout_s, args.warmup)
+            config = run_config(
+                args.device,
+                layout,
+                zero == "on",
+                parse_bytes(args.size),
+                args.handovers,
+                args.retry_ms / 1e3,
+                args.timeout_s,
+                args.warmup,
+            )
             config["summary"] = summarize(config)
             configs.append(config)
-            print(json.dumps(dict(layout=layout, zero_backing=zero, **config["summary"], error=config["error"])), flush=True)
+            print(
+                json.dumps(dict(layout=layout, zero_backing=zero, **config["summary"], error=config["error"])),
+                flush=True,
+            )
             (out / "handover.json").write_text(json.dumps(configs, indent=1))
             (out / "handover.md").write_text(markdown(configs) + "\n")  # a run cut short keeps what it measured
     print(markdown(configs))

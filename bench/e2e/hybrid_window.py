@@ -49,20 +49,33 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     registry = args.out / "registry"
     registry.mkdir(exist_ok=True)
-    phases = [{"prompts": prompt_ids(args.requests, args.prompt, seed=5), "max_tokens": args.new_tokens,
-               "probe_during": True}]
-    common = {"prefix_caching": False, "phases": phases, "max_model_len": 2048, "max_num_seqs": args.requests,
-              "max_num_batched_tokens": args.chunk, "kv_cache_bytes": STATIC_POOL_BYTES}
+    phases = [
+        {"prompts": prompt_ids(args.requests, args.prompt, seed=5), "max_tokens": args.new_tokens, "probe_during": True}
+    ]
+    common = {
+        "prefix_caching": False,
+        "phases": phases,
+        "max_model_len": 2048,
+        "max_num_seqs": args.requests,
+        "max_num_batched_tokens": args.chunk,
+        "kv_cache_bytes": STATIC_POOL_BYTES,
+    }
     window = make_tiny_hybrid("gemma3", args.out / "gemma3")
     all_full = make_tiny_hybrid("gemma3_all_full", args.out / "gemma3_all_full")
-    results = run_side_by_side(args.out, {
-        "window": ({**common, "model": window}, engine_env(True, registry)),
-        "all_full": ({**common, "model": all_full}, engine_env(True, registry)),
-        "static": ({**common, "model": window}, engine_env(False, registry)),
-    })
+    results = run_side_by_side(
+        args.out,
+        {
+            "window": ({**common, "model": window}, engine_env(True, registry)),
+            "all_full": ({**common, "model": all_full}, engine_env(True, registry)),
+            "static": ({**common, "model": window}, engine_env(False, registry)),
+        },
+    )
     figures = {
-        "requests": args.requests, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens,
-        "chunk_tokens": args.chunk, "sliding_window": SLIDING_WINDOW,
+        "requests": args.requests,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new_tokens,
+        "chunk_tokens": args.chunk,
+        "sliding_window": SLIDING_WINDOW,
         "window_peak_bytes": _peak_mapped(results["window"]),
         "all_full_peak_bytes": _peak_mapped(results["all_full"]),
         "static_pool_bytes": STATIC_POOL_BYTES,
@@ -74,10 +87,12 @@ def main() -> None:
     # Five of six layers slide: the most a window can save, for contexts much longer than it.
     figures["sliding_layer_fraction"] = 5 / 6
     (args.out / "hybrid_window.json").write_text(json.dumps(figures, indent=2))
-    print(f"| engine | peak KV bytes mapped |\n|---|---|\n"
-          f"| kvcached, Gemma 3 (5 sliding : 1 full) | {figures['window_peak_bytes'] / MiB:.0f} MiB |\n"
-          f"| kvcached, every layer full attention | {figures['all_full_peak_bytes'] / MiB:.0f} MiB |\n"
-          f"| vLLM static pool (no kvcached) | {STATIC_POOL_BYTES / MiB:.0f} MiB |")
+    print(
+        f"| engine | peak KV bytes mapped |\n|---|---|\n"
+        f"| kvcached, Gemma 3 (5 sliding : 1 full) | {figures['window_peak_bytes'] / MiB:.0f} MiB |\n"
+        f"| kvcached, every layer full attention | {figures['all_full_peak_bytes'] / MiB:.0f} MiB |\n"
+        f"| vLLM static pool (no kvcached) | {STATIC_POOL_BYTES / MiB:.0f} MiB |"
+    )
     print(json.dumps(figures, indent=2))
 
 

@@ -27,11 +27,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from e2e_common import (WARMUP_REQUESTS, WORKLOAD, make_model, make_prompts, run_child, run_rounds, summarize,
-                        without_kvcached_flags)
+from e2e_common import (
+    WARMUP_REQUESTS,
+    WORKLOAD,
+    make_model,
+    make_prompts,
+    run_child,
+    run_rounds,
+    summarize,
+    without_kvcached_flags,
+)
 
-ENGINE = dict(skip_tokenizer_init=True, disable_cuda_graph=True, log_level="warning", max_running_requests=32,
-              chunked_prefill_size=2048, max_prefill_tokens=2048, max_total_tokens=40_000, page_size=1, random_seed=0)
+ENGINE = dict(
+    skip_tokenizer_init=True,
+    disable_cuda_graph=True,
+    log_level="warning",
+    max_running_requests=32,
+    chunked_prefill_size=2048,
+    max_prefill_tokens=2048,
+    max_total_tokens=40_000,
+    page_size=1,
+    random_seed=0,
+)
 # On a CPU: SGLang's CPU engine with torch_native attention in float32, as the integration tests
 # run it. 40 000 slots of 12 KiB (6 layers, K and V, 4 heads of 64, fp32) cap both modes alike.
 CPU_ENGINE = dict(device="cpu", attention_backend="torch_native", dtype="float32")
@@ -99,8 +116,13 @@ def prepare_model(out: Path) -> tuple[str, bool]:
 
 def engine_env(kvcached_on: bool) -> dict[str, str]:
     """An engine's environment: its own registry (its own budget), kvcached switched on or off."""
-    env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=tempfile.mkdtemp(prefix="kvcached-e2e-"),
-                                      KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30), PYTHONUNBUFFERED="1"))
+    env = without_kvcached_flags(
+        dict(
+            KVCACHED_REGISTRY_DIR=tempfile.mkdtemp(prefix="kvcached-e2e-"),
+            KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
+            PYTHONUNBUFFERED="1",
+        )
+    )
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
     return env
@@ -123,8 +145,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, cpu = prepare_model(out)
-    run_rounds(out, args.rounds, lambda label, on: run_engine(out, label, model, on, args.timeout_s, cpu),
-               "sglang_e2e")
+    run_rounds(out, args.rounds, lambda label, on: run_engine(out, label, model, on, args.timeout_s, cpu), "sglang_e2e")
 
 
 if __name__ == "__main__":

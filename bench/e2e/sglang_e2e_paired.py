@@ -31,8 +31,18 @@ import json
 from pathlib import Path
 
 from e2e_common import WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_prompts, session_processes, timed_window
-from e2e_paired import (EngineProcess, add_setting_options, engine_settings, paired_parser, parse_paired, pass_prompts,
-                        run_paired, serve_if_child, serve_passes, settings_note)
+from e2e_paired import (
+    EngineProcess,
+    add_setting_options,
+    engine_settings,
+    paired_parser,
+    parse_paired,
+    pass_prompts,
+    run_paired,
+    serve_if_child,
+    serve_passes,
+    settings_note,
+)
 from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, prepare_model, stream_all, use_sglang_cpu
 
 
@@ -43,8 +53,9 @@ def serve(spec_path: str, result_fd: int) -> None:
         use_sglang_cpu()
     import sglang as sgl
 
-    llm = sgl.Engine(model_path=spec["model"], sleep_on_idle=True, **ENGINE,
-                     **(CPU_ENGINE if spec["cpu"] else {"dtype": "bfloat16"}))
+    llm = sgl.Engine(
+        model_path=spec["model"], sleep_on_idle=True, **ENGINE, **(CPU_ENGINE if spec["cpu"] else {"dtype": "bfloat16"})
+    )
     llm.loop.run_until_complete(stream_all(llm, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8))
 
     def run_pass(k: int) -> dict:
@@ -66,11 +77,19 @@ def serve(spec_path: str, result_fd: int) -> None:
 def main() -> None:
     serve_if_child(serve)
     parser = paired_parser(__doc__, passes=30, timeout_s=600.0, gap_help="idle time before each pass")
-    parser.add_argument("--flush-cache", action="store_true",
-                        help="empty both engines' radix caches before every pass (without it the engine without "
-                             "kvcached keeps every pass's prefixes, while kvcached's idle release evicts them)")
-    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                        help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores)")
+    parser.add_argument(
+        "--flush-cache",
+        action="store_true",
+        help="empty both engines' radix caches before every pass (without it the engine without "
+        "kvcached keeps every pass's prefixes, while kvcached's idle release evicts them)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores)",
+    )
     add_setting_options(parser)
     args, out = parse_paired(parser)
     if args.torch_threads is not None and args.torch_threads < 1:
@@ -84,8 +103,16 @@ def main() -> None:
         return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), env, on)
 
     threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
-    run_paired(out, "sglang_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
-               note="; ".join(filter(None, [threads_note, settings_note(args)])), restarts=args.restarts)
+    run_paired(
+        out,
+        "sglang_e2e_paired",
+        start_engine,
+        args.passes,
+        args.gap_s,
+        args.timeout_s,
+        note="; ".join(filter(None, [threads_note, settings_note(args)])),
+        restarts=args.restarts,
+    )
 
 
 if __name__ == "__main__":

@@ -117,17 +117,43 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "harness.log"
     with open(log, "w") as sink:
-        harness = subprocess.Popen([sys.executable, str(HERE / "sglang_e2e_paired.py"), "--out", str(out / "run"),
-                                    *[a for a in args.harness_args if a != "--"]], stdout=sink, stderr=subprocess.STDOUT)
+        harness = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "sglang_e2e_paired.py"),
+                "--out",
+                str(out / "run"),
+                *[a for a in args.harness_args if a != "--"],
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     wait_for_first_pass(log, harness)
     pids = schedulers()
     if set(pids) != {"on", "off"}:
         harness.kill()
         sys.exit(f"expected the two engines' schedulers, found {pids}")
-    spies = {label: subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--nonblocking",
-                                      "--threads", "--format", "raw", "--output", str(out / f"{label}.txt")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for label, pid in pids.items()}
+    spies = {
+        label: subprocess.Popen(
+            [
+                py_spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                str(args.rate),
+                "--nonblocking",
+                "--threads",
+                "--format",
+                "raw",
+                "--output",
+                str(out / f"{label}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for label, pid in pids.items()
+    }
     harness.wait()
     for spy in spies.values():
         spy.wait()  # py-spy stops when its process exits
@@ -136,12 +162,16 @@ def main() -> None:
     passes = counted_after_first_pass(out / "run" / "runs.json")
     stacks = {label: read_stacks((out / f"{label}.txt").read_text()) for label in pids}
     ms_per_sample = 1e3 / args.rate
-    print(f"schedulers: kvcached pid {pids['on']}, SGLang's own pid {pids['off']}; passes in the window: {passes}; "
-          f"{args.rate} samples/s\n")
+    print(
+        f"schedulers: kvcached pid {pids['on']}, SGLang's own pid {pids['off']}; passes in the window: {passes}; "
+        f"{args.rate} samples/s\n"
+    )
     ours = in_kvcached(stacks["on"])
     total = sum(count for _, _, count in stacks["on"])
-    print(f"### inside kvcached's code: {sum(ours.values()) * ms_per_sample / passes['on']:.1f} ms per pass, "
-          f"{sum(ours.values()) / max(total, 1):.2%} of the kvcached scheduler's samples (all threads)\n")
+    print(
+        f"### inside kvcached's code: {sum(ours.values()) * ms_per_sample / passes['on']:.1f} ms per pass, "
+        f"{sum(ours.values()) / max(total, 1):.2%} of the kvcached scheduler's samples (all threads)\n"
+    )
     print("| ms per pass | thread: outermost kvcached function |\n|---|---|")
     for key, count in ours.most_common(args.top):
         print(f"| {count * ms_per_sample / passes['on']:.2f} | `{key}` |")

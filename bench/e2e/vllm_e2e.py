@@ -32,10 +32,22 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from kvcached.integration.common.settings import is_enabled
+from e2e_common import (
+    WARMUP_REQUESTS,
+    WORKLOAD,
+    BusyClock,
+    make_model,
+    make_prompts,
+    run_child,
+    run_rounds,
+    session_processes,
+    summarize,
+    timed_window,
+    without_kvcached_flags,
+    write_report,
+)
 
-from e2e_common import (WARMUP_REQUESTS, WORKLOAD, BusyClock, make_model, make_prompts, run_child, run_rounds,
-                        session_processes, summarize, timed_window, without_kvcached_flags, write_report)
+from kvcached.integration.common.settings import is_enabled
 
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_bytes=256 << 20)
 
@@ -43,8 +55,9 @@ ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024, 
 # ----------------------------------------------------------------------------- one engine
 
 
-def run_workload(engine, prompts: list[list[int]], new_tokens: int, prefix: str,
-                 take_turn: Callable[[], None] | None = None) -> dict:
+def run_workload(
+    engine, prompts: list[list[int]], new_tokens: int, prefix: str, take_turn: Callable[[], None] | None = None
+) -> dict:
     """Serves ``prompts`` (all submitted at once) to the end; the run's figures (:func:`summarize`).
 
     ``take_turn``: called before each step, blocking until the engine may step
@@ -151,6 +164,7 @@ class StepTimer:
                 cls._add(key, clock() - start)
                 if count:
                     cls._add(count, 1)
+
         return timed
 
     @classmethod
@@ -168,6 +182,7 @@ class StepTimer:
                 # thread's own computation.
                 cls._add("worker_sys_s", after.ru_stime - before.ru_stime)
                 cls._add("worker_faults", after.ru_minflt - before.ru_minflt)
+
         return timed
 
     @classmethod
@@ -182,6 +197,7 @@ class StepTimer:
                 cls._add("mapped", len(ops.map_pages))
                 cls._add("unmapped", len(ops.unmap_pages))
                 cls._totals["slowest_apply_ms"] = max(cls._totals.get("slowest_apply_ms", 0.0), elapsed * 1e3)
+
         return timed
 
     @staticmethod
@@ -195,24 +211,40 @@ class StepTimer:
         """Every process's totals since the last call, as per-step figures."""
         client = engine.engine_core
         totals: dict[str, float] = {}
-        core = client.call_utility("bench_step_timing") if hasattr(client, "call_utility") else (
-            client.engine_core.bench_step_timing())
+        core = (
+            client.call_utility("bench_step_timing")
+            if hasattr(client, "call_utility")
+            else (client.engine_core.bench_step_timing())
+        )
         for part in [core, *engine.collective_rpc("bench_step_timing")]:
             for key, value in part.items():
-                totals[key] = max(totals.get(key, 0.0), value) if key == "slowest_apply_ms" else (
-                    totals.get(key, 0.0) + value)
+                totals[key] = (
+                    max(totals.get(key, 0.0), value) if key == "slowest_apply_ms" else (totals.get(key, 0.0) + value)
+                )
         steps = max(totals.get("engine_steps", 0), 1)
         kvcached = is_enabled()
-        cpu = {f"{k}_cpu_us_per_step": totals.get(f"{k}_cpu_s", 0.0) / steps * 1e6 for k in ("schedule", "update_from_output")}
-        return dict(sched_steps=int(steps), **cpu, scheduler_cpu_us_per_step=sum(cpu.values()),
-                    engine_step_ms_per_step=totals.get("engine_step_s", 0.0) / steps * 1e3,
-                    worker_ms_per_step=totals.get("worker_s", 0.0) / steps * 1e3,
-                    worker_cpu_ms_per_step=totals.get("worker_cpu_s", 0.0) / steps * 1e3,
-                    worker_sys_ms_per_step=totals.get("worker_sys_s", 0.0) / steps * 1e3,
-                    worker_faults_per_step=totals.get("worker_faults", 0.0) / steps,
-                    apply_ms_per_step=totals.get("apply_s", 0.0) / steps * 1e3 if kvcached else None,
-                    page_ops=dict(mapped=int(totals.get("mapped", 0)), unmapped=int(totals.get("unmapped", 0)),
-                                  slowest_ms=totals.get("slowest_apply_ms", 0.0)) if kvcached else None)
+        cpu = {
+            f"{k}_cpu_us_per_step": totals.get(f"{k}_cpu_s", 0.0) / steps * 1e6
+            for k in ("schedule", "update_from_output")
+        }
+        return dict(
+            sched_steps=int(steps),
+            **cpu,
+            scheduler_cpu_us_per_step=sum(cpu.values()),
+            engine_step_ms_per_step=totals.get("engine_step_s", 0.0) / steps * 1e3,
+            worker_ms_per_step=totals.get("worker_s", 0.0) / steps * 1e3,
+            worker_cpu_ms_per_step=totals.get("worker_cpu_s", 0.0) / steps * 1e3,
+            worker_sys_ms_per_step=totals.get("worker_sys_s", 0.0) / steps * 1e3,
+            worker_faults_per_step=totals.get("worker_faults", 0.0) / steps,
+            apply_ms_per_step=totals.get("apply_s", 0.0) / steps * 1e3 if kvcached else None,
+            page_ops=dict(
+                mapped=int(totals.get("mapped", 0)),
+                unmapped=int(totals.get("unmapped", 0)),
+                slowest_ms=totals.get("slowest_apply_ms", 0.0),
+            )
+            if kvcached
+            else None,
+        )
 
 
 def build_engine(model: str, kv_cache_bytes: int):
@@ -220,9 +252,16 @@ def build_engine(model: str, kv_cache_bytes: int):
     from vllm import LLM
 
     llm = LLM(
-        model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=ENGINE["max_model_len"],
-        max_num_seqs=ENGINE["max_num_seqs"], max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-        enable_prefix_caching=True, kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, seed=0,
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=ENGINE["max_model_len"],
+        max_num_seqs=ENGINE["max_num_seqs"],
+        max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enforce_eager=True,
+        seed=0,
     )
     return llm.llm_engine
 
@@ -230,7 +269,11 @@ def build_engine(model: str, kv_cache_bytes: int):
 def kvcached_counters(engine) -> dict:
     """kvcached's counters from the engine's EngineCore (in its own process or in this one)."""
     client = engine.engine_core
-    stats = client.call_utility("kvcached_stats") if hasattr(client, "call_utility") else client.engine_core.kvcached_stats()
+    stats = (
+        client.call_utility("kvcached_stats")
+        if hasattr(client, "call_utility")
+        else client.engine_core.kvcached_stats()
+    )
     return {key: stats.get(key) for key in ("num_preempted", "num_exhausted", "slow_allocs", "mapped_pages")}
 
 
@@ -264,8 +307,12 @@ def child(spec_path: str, out_path: str) -> None:
         result = run_workload(engine, prompts, WORKLOAD["new_tokens"], "r")
     # In-process engines (--sched-timing, --profile): the forward pass's page faults are counted here too.
     result.update(processes=timed_window(processes_before, session_processes()))
-    result.update(init_s=init_s, load_before=load_before, load_after=os.getloadavg(),
-                  timed_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+    result.update(
+        init_s=init_s,
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        timed_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before,
+    )
     if StepTimer.active():
         result.update(StepTimer.collect(engine))
     if is_enabled():
@@ -277,10 +324,22 @@ def child(spec_path: str, out_path: str) -> None:
 # ----------------------------------------------------------------------------- the runs
 
 
-def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, steady_kv_bytes: int = 0,
-               omp_bind: str = "auto", step_timing: bool = False) -> dict:
-    env = without_kvcached_flags(dict(KVCACHED_REGISTRY_DIR=registry_dir, KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
-                                      VLLM_CPU_OMP_THREADS_BIND=omp_bind, PYTHONUNBUFFERED="1"))
+def engine_env(
+    kvcached_on: bool,
+    registry_dir: str,
+    in_process: bool = False,
+    steady_kv_bytes: int = 0,
+    omp_bind: str = "auto",
+    step_timing: bool = False,
+) -> dict:
+    env = without_kvcached_flags(
+        dict(
+            KVCACHED_REGISTRY_DIR=registry_dir,
+            KVCACHED_VIRTUAL_CAPACITY_BYTES=str(1 << 30),
+            VLLM_CPU_OMP_THREADS_BIND=omp_bind,
+            PYTHONUNBUFFERED="1",
+        )
+    )
     if kvcached_on:
         env["KVCACHED_ENABLE"] = "1"
         if steady_kv_bytes:
@@ -292,13 +351,33 @@ def engine_env(kvcached_on: bool, registry_dir: str, in_process: bool = False, s
     return env
 
 
-def run_engine(out: Path, label: str, model: str, kvcached_on: bool, timeout_s: float, profile: bool = False,
-               kv_cache_bytes: int = ENGINE["kv_cache_bytes"], sched_timing: bool = False, steady: bool = False,
-               omp_bind: str = "auto") -> dict:
-    spec = dict(model=model, profile=str(out / f"{label}.prof") if profile else None, kv_cache_bytes=kv_cache_bytes,
-                sched_timing=sched_timing, steady=steady)
-    env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=profile or sched_timing,
-                     steady_kv_bytes=kv_cache_bytes if steady else 0, omp_bind=omp_bind, step_timing=sched_timing)
+def run_engine(
+    out: Path,
+    label: str,
+    model: str,
+    kvcached_on: bool,
+    timeout_s: float,
+    profile: bool = False,
+    kv_cache_bytes: int = ENGINE["kv_cache_bytes"],
+    sched_timing: bool = False,
+    steady: bool = False,
+    omp_bind: str = "auto",
+) -> dict:
+    spec = dict(
+        model=model,
+        profile=str(out / f"{label}.prof") if profile else None,
+        kv_cache_bytes=kv_cache_bytes,
+        sched_timing=sched_timing,
+        steady=steady,
+    )
+    env = engine_env(
+        kvcached_on,
+        tempfile.mkdtemp(prefix="kvcached-e2e-"),
+        in_process=profile or sched_timing,
+        steady_kv_bytes=kv_cache_bytes if steady else 0,
+        omp_bind=omp_bind,
+        step_timing=sched_timing,
+    )
     return run_child(__file__, out, label, spec, env, timeout_s, kvcached_on)
 
 
@@ -315,30 +394,69 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per engine run")
     parser.add_argument("--profile", action="store_true", help="one in-process run per mode under cProfile instead")
-    parser.add_argument("--sched-timing", action="store_true",
-                        help="in-process engines; report the scheduler's CPU time per step (load-robust), the "
-                             "worker's time per step and kvcached's page-op part of it")
-    parser.add_argument("--steady", action="store_true",
-                        help="warm up with the whole workload (other prompts) first, kvcached keeping what it mapped "
-                             "while idle: the KV memory has been written once, as in a busy engine")
-    parser.add_argument("--kv-cache-mib", type=int, default=ENGINE["kv_cache_bytes"] >> 20,
-                        help="vLLM's kv_cache_memory_bytes (kvcached: the engine's limit); lower it to make "
-                             "prefix-cache eviction part of the run")
-    parser.add_argument("--omp-bind", default="auto",
-                        help="VLLM_CPU_OMP_THREADS_BIND for the worker: vLLM's default 'auto' binds its OpenMP threads "
-                             "and leaves one core per rank to the EngineCore; 'nobind' lets all of them share every core")
+    parser.add_argument(
+        "--sched-timing",
+        action="store_true",
+        help="in-process engines; report the scheduler's CPU time per step (load-robust), the "
+        "worker's time per step and kvcached's page-op part of it",
+    )
+    parser.add_argument(
+        "--steady",
+        action="store_true",
+        help="warm up with the whole workload (other prompts) first, kvcached keeping what it mapped "
+        "while idle: the KV memory has been written once, as in a busy engine",
+    )
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=ENGINE["kv_cache_bytes"] >> 20,
+        help="vLLM's kv_cache_memory_bytes (kvcached: the engine's limit); lower it to make "
+        "prefix-cache eviction part of the run",
+    )
+    parser.add_argument(
+        "--omp-bind",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND for the worker: vLLM's default 'auto' binds its OpenMP threads "
+        "and leaves one core per rank to the EngineCore; 'nobind' lets all of them share every core",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = make_model(out.parent / "e2e-model")
     if args.profile:
-        runs = [dict(run_engine(out, f"profile-{'on' if on else 'off'}", model, on, args.timeout_s, profile=True,
-                                kv_cache_bytes=args.kv_cache_mib << 20), round=0) for on in (False, True)]
+        runs = [
+            dict(
+                run_engine(
+                    out,
+                    f"profile-{'on' if on else 'off'}",
+                    model,
+                    on,
+                    args.timeout_s,
+                    profile=True,
+                    kv_cache_bytes=args.kv_cache_mib << 20,
+                ),
+                round=0,
+            )
+            for on in (False, True)
+        ]
         write_report(out, runs, "vllm_e2e")
     else:
-        run_rounds(out, args.rounds, lambda label, on: run_engine(
-            out, label, model, on, args.timeout_s, kv_cache_bytes=args.kv_cache_mib << 20,
-            sched_timing=args.sched_timing, steady=args.steady, omp_bind=args.omp_bind), "vllm_e2e")
+        run_rounds(
+            out,
+            args.rounds,
+            lambda label, on: run_engine(
+                out,
+                label,
+                model,
+                on,
+                args.timeout_s,
+                kv_cache_bytes=args.kv_cache_mib << 20,
+                sched_timing=args.sched_timing,
+                steady=args.steady,
+                omp_bind=args.omp_bind,
+            ),
+            "vllm_e2e",
+        )
 
 
 if __name__ == "__main__":

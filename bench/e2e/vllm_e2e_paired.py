@@ -25,10 +25,19 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from e2e_common import (WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_model, make_prompts, session_processes,
-                        timed_window)
-from e2e_paired import (EngineProcess, add_setting_options, engine_settings, paired_parser, parse_paired, pass_prompts,
-                        run_paired, serve_if_child, serve_passes, settings_note)
+from e2e_common import WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_model, make_prompts, session_processes, timed_window
+from e2e_paired import (
+    EngineProcess,
+    add_setting_options,
+    engine_settings,
+    paired_parser,
+    parse_paired,
+    pass_prompts,
+    run_paired,
+    serve_if_child,
+    serve_passes,
+    settings_note,
+)
 from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload
 
 
@@ -61,33 +70,69 @@ StepTimer.install_if_asked()  # in every process of a timed engine (see StepTime
 
 def main() -> None:
     serve_if_child(serve)
-    parser = paired_parser(__doc__, passes=40, timeout_s=300.0,
-                           gap_help="idle time before each pass (vLLM's shared-memory readers park after 1 s)")
+    parser = paired_parser(
+        __doc__,
+        passes=40,
+        timeout_s=300.0,
+        gap_help="idle time before each pass (vLLM's shared-memory readers park after 1 s)",
+    )
     parser.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND of both engines")
-    parser.add_argument("--in-process", action="store_true",
-                        help="both engines in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with the scheduler's CPU, "
-                             "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)")
-    parser.add_argument("--step-timing", action="store_true",
-                        help="the same per-step figures from multi-process engines (each process times its part)")
-    parser.add_argument("--lockstep", action="store_true",
-                        help="both engines serve each pass together in turns of 20 ms, the other one stopped, each "
-                             "timed on its own clock (e2e_paired.run_lockstep_pass)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="both engines in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with the scheduler's CPU, "
+        "the worker's time and kvcached's page ops per step (as vllm_e2e.py --sched-timing)",
+    )
+    parser.add_argument(
+        "--step-timing",
+        action="store_true",
+        help="the same per-step figures from multi-process engines (each process times its part)",
+    )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="both engines serve each pass together in turns of 20 ms, the other one stopped, each "
+        "timed on its own clock (e2e_paired.run_lockstep_pass)",
+    )
     add_setting_options(parser)
     args, out = parse_paired(parser)
     model = make_model(out.parent / "e2e-model")
 
     def start_engine(on: bool) -> EngineProcess:
         kvcached_on, extra = engine_settings(args, on)
-        env = engine_env(kvcached_on, tempfile.mkdtemp(prefix="kvcached-e2e-"), in_process=args.in_process,
-                         omp_bind=args.omp_bind, step_timing=args.in_process or args.step_timing)
+        env = engine_env(
+            kvcached_on,
+            tempfile.mkdtemp(prefix="kvcached-e2e-"),
+            in_process=args.in_process,
+            omp_bind=args.omp_bind,
+            step_timing=args.in_process or args.step_timing,
+        )
         env.update(extra)
-        return EngineProcess(__file__, out, dict(model=model, in_process=args.in_process, control=args.control), env,
-                             on)
+        return EngineProcess(
+            __file__, out, dict(model=model, in_process=args.in_process, control=args.control), env, on
+        )
 
-    note = "; ".join(filter(None, [settings_note(args), "in lockstep (turns of 20 ms, the other engine stopped; "
-                                                         "times on each engine's own clock)" * args.lockstep]))
-    run_paired(out, "vllm_e2e_paired", start_engine, args.passes, args.gap_s, args.timeout_s,
-               note=note, restarts=args.restarts, lockstep=args.lockstep)
+    note = "; ".join(
+        filter(
+            None,
+            [
+                settings_note(args),
+                "in lockstep (turns of 20 ms, the other engine stopped; "
+                "times on each engine's own clock)" * args.lockstep,
+            ],
+        )
+    )
+    run_paired(
+        out,
+        "vllm_e2e_paired",
+        start_engine,
+        args.passes,
+        args.gap_s,
+        args.timeout_s,
+        note=note,
+        restarts=args.restarts,
+        lockstep=args.lockstep,
+    )
 
 
 if __name__ == "__main__":

@@ -94,8 +94,9 @@ def waits_by_reason(script: str, pids: dict[str, int]) -> dict[str, collections.
     return counts
 
 
-def table(counts: dict[str, collections.Counter], steps: dict[str, int], per_sample: float, unit: str,
-          top: int, what: str) -> str:
+def table(
+    counts: dict[str, collections.Counter], steps: dict[str, int], per_sample: float, unit: str, top: int, what: str
+) -> str:
     rows = []
     for key in set(counts["on"]) | set(counts["off"]):
         on = counts["on"].get(key, 0) * per_sample / steps["on"]
@@ -104,8 +105,12 @@ def table(counts: dict[str, collections.Counter], steps: dict[str, int], per_sam
     rows.sort(key=lambda row: -abs(row[0]))
     lines = [f"| on − off ({unit}) | kvcached | vLLM's own | {what} |", "|---|---|---|---|"]
     for label, main_only in (("**all threads**", False), ("**the main thread**", True)):
-        on, off = (sum(n for k, n in counts[tag].items() if not (main_only and k.startswith("(other threads)")))
-                   * per_sample / steps[tag] for tag in ("on", "off"))
+        on, off = (
+            sum(n for k, n in counts[tag].items() if not (main_only and k.startswith("(other threads)")))
+            * per_sample
+            / steps[tag]
+            for tag in ("on", "off")
+        )
         lines.append(f"| {on - off:+.4f} | {on:.4f} | {off:.4f} | {label} |")
     lines += [f"| {d:+.4f} | {a:.4f} | {b:.4f} | `{k[:120]}` |" for d, a, b, k in rows[:top]]
     return "\n".join(lines)
@@ -123,27 +128,37 @@ def main() -> None:
     extra = [a for a in args.harness_args if a != "--"]
     log = out / "harness.log"
     with open(log, "w") as sink:
-        harness = subprocess.Popen([sys.executable, str(HERE / "vllm_e2e_paired.py"), "--out", str(out / "run"),
-                                    *extra], stdout=sink, stderr=subprocess.STDOUT)
+        harness = subprocess.Popen(
+            [sys.executable, str(HERE / "vllm_e2e_paired.py"), "--out", str(out / "run"), *extra],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     wait_for_first_pass(log, harness)
     pids = workers()
     if set(pids) != {"on", "off"}:
         harness.kill()
         sys.exit(f"expected one worker with kvcached and one without, found {pids}")
     data = out / "perf.data"
-    event = {"cpu-clock": ["-e", "cpu-clock", "-F", str(FREQUENCY_HZ)], "page-faults": ["-e", "page-faults", "-c", "1"],
-             "sched-switch": ["-e", "sched:sched_switch", "-g"]}[args.event]
-    perf = subprocess.Popen(["perf", "record", *event, "-o", str(data),
-                             "-p", f"{pids['on']},{pids['off']}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    event = {
+        "cpu-clock": ["-e", "cpu-clock", "-F", str(FREQUENCY_HZ)],
+        "page-faults": ["-e", "page-faults", "-c", "1"],
+        "sched-switch": ["-e", "sched:sched_switch", "-g"],
+    }[args.event]
+    perf = subprocess.Popen(
+        ["perf", "record", *event, "-o", str(data), "-p", f"{pids['on']},{pids['off']}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     harness.wait()
     perf.wait()
     if harness.returncode != 0:
         sys.exit(f"the paired run failed ({harness.returncode}); see {log}")
     steps = counted_after_first_pass(out / "run" / "runs.json", "steps")
     per_sample, unit = (1e3 / FREQUENCY_HZ, "ms per step") if args.event == "cpu-clock" else (1.0, "per step")
-    print(f"workers: kvcached pid {pids['on']}, vLLM's own pid {pids['off']}; steps in the window: {steps}; "
-          f"event {args.event}\n")
+    print(
+        f"workers: kvcached pid {pids['on']}, vLLM's own pid {pids['off']}; steps in the window: {steps}; "
+        f"event {args.event}\n"
+    )
     if args.event == "sched-switch":
         print("### waits of the main thread (D: uninterruptible, S: interruptible), by where it waited\n")
         print(table(waits_by_reason(perf_script(data), pids), steps, 1.0, "per step", args.top, "waited in"))

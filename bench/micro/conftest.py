@@ -14,9 +14,9 @@ import time
 from typing import Any, Callable, Optional
 
 import pytest
+from reference_figures import figure
 
 import kvcached
-from reference_figures import figure
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -41,7 +41,7 @@ def device_spec(request) -> str:
 
 
 @pytest.fixture
-def device(device_spec) -> "kvcached._core.Device":
+def device(device_spec) -> kvcached._core.Device:
     return kvcached.open_device(device_spec)
 
 

@@ -20,9 +20,9 @@ MS = 1000.0  # microseconds per millisecond
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    target_us: Optional[float] = None     # our goal (at most this)
+    target_us: Optional[float] = None  # our goal (at most this)
     reference_us: Optional[float] = None  # what the comparison point measured
-    reference: str = ""                   # what that comparison point is
+    reference: str = ""  # what that comparison point is
 
 
 DRIVER = "CUDA driver floor, C, per call"
@@ -49,9 +49,13 @@ FIGURES: dict[str, Figure] = {
     "pool.grow_cold.contiguous.on_grow": Figure(target_us=76, reference_us=76, reference=REF),
     "pool.grow_cold.per_layer.on_grow": Figure(target_us=4163, reference_us=4163, reference=REF),
     "pool.grow_warm.contiguous.zero_backed": Figure(target_us=40, reference_us=76, reference=REF + " (cold grow)"),
-    "pool.grow_warm.per_layer.zero_backed": Figure(target_us=2.1 * MS, reference_us=4163, reference=REF + " (cold grow)"),
+    "pool.grow_warm.per_layer.zero_backed": Figure(
+        target_us=2.1 * MS, reference_us=4163, reference=REF + " (cold grow)"
+    ),
     "pool.grow_warm.contiguous.no_zero_backing": Figure(target_us=40, reference_us=76, reference=REF + " (cold grow)"),
-    "pool.grow_warm.per_layer.no_zero_backing": Figure(target_us=2.1 * MS, reference_us=4163, reference=REF + " (cold grow)"),
+    "pool.grow_warm.per_layer.no_zero_backing": Figure(
+        target_us=2.1 * MS, reference_us=4163, reference=REF + " (cold grow)"
+    ),
     "pool.shrink.contiguous": Figure(target_us=90, reference_us=181, reference=REF),
     "pool.shrink.per_layer": Figure(reference_us=3876, reference=REF),
     "pool.grow64.contiguous": Figure(reference_us=5.6 * MS, reference=REF),

@@ -20,7 +20,8 @@ import os
 import re
 import sys
 from collections import defaultdict
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 from reference_figures import figure
 
@@ -94,6 +95,7 @@ def load_benchmarks(paths: list[str]) -> tuple[list[dict], dict]:
 
 def main_table(benches: list[dict]) -> str:
     rows = []
+
     def order(b: dict) -> tuple:
         return (b["fullname"].split("::")[0], b.get("group") or "", device_of(b), natural(b["name"]))
 
@@ -110,17 +112,19 @@ def main_table(benches: list[dict]) -> str:
                 ratio = fmt_ratio(median / fig.reference_us)
             if fig.target_us is not None:
                 verdict = "yes" if median <= fig.target_us else "**no**"
-        rows.append([
-            short_name(b) + (f" (per op, /{ops})" if ops != 1 else ""),
-            dev,
-            fmt_time(median),
-            fmt_time(best),
-            b["stats"]["rounds"],
-            fmt_time(fig.target_us),
-            fmt_time(fig.reference_us) + (f" ({fig.reference})" if fig.reference else ""),
-            ratio,
-            verdict,
-        ])
+        rows.append(
+            [
+                short_name(b) + (f" (per op, /{ops})" if ops != 1 else ""),
+                dev,
+                fmt_time(median),
+                fmt_time(best),
+                b["stats"]["rounds"],
+                fmt_time(fig.target_us),
+                fmt_time(fig.reference_us) + (f" ({fig.reference})" if fig.reference else ""),
+                ratio,
+                verdict,
+            ]
+        )
     return table(
         ["benchmark", "device", "median", "min", "rounds", "target", "reference", "ours / ref.", "meets target"],
         rows,
@@ -134,16 +138,28 @@ def span_table(benches: list[dict]) -> str:
         metric = b["extra_info"].get("metric", "")
         if not (metric.startswith("vmm.set_access_span") or metric.startswith("vmm.unmap_span")):
             continue
-        op, backing, calls = metric[len("vmm."):].split(".")
+        op, backing, calls = metric[len("vmm.") :].split(".")
         key = (device_of(b), op.replace("_span", ""), backing, b["extra_info"]["mappings"])
         found[key][calls] = per_op_us(b)
     rows = []
     for (dev, op, backing, n), v in sorted(found.items()):
         one, each = v.get("one_call"), v.get("per_mapping")
-        rows.append([dev, op, backing.replace("_", " "), n, fmt_time(one), fmt_time(each),
-                     fmt_time(one / n if one else None), fmt_ratio(each / one if one and each else None)])
-    return table(["device", "call", "backing", "mappings N", "one call over N", "N calls", "one call / N",
-                  "N calls ÷ one call"], rows)
+        rows.append(
+            [
+                dev,
+                op,
+                backing.replace("_", " "),
+                n,
+                fmt_time(one),
+                fmt_time(each),
+                fmt_time(one / n if one else None),
+                fmt_ratio(each / one if one and each else None),
+            ]
+        )
+    return table(
+        ["device", "call", "backing", "mappings N", "one call over N", "N calls", "one call / N", "N calls ÷ one call"],
+        rows,
+    )
 
 
 def size_table(benches: list[dict]) -> str:
@@ -154,13 +170,20 @@ def size_table(benches: list[dict]) -> str:
         for kind in ("grow", "shrink"):
             prefix = f"vmm.{kind}_alloc_"
             if metric.startswith(prefix):
-                found[(device_of(b), kind)][int(metric[len(prefix):-3])] = per_op_us(b)
+                found[(device_of(b), kind)][int(metric[len(prefix) : -3])] = per_op_us(b)
     rows = []
     for (dev, kind), by_size in sorted(found.items()):
         base = by_size.get(2)
         for size in sorted(by_size):
-            rows.append([dev, "create+map+access" if kind == "grow" else "unmap+release", f"{size} MiB",
-                         fmt_time(by_size[size]), fmt_ratio(by_size[size] / base if base else None)])
+            rows.append(
+                [
+                    dev,
+                    "create+map+access" if kind == "grow" else "unmap+release",
+                    f"{size} MiB",
+                    fmt_time(by_size[size]),
+                    fmt_ratio(by_size[size] / base if base else None),
+                ]
+            )
     return table(["device", "operation", "allocation", "median", "vs 2 MiB"], rows)
 
 
@@ -176,8 +199,10 @@ def gather_table(benches: list[dict]) -> str:
         cont, per = v.get("contiguous"), v.get("per_layer")
         cells = []
         for entry in (cont, per):
-            cells += [fmt_time(entry[0]) if entry else "—",
-                      f"{entry[1] / (entry[0] * 1e3):.1f}" if entry else "—"]  # bytes/µs/1e3 = GB/s
+            cells += [
+                fmt_time(entry[0]) if entry else "—",
+                f"{entry[1] / (entry[0] * 1e3):.1f}" if entry else "—",
+            ]  # bytes/µs/1e3 = GB/s
         ratio = fmt_ratio(cont[0] / per[0]) if cont and per else "—"
         rows.append([dev, n, *cells, ratio])
     return table(["device", "blocks", "contiguous", "GB/s", "per_layer", "GB/s", "contiguous ÷ per_layer"], rows)
@@ -195,19 +220,44 @@ def trace_table(results: list[dict]) -> str:
         if is_gpu(dev):
             meets = "yes" if r["alloc_p99_us"] <= p99_target else "**no**"
         to_min = r.get("idle_to_min_reserve_ms")
-        rows.append([
-            dev, r["layout"], r["allocs"], r["misses"],
-            fmt_time(r["alloc_p50_us"]), fmt_time(r["alloc_p99_us"]), fmt_time(r["alloc_p999_us"]),
-            fmt_time(r["alloc_max_us"]), meets,
-            fmt_time(r.get("within_step_p99_us")), fmt_time(r.get("first_in_step_p50_us")),
-            f"{r['samples_over_bound']}/{r['samples']} (max +{r['max_pages_over_bound']})",
-            f"{r['peak_used_blocks']} / {r['peak_mapped_pages']}",
-            fmt_time(r["idle_to_max_reserve_ms"] * 1000 if r["idle_to_max_reserve_ms"] is not None else None),
-            fmt_time(to_min * 1000) if to_min is not None else f"not reached ({r['idle_free_pages_at_end']} free pages left)",
-        ])
-    header = ["device", "layout", "allocs", "misses", "p50", f"p99 (target ≤ {fmt_time(p99_target)})", "p99.9",
-              "max", "meets p99", "p99 within a step", "p50 first of a step", "samples mapped > used + max reserve", "peak used blocks / mapped page ids",
-              "idle → ≤ max reserve", f"idle → min reserve (target ≤ {fmt_time(idle_target)})"]
+        rows.append(
+            [
+                dev,
+                r["layout"],
+                r["allocs"],
+                r["misses"],
+                fmt_time(r["alloc_p50_us"]),
+                fmt_time(r["alloc_p99_us"]),
+                fmt_time(r["alloc_p999_us"]),
+                fmt_time(r["alloc_max_us"]),
+                meets,
+                fmt_time(r.get("within_step_p99_us")),
+                fmt_time(r.get("first_in_step_p50_us")),
+                f"{r['samples_over_bound']}/{r['samples']} (max +{r['max_pages_over_bound']})",
+                f"{r['peak_used_blocks']} / {r['peak_mapped_pages']}",
+                fmt_time(r["idle_to_max_reserve_ms"] * 1000 if r["idle_to_max_reserve_ms"] is not None else None),
+                fmt_time(to_min * 1000)
+                if to_min is not None
+                else f"not reached ({r['idle_free_pages_at_end']} free pages left)",
+            ]
+        )
+    header = [
+        "device",
+        "layout",
+        "allocs",
+        "misses",
+        "p50",
+        f"p99 (target ≤ {fmt_time(p99_target)})",
+        "p99.9",
+        "max",
+        "meets p99",
+        "p99 within a step",
+        "p50 first of a step",
+        "samples mapped > used + max reserve",
+        "peak used blocks / mapped page ids",
+        "idle → ≤ max reserve",
+        f"idle → min reserve (target ≤ {fmt_time(idle_target)})",
+    ]
     return table(header, rows)
 
 
@@ -215,12 +265,16 @@ def render(benches: list[dict], machine: dict, results: list[dict], title: str) 
     out = [f"### {title}", ""]
     if machine:
         cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", ""))
-        out.append(f"pytest-benchmark run {machine.get('datetime', '?')} on `{machine.get('node', '?')}` "
-                   f"({cpu}), Python {machine.get('python_version', '?')}.")
+        out.append(
+            f"pytest-benchmark run {machine.get('datetime', '?')} on `{machine.get('node', '?')}` "
+            f"({cpu}), Python {machine.get('python_version', '?')}."
+        )
         out.append("")
-    out.append("Times are per operation: a benchmark timing a batch is divided by the operations in it "
-               "(`/N`). Targets and references are H200 figures from bench/micro/reference_figures.py; the verdict and ratio "
-               "columns are filled for GPU rows only.")
+    out.append(
+        "Times are per operation: a benchmark timing a batch is divided by the operations in it "
+        "(`/N`). Targets and references are H200 figures from bench/micro/reference_figures.py; the verdict and ratio "
+        "columns are filled for GPU rows only."
+    )
     sections = [
         ("All benchmarks", main_table(benches) if benches else ""),
         ("set_access / unmap over N adjacent 2 MiB mappings", span_table(benches)),
@@ -234,9 +288,12 @@ def render(benches: list[dict], machine: dict, results: list[dict], title: str) 
     trace = [r for r in results if r.get("name") == "decode_trace"]
     if trace:
         r = trace[0]
-        out += ["", f"Trace: seed {r['seed']}, {r['steps']} steps of {r['step_ms']:g} ms, reserve "
-                    f"{r['min_reserve_pages']}..{r['max_reserve_pages']} page ids; `misses` counts allocs "
-                    "that found too few mapped free blocks and had to map pages themselves."]
+        out += [
+            "",
+            f"Trace: seed {r['seed']}, {r['steps']} steps of {r['step_ms']:g} ms, reserve "
+            f"{r['min_reserve_pages']}..{r['max_reserve_pages']} page ids; `misses` counts allocs "
+            "that found too few mapped free blocks and had to map pages themselves.",
+        ]
     return "\n".join(out) + "\n"
 
 

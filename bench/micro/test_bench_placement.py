@@ -38,8 +38,9 @@ class Replay:
     """Runs a trace on one policy; the trace calls alloc / free, then end_step()."""
 
     def __init__(self, placement: str, blocks_per_page: int) -> None:
-        self.layout = KVLayout(NUM_LAYERS, PAGE_BYTES // blocks_per_page, NUM_PAGES * blocks_per_page,
-                               page_bytes=PAGE_BYTES)
+        self.layout = KVLayout(
+            NUM_LAYERS, PAGE_BYTES // blocks_per_page, NUM_PAGES * blocks_per_page, page_bytes=PAGE_BYTES
+        )
         options = BlockManagerOptions(placement=placement)  # no reserve, no worker
         self.manager = BlockManager(self.layout, options)
         self.mapped_bytes: list[int] = []
@@ -97,7 +98,7 @@ def prefix_cache_trace(replay: Replay, rng: np.random.Generator) -> None:
     cached: list[list[np.ndarray]] = []  # finished requests, oldest first (LRU)
     cached_blocks = 0
     next_seq = 0
-    for step in range(steps):
+    for _ in range(steps):
         for seq in [s for s, (_, left) in active.items() if left == 0]:
             blocks, _ = active.pop(seq)
             cached.append(blocks)  # a finished request stays resident as a prefix-cache entry
@@ -135,7 +136,9 @@ def test_placement(trace, blocks_per_page, record_result):
         replay.manager.close()
     for policy, r in results.items():
         record_result(f"placement.{trace}", "host", {"policy": policy, "blocks_per_page": blocks_per_page, **r})
-        print(f"{trace:>12} {blocks_per_page:>2} blocks/page {policy:>13}: mapped/used {r['mapped_per_used']:.3f}  mean mapped "
-              f"{r['mean_mapped_gib']:.2f} GiB  mean used {r['mean_used_gib']:.2f} GiB  peak mapped "
-              f"{r['peak_mapped_pages']} pages  peak used {r['peak_used_blocks']} blocks")
+        print(
+            f"{trace:>12} {blocks_per_page:>2} blocks/page {policy:>13}: mapped/used {r['mapped_per_used']:.3f}  mean mapped "
+            f"{r['mean_mapped_gib']:.2f} GiB  mean used {r['mean_used_gib']:.2f} GiB  peak mapped "
+            f"{r['peak_mapped_pages']} pages  peak used {r['peak_used_blocks']} blocks"
+        )
     assert results["fewest_pages"]["mapped_per_used"] <= results["fullest_first"]["mapped_per_used"] * 1.01

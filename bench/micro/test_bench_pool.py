@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import GiB, KiB, PAGE_BYTES, describe, is_gpu, time_each
+from conftest import PAGE_BYTES, GiB, KiB, describe, is_gpu, time_each
 from kvcached import config
 from kvcached.layout import KVLayout, KVSpaceOptions
 from kvcached.pool import KVPool, KVSpace
@@ -28,27 +28,43 @@ CAPACITY_BYTES = 128 * GiB
 LAYOUTS = ("contiguous", "per_layer")
 
 # Rounds per benchmark, chosen so the whole GPU suite stays within a few minutes.
-ROUNDS_SETUP = {False: 20, True: 8}    # by zero_backing
+ROUNDS_SETUP = {False: 20, True: 8}  # by zero_backing
 ROUNDS_GROW = 16
 ROUNDS_GROW64 = 5
 ROUNDS_FAST, ITERATIONS_FAST = 200, 50  # alloc/free and available(): sub-microsecond to microseconds
 
 
-KV_LAYOUTS = {kind: KVLayout(NUM_LAYERS, BLOCK_BYTES, num_buffers=NUM_BUFFERS, kind=kind, page_bytes=PAGE_BYTES,
-                              capacity_bytes=CAPACITY_BYTES) for kind in LAYOUTS}
+KV_LAYOUTS = {
+    kind: KVLayout(
+        NUM_LAYERS,
+        BLOCK_BYTES,
+        num_buffers=NUM_BUFFERS,
+        kind=kind,
+        page_bytes=PAGE_BYTES,
+        capacity_bytes=CAPACITY_BYTES,
+    )
+    for kind in LAYOUTS
+}
 
 
 def make_space(device_spec: str, layout: str, *, zero_backing: bool = True, max_spare_pages: int = 0) -> KVSpace:
-    options = KVSpaceOptions(zero_backing=zero_backing, zero_chunk_bytes=config.get("zero_chunk_bytes"),
-                             max_spare_pages=max_spare_pages)
+    options = KVSpaceOptions(
+        zero_backing=zero_backing, zero_chunk_bytes=config.get("zero_chunk_bytes"), max_spare_pages=max_spare_pages
+    )
     return KVSpace(KV_LAYOUTS[layout], device_spec, options)
 
 
 def make_pool(device_spec: str, layout: str, *, background_worker: bool) -> KVPool:
     # Reserve sizes left to the configuration (KVCACHED_MIN/MAX_RESERVE_PAGES), recorded in results.
     return KVPool(
-        NUM_LAYERS, BLOCK_BYTES, NUM_BUFFERS, capacity_bytes=CAPACITY_BYTES, layout=layout,
-        page_bytes=PAGE_BYTES, device=device_spec, zero_backing=True,
+        NUM_LAYERS,
+        BLOCK_BYTES,
+        NUM_BUFFERS,
+        capacity_bytes=CAPACITY_BYTES,
+        layout=layout,
+        page_bytes=PAGE_BYTES,
+        device=device_spec,
+        zero_backing=True,
         background_worker=background_worker,
     )
 
@@ -76,8 +92,13 @@ def spaces():
 def test_setup(benchmark, device_spec, layout, zero_backing):
     """Reserving 128 GiB laid out for 32 layers x K+V; with zero backing, covering it with zeros."""
     kind = "setup_zero" if zero_backing else "setup_reserve"
-    describe(benchmark, f"pool.{kind}.{layout}", group="pool: set-up, 128 GiB virtual", layout=layout,
-             zero_backing=zero_backing)
+    describe(
+        benchmark,
+        f"pool.{kind}.{layout}",
+        group="pool: set-up, 128 GiB virtual",
+        layout=layout,
+        zero_backing=zero_backing,
+    )
     time_each(
         benchmark,
         lambda: make_space(device_spec, layout, zero_backing=zero_backing),
@@ -111,12 +132,16 @@ def page_source(space: KVSpace, zero_split: str, num_pages: int):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_grow_cold(benchmark, device_spec, layout, zero_split, spaces):
     """map_pages of one page id with no spares: allocations created on the spot, zeros swapped out."""
-    describe(benchmark, f"pool.grow_cold.{layout}.{zero_split}", group="pool: grow one page id",
-             layout=layout)
+    describe(benchmark, f"pool.grow_cold.{layout}.{zero_split}", group="pool: grow one page id", layout=layout)
     space = make_space(device_spec, layout, max_spare_pages=0)
     spaces.append(space)
-    time_each(benchmark, space.map_pages, prepare=page_source(space, zero_split, space.num_pages),
-              undo=lambda _, p: space.unmap_pages(p), rounds=ROUNDS_GROW)
+    time_each(
+        benchmark,
+        space.map_pages,
+        prepare=page_source(space, zero_split, space.num_pages),
+        undo=lambda _, p: space.unmap_pages(p),
+        rounds=ROUNDS_GROW,
+    )
 
 
 @pytest.mark.parametrize("zero_backing", (True, False))
@@ -141,8 +166,7 @@ def test_grow_warm(benchmark, device_spec, layout, zero_backing, spaces):
         assert space.spare_pages == 1
         return next_page()
 
-    time_each(benchmark, space.map_pages, prepare=prepare,
-              undo=lambda _, p: space.unmap_pages(p), rounds=ROUNDS_GROW)
+    time_each(benchmark, space.map_pages, prepare=prepare, undo=lambda _, p: space.unmap_pages(p), rounds=ROUNDS_GROW)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -164,13 +188,18 @@ def test_shrink(benchmark, device_spec, layout, spaces):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_grow_64_pages(benchmark, device_spec, layout, spaces):
     """map_pages of 64 page ids (8 GiB) in one call, cold; each round uses page ids no earlier round used."""
-    describe(benchmark, f"pool.grow64.{layout}", group="pool: grow 64 page ids in one call", layout=layout,
-             pages=64)
+    describe(benchmark, f"pool.grow64.{layout}", group="pool: grow 64 page ids in one call", layout=layout, pages=64)
     space = make_space(device_spec, layout, max_spare_pages=0)
     spaces.append(space)
     batches = itertools.cycle([list(range(i, i + 64)) for i in range(0, space.num_pages, 64)])
-    time_each(benchmark, space.map_pages, prepare=lambda: (next(batches),),
-              undo=lambda _, p: space.unmap_pages(p), rounds=ROUNDS_GROW64, warmup_rounds=1)
+    time_each(
+        benchmark,
+        space.map_pages,
+        prepare=lambda: (next(batches),),
+        undo=lambda _, p: space.unmap_pages(p),
+        rounds=ROUNDS_GROW64,
+        warmup_rounds=1,
+    )
 
 
 # ---- the block allocator ---------------------------------------------------------------------
@@ -205,13 +234,13 @@ def test_available(benchmark, warm_pool):
 # ---- decode-like trace with the background worker --------------------------------------------
 
 TRACE_SEED = 20240601
-TRACE_STEPS = 300            # scheduler steps
-TRACE_STEP_SECONDS = 0.010   # pacing: one step every 10 ms (a step adds one 16-token block per sequence)
-TRACE_MAX_ACTIVE = 48        # running sequences at the peak of the load
-TRACE_FINISH_P = 1 / 40      # chance per step that a sequence finishes
-TRACE_PROMPT_BLOCKS = (1, 8) # prompt size in blocks, uniform, inclusive
-TRACE_SAMPLE_EVERY = 5       # steps between stats() samples
-IDLE_WAIT_SECONDS = 1.5      # longest wait for the reserve to settle after the trace
+TRACE_STEPS = 300  # scheduler steps
+TRACE_STEP_SECONDS = 0.010  # pacing: one step every 10 ms (a step adds one 16-token block per sequence)
+TRACE_MAX_ACTIVE = 48  # running sequences at the peak of the load
+TRACE_FINISH_P = 1 / 40  # chance per step that a sequence finishes
+TRACE_PROMPT_BLOCKS = (1, 8)  # prompt size in blocks, uniform, inclusive
+TRACE_SAMPLE_EVERY = 5  # steps between stats() samples
+IDLE_WAIT_SECONDS = 1.5  # longest wait for the reserve to settle after the trace
 
 
 def percentile_us(latencies_ns: np.ndarray, q: float) -> float:
@@ -329,7 +358,7 @@ GATHER_ROUNDS = {"cpu": 5, "gpu": 20}
 class LayerView:
     """Layer 0's K blocks of a KV space, as a (blocks, elements) bf16 tensor view."""
 
-    _current: "LayerView | None" = None  # one at a time: the host's capacity holds one mapped space
+    _current: LayerView | None = None  # one at a time: the host's capacity holds one mapped space
 
     def __init__(self, device_spec: str, layout: str, num_blocks: int) -> None:
         import torch
@@ -348,7 +377,7 @@ class LayerView:
         del flat
 
     @classmethod
-    def get(cls, device_spec: str, layout: str, num_blocks: int) -> "LayerView":
+    def get(cls, device_spec: str, layout: str, num_blocks: int) -> LayerView:
         key = (device_spec, layout, num_blocks)
         if cls._current is None or cls._current.key != key:
             cls.drop()
@@ -385,8 +414,14 @@ def test_gather_layer_blocks(benchmark, spec, layout, count):
     torch = pytest.importorskip("torch")
     kind = "gpu" if is_gpu(spec) else "cpu"
     view = LayerView.get(spec, layout, max(GATHER_COUNTS[kind]))
-    describe(benchmark, f"pool.gather.{layout}", group=f"pool: gather {count} random blocks of one layer",
-             layout=layout, blocks=count, bytes=count * BLOCK_BYTES)
+    describe(
+        benchmark,
+        f"pool.gather.{layout}",
+        group=f"pool: gather {count} random blocks of one layer",
+        layout=layout,
+        blocks=count,
+        bytes=count * BLOCK_BYTES,
+    )
     generator = torch.Generator().manual_seed(count)
     index = torch.randperm(view.blocks.shape[0], generator=generator)[:count].to(view.blocks.device)
     out = torch.empty((count, view.blocks.shape[1]), dtype=view.blocks.dtype, device=view.blocks.device)

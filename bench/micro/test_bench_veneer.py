@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import GiB, KiB, PAGE_BYTES, describe
+from conftest import PAGE_BYTES, GiB, KiB, describe
 from kvcached.layout import KVLayout
 from kvcached.manager import KVCacheManager
 from kvcached.pool import KVPool
@@ -27,17 +27,31 @@ RATIO_TARGET = 1.5
 
 
 def make_manager(device_spec: str) -> KVCacheManager:
-    layout = KVLayout(NUM_LAYERS, BLOCK_SIZE * CELL_BYTES, kind="contiguous", page_bytes=PAGE_BYTES,
-                      capacity_bytes=CAPACITY_BYTES)
-    manager = KVCacheManager(layout.num_blocks, BLOCK_SIZE, CELL_BYTES, NUM_LAYERS, device=device_spec,
-                             layout="contiguous", page_bytes=PAGE_BYTES)
+    layout = KVLayout(
+        NUM_LAYERS, BLOCK_SIZE * CELL_BYTES, kind="contiguous", page_bytes=PAGE_BYTES, capacity_bytes=CAPACITY_BYTES
+    )
+    manager = KVCacheManager(
+        layout.num_blocks,
+        BLOCK_SIZE,
+        CELL_BYTES,
+        NUM_LAYERS,
+        device=device_spec,
+        layout="contiguous",
+        page_bytes=PAGE_BYTES,
+    )
     manager.free(manager.alloc(16))  # first page mapped and free
     return manager
 
 
 def make_pool(device_spec: str) -> KVPool:
-    pool = KVPool(NUM_LAYERS, BLOCK_SIZE * CELL_BYTES, capacity_bytes=CAPACITY_BYTES, layout="contiguous",
-                  page_bytes=PAGE_BYTES, device=device_spec)
+    pool = KVPool(
+        NUM_LAYERS,
+        BLOCK_SIZE * CELL_BYTES,
+        capacity_bytes=CAPACITY_BYTES,
+        layout="contiguous",
+        page_bytes=PAGE_BYTES,
+        device=device_spec,
+    )
     pool.free(pool.alloc(16))
     return pool
 
@@ -52,8 +66,9 @@ def allocator(request, device_spec):
 def test_alloc16_free(benchmark, allocator):
     """alloc(16) then free of those ids, from a mapped page (one timed iteration does both)."""
     kind, target = allocator
-    describe(benchmark, "pool.alloc16_free" if kind == "pool" else "manager.alloc16_free",
-             group="veneer: alloc(16) + free")
+    describe(
+        benchmark, "pool.alloc16_free" if kind == "pool" else "manager.alloc16_free", group="veneer: alloc(16) + free"
+    )
 
     def alloc_free():
         target.free(target.alloc(16))
@@ -87,10 +102,20 @@ def test_veneer_ratio(device_spec, record_result):
         manager.close()
     pool_us, manager_us = float(np.median(pool_ns)) / 1000, float(np.median(manager_ns)) / 1000
     ratio = manager_us / pool_us
-    record_result("veneer.alloc16_free", device_spec, {
-        "pool_us": pool_us, "manager_us": manager_us, "ratio": ratio, "target_ratio": RATIO_TARGET,
-        "rounds": RATIO_ROUNDS, "iterations": ITERATIONS,
-    })
-    print(f"[{device_spec}] alloc(16)+free: KVPool {pool_us:.3f} us, KVCacheManager {manager_us:.3f} us, "
-          f"ratio {ratio:.2f} (target <= {RATIO_TARGET})")
+    record_result(
+        "veneer.alloc16_free",
+        device_spec,
+        {
+            "pool_us": pool_us,
+            "manager_us": manager_us,
+            "ratio": ratio,
+            "target_ratio": RATIO_TARGET,
+            "rounds": RATIO_ROUNDS,
+            "iterations": ITERATIONS,
+        },
+    )
+    print(
+        f"[{device_spec}] alloc(16)+free: KVPool {pool_us:.3f} us, KVCacheManager {manager_us:.3f} us, "
+        f"ratio {ratio:.2f} (target <= {RATIO_TARGET})"
+    )
     assert ratio <= RATIO_TARGET

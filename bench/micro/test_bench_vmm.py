@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import GiB, MiB, PAGE_BYTES, describe, is_gpu, time_each
+from conftest import PAGE_BYTES, GiB, MiB, describe, is_gpu, time_each
 
-ROUNDS_PER_OP = 200   # single driver calls: tens of microseconds each on a GPU
-ROUNDS_BATCH = 30     # 64-page batches: a few milliseconds each on a GPU
+ROUNDS_PER_OP = 200  # single driver calls: tens of microseconds each on a GPU
+ROUNDS_BATCH = 30  # 64-page batches: a few milliseconds each on a GPU
 BATCH_PAGES = 64
 SPAN_COUNTS = (8, 64)
 ALLOCATION_SIZES_MIB = (2, 8, 32, 64)
@@ -40,8 +40,9 @@ def scratch(device):
 
 def test_reserve(benchmark, device, device_spec):
     size = reserve_bytes(device_spec)
-    describe(benchmark, "vmm.reserve_64GiB" if size == 64 * GiB else "vmm.reserve",
-             group="vmm: one call", size_bytes=size)
+    describe(
+        benchmark, "vmm.reserve_64GiB" if size == 64 * GiB else "vmm.reserve", group="vmm: one call", size_bytes=size
+    )
     time_each(benchmark, lambda: device.reserve(size), undo=lambda r: r.free(), rounds=ROUNDS_PER_OP)
 
 
@@ -159,8 +160,12 @@ def test_batch_shrink(benchmark, device, scratch):
 def test_set_access_span(benchmark, device, scratch, backing, count, calls):
     """N adjacent 2 MiB mappings of one allocation (zero backing's case) or of N
     allocations: is one set_access over all of them cheaper than N calls?"""
-    describe(benchmark, f"vmm.set_access_span.{backing}.{calls}", group=f"vmm: set_access over {count} mappings",
-             mappings=count)
+    describe(
+        benchmark,
+        f"vmm.set_access_span.{backing}.{calls}",
+        group=f"vmm: set_access over {count} mappings",
+        mappings=count,
+    )
     base = scratch.address
     allocations = [device.create(PAGE_BYTES) for _ in range(1 if backing == "same_allocation" else count)]
 
@@ -170,16 +175,23 @@ def test_set_access_span(benchmark, device, scratch, backing, count, calls):
         return ()
 
     if calls == "one_call":
+
         def access():
             device.set_access(base, count * PAGE_BYTES)
     else:
+
         def access():
             for i in range(count):
                 device.set_access(base + i * PAGE_BYTES, PAGE_BYTES)
 
     try:
-        time_each(benchmark, access, prepare=prepare,
-                  undo=lambda _: device.unmap(base, count * PAGE_BYTES), rounds=ROUNDS_BATCH * 2)
+        time_each(
+            benchmark,
+            access,
+            prepare=prepare,
+            undo=lambda _: device.unmap(base, count * PAGE_BYTES),
+            rounds=ROUNDS_BATCH * 2,
+        )
     finally:
         for a in allocations:
             a.release()
@@ -189,8 +201,7 @@ def test_set_access_span(benchmark, device, scratch, backing, count, calls):
 @pytest.mark.parametrize("count", SPAN_COUNTS)
 def test_unmap_span_same_allocation(benchmark, device, scratch, count, calls):
     """Tearing down N mappings of one allocation: one unmap over all, or N calls."""
-    describe(benchmark, f"vmm.unmap_span.same_allocation.{calls}", group=f"vmm: unmap {count} mappings",
-             mappings=count)
+    describe(benchmark, f"vmm.unmap_span.same_allocation.{calls}", group=f"vmm: unmap {count} mappings", mappings=count)
     base = scratch.address
     allocation = device.create(PAGE_BYTES)
 
@@ -201,9 +212,11 @@ def test_unmap_span_same_allocation(benchmark, device, scratch, count, calls):
         return ()
 
     if calls == "one_call":
+
         def unmap():
             device.unmap(base, count * PAGE_BYTES)
     else:
+
         def unmap():
             for i in range(count):
                 device.unmap(base + i * PAGE_BYTES, PAGE_BYTES)
@@ -221,8 +234,9 @@ def test_unmap_span_same_allocation(benchmark, device, scratch, count, calls):
 def test_grow_one_allocation(benchmark, device, scratch, size_mib):
     """create + map + set_access of one allocation of `size_mib`."""
     size = size_mib * MiB
-    describe(benchmark, f"vmm.grow_alloc_{size_mib}MiB", group="vmm: one allocation, create+map+access",
-             size_bytes=size)
+    describe(
+        benchmark, f"vmm.grow_alloc_{size_mib}MiB", group="vmm: one allocation, create+map+access", size_bytes=size
+    )
 
     def grow():
         a = device.create(size)
@@ -241,8 +255,7 @@ def test_grow_one_allocation(benchmark, device, scratch, size_mib):
 def test_shrink_one_allocation(benchmark, device, scratch, size_mib):
     """unmap + release of one allocation of `size_mib`."""
     size = size_mib * MiB
-    describe(benchmark, f"vmm.shrink_alloc_{size_mib}MiB", group="vmm: one allocation, unmap+release",
-             size_bytes=size)
+    describe(benchmark, f"vmm.shrink_alloc_{size_mib}MiB", group="vmm: one allocation, unmap+release", size_bytes=size)
 
     def prepare():
         a = device.create(size)

@@ -81,7 +81,7 @@ def one_round(device, size: int, count: int, round_index: int) -> list[dict]:
         device.map_accessible(address, zero)
     device.synchronize()
     rows = []
-    order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
+    order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
     for variant in order:
         start = time.perf_counter()
         made = grow(device, variant, addresses, size)
@@ -111,8 +111,10 @@ def main() -> None:
     args = parser.parse_args()
     device = kvcached.open_device(args.device)
     rows = [row for r in range(args.rounds) for row in one_round(device, args.mib << 20, args.count, r)]
-    print(f"\n{device.name}: batches of {args.count} allocations of {args.mib} MiB; ms per batch, "
-          "median over rounds (every round in brackets)\n")
+    print(
+        f"\n{device.name}: batches of {args.count} allocations of {args.mib} MiB; ms per batch, "
+        "median over rounds (every round in brackets)\n"
+    )
     print("| variant | ms per batch |")
     print("|---|---|")
     for variant in VARIANTS:

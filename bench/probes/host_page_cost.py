@@ -44,10 +44,8 @@ def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str,
     cpus = os.sched_getaffinity(0)
     if len(cpus) > 1:
         os.sched_setaffinity(0, {min(cpus)})  # as a CPU engine's worker: the other CPUs are spare
-    layout = kvcached.KVLayout(layers, 128 << 10, kind=layout_kind, num_buffers=1, capacity_bytes=4 << 30,
-                               device="cpu")
-    space = kvcached.KVSpace(layout, "cpu",
-                             kvcached.KVSpaceOptions(max_spare_pages=repeats if mode == "spare" else 0))
+    layout = kvcached.KVLayout(layers, 128 << 10, kind=layout_kind, num_buffers=1, capacity_bytes=4 << 30, device="cpu")
+    space = kvcached.KVSpace(layout, "cpu", kvcached.KVSpaceOptions(max_spare_pages=repeats if mode == "spare" else 0))
     import torch
 
     flat = torch.from_dlpack(space.tensor())
@@ -62,8 +60,10 @@ def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str,
     def targets(page: int) -> list:
         if layout_kind == "contiguous":
             return [flat.narrow(0, space.offset_of(0, 0, page * space.blocks_per_page), page_bytes)]
-        return [flat.narrow(0, space.offset_of(layer, 0, page * space.blocks_per_page), layout.page_bytes)
-                for layer in range(layers)]
+        return [
+            flat.narrow(0, space.offset_of(layer, 0, page * space.blocks_per_page), layout.page_bytes)
+            for layer in range(layers)
+        ]
 
     pages = range(1, repeats + 1)
     for page in pages if mode == "fresh" else ():
@@ -107,15 +107,33 @@ def main() -> None:
     for round_index in range(args.rounds):
         for kind, mode, memory in cases if round_index % 2 == 0 else cases[::-1]:
             env = dict(os.environ, KVCACHED_HOST_MEMORY=MEMORIES[memory][0], KVCACHED_HOST_POPULATE=MEMORIES[memory][1])
-            out = subprocess.run([sys.executable, __file__, "--one", kind, mode, "--repeats",
-                                  str(args.repeats), "--layers", str(args.layers)],
-                                 env=env, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    kind,
+                    mode,
+                    "--repeats",
+                    str(args.repeats),
+                    "--layers",
+                    str(args.layers),
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             runs[(kind, mode, memory)].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"host backend, {args.rounds} fresh processes per row (medians over {args.repeats} pages each); "
-          "median of the processes in bold, then every process")
+    print(
+        f"host backend, {args.rounds} fresh processes per row (medians over {args.repeats} pages each); "
+        "median of the processes in bold, then every process"
+    )
     print()
-    print("| layout | page id (MiB) | pages | memory | map (ms) | populated, after the map (ms) | first write (ms) "
-          "| second write (ms) | unmap (ms) |")
+    print(
+        "| layout | page id (MiB) | pages | memory | map (ms) | populated, after the map (ms) | first write (ms) "
+        "| second write (ms) | unmap (ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for kind, mode, memory in cases:
         rows = runs[(kind, mode, memory)]
@@ -124,9 +142,11 @@ def main() -> None:
             values = [r[key] for r in rows]
             return f"**{statistics.median(values):.{digits}f}** ({', '.join(f'{v:.{digits}f}' for v in values)})"
 
-        print(f"| {kind} | {rows[0]['page_mib']:.0f} | {MODES[mode]} | {memory} | "
-              f"{cell('map', 3)} | {cell('populated', 3)} | {cell('first write')} | {cell('second write')} | "
-              f"{cell('unmap')} |")
+        print(
+            f"| {kind} | {rows[0]['page_mib']:.0f} | {MODES[mode]} | {memory} | "
+            f"{cell('map', 3)} | {cell('populated', 3)} | {cell('first write')} | {cell('second write')} | "
+            f"{cell('unmap')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,15 @@ import kvcached
 PAGE = 2 << 20
 PAGES_PER_RUN = 64
 REGION = 2 << 30
-VARIANTS = ("fresh", "after_run_zero", "after_run_zero_settled", "after_page_zeros", "spread_page_major",
-            "spread_region_major", "spread_create_inline")
+VARIANTS = (
+    "fresh",
+    "after_run_zero",
+    "after_run_zero_settled",
+    "after_page_zeros",
+    "spread_page_major",
+    "spread_region_major",
+    "spread_create_inline",
+)
 
 
 def timed(samples: list[float], call, *args) -> None:
@@ -89,7 +96,7 @@ def one_variant(device, variant: str, runs: int) -> dict:
                 start = time.perf_counter()
                 pages.append(device.create(PAGE))
                 times["create"].append((time.perf_counter() - start) * 1e6)
-            backing = iter(pages[-len(step):])
+            backing = iter(pages[-len(step) :])
         if run_zero is not None:
             timed(times["unmap_zero"], device.unmap, step[0], run_bytes)
             if variant == "after_run_zero_settled":
@@ -137,9 +144,15 @@ def one_cover(device, total_bytes: int, chunk_bytes: int) -> dict:
     for address in starts:
         device.unmap(address, chunk_bytes)
     del chunk, reservation
-    return {"chunk_gib": chunk_bytes / 2**30, "mappings": len(starts), "reserve_ms": (reserved - start) * 1e3,
-            "map_ms": map_s * 1e3, "set_access_ms": access_s * 1e3, "total_ms": total * 1e3,
-            "set_access_per_mapping_us": access_s * 1e6 / len(starts)}
+    return {
+        "chunk_gib": chunk_bytes / 2**30,
+        "mappings": len(starts),
+        "reserve_ms": (reserved - start) * 1e3,
+        "map_ms": map_s * 1e3,
+        "set_access_ms": access_s * 1e3,
+        "total_ms": total * 1e3,
+        "set_access_per_mapping_us": access_s * 1e6 / len(starts),
+    }
 
 
 def cover_main(device, cover_gib: int, rounds: int, json_path: str | None) -> None:
@@ -151,10 +164,14 @@ def cover_main(device, cover_gib: int, rounds: int, json_path: str | None) -> No
         for chunk in order:
             rows.append(dict(round=round_index, **one_cover(device, total, chunk)))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{device.name}: {cover_gib} GiB of address space covered by one zero allocation of each size "
-          "(map + set_access per mapping, reserve included, creation not); medians over rounds "
-          "(every round in brackets)\n")
-    print("| chunk (GiB) | mappings | set_access per mapping (µs) | map, all (ms) | set_access, all (ms) | total (ms) |")
+    print(
+        f"\n{device.name}: {cover_gib} GiB of address space covered by one zero allocation of each size "
+        "(map + set_access per mapping, reserve included, creation not); medians over rounds "
+        "(every round in brackets)\n"
+    )
+    print(
+        "| chunk (GiB) | mappings | set_access per mapping (µs) | map, all (ms) | set_access, all (ms) | total (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for chunk in chunks:
         mine = [r for r in rows if r["chunk_gib"] == chunk / 2**30 and "error" not in r]
@@ -166,8 +183,10 @@ def cover_main(device, cover_gib: int, rounds: int, json_path: str | None) -> No
             values = [r[key] for r in mine]
             return f"**{statistics.median(values):.2f}** ({', '.join(f'{v:.2f}' for v in values)})"
 
-        print(f"| {chunk / 2**30:g} | {mine[0]['mappings']} | {cell('set_access_per_mapping_us')} | "
-              f"{cell('map_ms')} | {cell('set_access_ms')} | {cell('total_ms')} |")
+        print(
+            f"| {chunk / 2**30:g} | {mine[0]['mappings']} | {cell('set_access_per_mapping_us')} | "
+            f"{cell('map_ms')} | {cell('set_access_ms')} | {cell('total_ms')} |"
+        )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -187,14 +206,18 @@ def main() -> None:
         return
     rows = []
     for round_index in range(args.rounds):
-        order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
+        order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
         for variant in order:
             rows.append(dict(round=round_index, variant=variant, **one_variant(device, variant, args.runs)))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{device.name}: {args.runs} x {PAGES_PER_RUN} pages of 2 MiB per variant and round; "
-          "medians over rounds (every round in brackets)\n")
-    print("| variant | set_access p50 (µs) | map p50 (µs) | unmap of the zero mapping p50 (µs) "
-          "| per 64 pages, all calls (ms) |")
+    print(
+        f"\n{device.name}: {args.runs} x {PAGES_PER_RUN} pages of 2 MiB per variant and round; "
+        "medians over rounds (every round in brackets)\n"
+    )
+    print(
+        "| variant | set_access p50 (µs) | map p50 (µs) | unmap of the zero mapping p50 (µs) "
+        "| per 64 pages, all calls (ms) |"
+    )
     print("|---|---|---|---|---|")
     for variant in VARIANTS:
         mine = [r for r in rows if r["variant"] == variant]
@@ -205,8 +228,10 @@ def main() -> None:
                 return "—"
             return f"**{statistics.median(values):.1f}** ({', '.join(f'{v:.1f}' for v in values)})"
 
-        print(f"| {variant} | {cell('set_access_p50_us')} | {cell('map_p50_us')} | {cell('unmap_zero_p50_us')} "
-              f"| {cell('per_64_pages_ms')} |")
+        print(
+            f"| {variant} | {cell('set_access_p50_us')} | {cell('map_p50_us')} | {cell('unmap_zero_p50_us')} "
+            f"| {cell('per_64_pages_ms')} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -27,8 +27,18 @@ SHIM_NAME = "libcuda_call_counter.so"
 
 #: Call kinds in the shim's order (its enum).
 CALLS = (
-    "reserve", "free_range", "create", "release", "map", "unmap", "set_access", "memset",
-    "synchronize", "mem_get_info", "ctx_get_current", "ctx_set_current",
+    "reserve",
+    "free_range",
+    "create",
+    "release",
+    "map",
+    "unmap",
+    "set_access",
+    "memset",
+    "synchronize",
+    "mem_get_info",
+    "ctx_get_current",
+    "ctx_set_current",
 )
 #: The calls a VMM floor is made of (bench_vmm measures these).
 FLOOR_CALLS = ("create", "map", "set_access", "unmap", "release")
@@ -86,7 +96,7 @@ class CallRecorder:
             raise RuntimeError("the driver-call counter was built from another version of the shim")
 
     @classmethod
-    def attach(cls) -> Optional["CallRecorder"]:
+    def attach(cls) -> Optional[CallRecorder]:
         """The recorder when the shim is preloaded into this process, else None."""
         try:
             library = ctypes.CDLL(None)

@@ -44,7 +44,10 @@ LAYOUTS = ("contiguous", "per_layer")
 OURS_SPACE_CASES = ("ours_pool", "ours_pool_nocontext", "ours_space", "ours_space_nozero")
 ALLOC_CASES = ("ref_alloc", "ours_alloc_manager", "ours_alloc_pool", "ours_setup_zero_chunks")
 # bench_vmm floors: 2 MiB (per-layer allocations) and 128 MiB (a contiguous compound page).
-BENCH_VMM_RUNS = {"2mib": ["--pages", "64", "--iters", "3"], "128mib": ["--page-mib", "128", "--pages", "16", "--iters", "3"]}
+BENCH_VMM_RUNS = {
+    "2mib": ["--pages", "64", "--iters", "3"],
+    "128mib": ["--page-mib", "128", "--pages", "16", "--iters", "3"],
+}
 
 
 class Runner:
@@ -72,8 +75,11 @@ class Runner:
         with self.raw.open("a") as f:
             f.write(json.dumps(entry) + "\n")
         status = "ok" if "result" in entry else f"FAILED ({entry.get('error')})"
-        print(f"[{entry.get('seconds', 0):6.1f} s] round {entry['round']} {entry['case']} "
-              f"{entry.get('layout', '')} {'(call counter)' if entry.get('counted') else ''}: {status}", flush=True)
+        print(
+            f"[{entry.get('seconds', 0):6.1f} s] round {entry['round']} {entry['case']} "
+            f"{entry.get('layout', '')} {'(call counter)' if entry.get('counted') else ''}: {status}",
+            flush=True,
+        )
 
     def spawn(self, case: str, round_index: int, layout: Optional[str] = None, counted: bool = False) -> None:
         if self.out_of_time():
@@ -91,11 +97,12 @@ class Runner:
         entry = dict(case=case, round=round_index, layout=layout, counted=counted)
         start = time.monotonic()
         try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=self.args.step_timeout_s,
-                                  preexec_fn=self._pin)
+            proc = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=self.args.step_timeout_s, preexec_fn=self._pin
+            )
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode == 0 and lines:
-                entry["result"] = json.loads(lines[-1][len("RESULT "):])
+                entry["result"] = json.loads(lines[-1][len("RESULT ") :])
             else:
                 entry["error"] = f"exit code {proc.returncode}"
                 entry["output_tail"] = (proc.stdout + proc.stderr)[-3000:]
@@ -116,7 +123,8 @@ class Runner:
                 path.write_text(proc.stdout + proc.stderr)
                 entry = dict(case="bench_vmm", round=round_index, layout=label, file=path.name)
                 entry["result" if proc.returncode == 0 else "error"] = (
-                    {"p50_us": parse_bench_vmm(proc.stdout)} if proc.returncode == 0 else f"exit code {proc.returncode}")
+                    {"p50_us": parse_bench_vmm(proc.stdout)} if proc.returncode == 0 else f"exit code {proc.returncode}"
+                )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 entry = dict(case="bench_vmm", round=round_index, layout=label, error=str(exc))
             self.record(entry)
@@ -135,8 +143,13 @@ def parse_cpu_list(text: str) -> set[int]:
 def gpu_local_cpus(ordinal: int = 0) -> Optional[set[int]]:
     """The CPUs sysfs lists as local to GPU ``ordinal`` (None when that cannot be read)."""
     try:
-        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(ordinal)],
-                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        bus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(ordinal)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.strip()
         domain, rest = bus.lower().split(":", 1)
         text = Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/local_cpulist").read_text()
     except (OSError, ValueError, subprocess.SubprocessError):
@@ -181,8 +194,11 @@ def run(args: argparse.Namespace) -> None:
             if want_ref:
                 processes.append(("ref_space", layout))
             processes += [(case, layout) for case in (OURS_SPACE_CASES if want_ours else ())]
-        processes += [(case, None) for case in ALLOC_CASES
-                      if (case.startswith("ref_") and want_ref) or (case.startswith("ours_") and want_ours)]
+        processes += [
+            (case, None)
+            for case in ALLOC_CASES
+            if (case.startswith("ref_") and want_ref) or (case.startswith("ours_") and want_ours)
+        ]
         for case, layout in processes[::-1] if round_index % 2 else processes:
             runner.spawn(case, round_index, layout)
     # One more round with the driver-call counter preloaded: calls per operation.
@@ -209,8 +225,11 @@ def main() -> None:
     parser.add_argument("--ref-preload", default=SYSTEM_LIBSTDCXX, help="LD_PRELOAD for the reference's processes")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="limit per process")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="no new process after this long")
-    parser.add_argument("--cpus", default="auto",
-                        help="CPUs every process runs on: auto (four of the GPU's local CPUs), none, or a list such as 0-3")
+    parser.add_argument(
+        "--cpus",
+        default="auto",
+        help="CPUs every process runs on: auto (four of the GPU's local CPUs), none, or a list such as 0-3",
+    )
     parser.add_argument("--report-only", action="store_true", help="only rebuild the tables from raw.jsonl")
     args = parser.parse_args()
     if args.only != "ours" and not args.ref_site and not args.report_only:

@@ -83,6 +83,7 @@ def _stride_pages(num_pages: int, count: int) -> list[int]:
 def ref_space(layout: str) -> dict:
     """The reference's ``vmm_ops``: set-up, grow / shrink one page id, grow 64 at once."""
     import torch
+
     from kvcached import vmm_ops
 
     contiguous = layout == "contiguous"
@@ -124,6 +125,7 @@ def _alloc_loops(manager: object) -> dict:
 def ref_alloc() -> dict:
     """The reference's ``KVCacheManager`` in its ``bench_alloc`` geometry."""
     import torch
+
     from kvcached.integration.vllm.interfaces import alloc_kv_cache, init_kvcached, shutdown_kvcached
     from kvcached.kv_cache_manager import KVCacheManager
     from kvcached.vmm_ops import kv_tensors_created
@@ -169,9 +171,11 @@ def _make_primary_context_current(ordinal: int) -> None:
 
     driver = ctypes.CDLL("libcuda.so.1")
     handle, context = ctypes.c_int(), ctypes.c_void_p()
-    for call, args in (("cuDeviceGet", (ctypes.byref(handle), ordinal)),
-                       ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), handle)),
-                       ("cuCtxSetCurrent", (context,))):
+    for call, args in (
+        ("cuDeviceGet", (ctypes.byref(handle), ordinal)),
+        ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), handle)),
+        ("cuCtxSetCurrent", (context,)),
+    ):
         code = getattr(driver, call)(*args)
         if code != 0:
             raise RuntimeError(f"{call} failed with CUresult {code}")
@@ -197,9 +201,17 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
     pool = rec.time(
         "setup_ms",
         lambda: KVPool(
-            NUM_LAYERS, BLOCK_BYTES, NUM_BUFFERS, capacity_bytes=CAPACITY_BYTES, layout=layout,
-            page_bytes=PAGE_BYTES, device=dev, zero_backing=True, min_reserve_pages=0,
-            max_reserve_pages=0, background_worker=False,
+            NUM_LAYERS,
+            BLOCK_BYTES,
+            NUM_BUFFERS,
+            capacity_bytes=CAPACITY_BYTES,
+            layout=layout,
+            page_bytes=PAGE_BYTES,
+            device=dev,
+            zero_backing=True,
+            min_reserve_pages=0,
+            max_reserve_pages=0,
+            background_worker=False,
         ),
         scale=1e3,
     )
@@ -234,16 +246,27 @@ def ours_pool(layout: str, device: str, current_context: bool = True) -> dict:
     pool.close()
     from kvcached import config
 
-    return rec.result(max_spare_pages=config.get("max_spare_pages"), min_spare_pages=config.get("min_spare_pages"),
-                      zero_frontier_pages=config.get("zero_frontier_pages"), grow_zero_splits=splits)
+    return rec.result(
+        max_spare_pages=config.get("max_spare_pages"),
+        min_spare_pages=config.get("min_spare_pages"),
+        zero_frontier_pages=config.get("zero_frontier_pages"),
+        grow_zero_splits=splits,
+    )
 
 
-def _layout(kind: str, dev) -> "kvcached.KVLayout":
+def _layout(kind: str, dev) -> kvcached.KVLayout:  # noqa: F821 (imported per function: two packages share the name)
     """The benchmark geometry as kvcached's one layout value."""
     from kvcached.layout import KVLayout
 
-    return KVLayout(NUM_LAYERS, BLOCK_BYTES, num_buffers=NUM_BUFFERS, kind=kind, page_bytes=PAGE_BYTES,
-                    capacity_bytes=CAPACITY_BYTES, device=dev)
+    return KVLayout(
+        NUM_LAYERS,
+        BLOCK_BYTES,
+        num_buffers=NUM_BUFFERS,
+        kind=kind,
+        page_bytes=PAGE_BYTES,
+        capacity_bytes=CAPACITY_BYTES,
+        device=dev,
+    )
 
 
 def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
@@ -261,7 +284,7 @@ def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
         scale=1e3,
     )
     spread = _stride_pages(space.num_pages, NUM_PAGE_PAIRS + BATCH_PAGES + COLD_PAGES)
-    pairs, batch = spread[:NUM_PAGE_PAIRS], spread[NUM_PAGE_PAIRS:NUM_PAGE_PAIRS + BATCH_PAGES]
+    pairs, batch = spread[:NUM_PAGE_PAIRS], spread[NUM_PAGE_PAIRS : NUM_PAGE_PAIRS + BATCH_PAGES]
     for page in pairs:
         space.prepare_pages([page])
         rec.time("grow_us", lambda: space.map_pages([page]))
@@ -271,7 +294,7 @@ def ours_space(layout: str, device: str, zero_backing: bool) -> dict:
         rec.time("grow64_ms", lambda: space.map_pages(batch), scale=1e3)
         rec.time("shrink64_ms", lambda: space.unmap_pages(batch), scale=1e3)
     if zero_backing:
-        for page in spread[NUM_PAGE_PAIRS + BATCH_PAGES:]:
+        for page in spread[NUM_PAGE_PAIRS + BATCH_PAGES :]:
             rec.time("cold_grow_us", lambda: space.map_pages([page]))
             space.unmap_pages([page])
     space.close()
@@ -293,8 +316,11 @@ def ours_setup_zero_chunks(device: str) -> dict:
         for layout in ("contiguous", "per_layer"):
             space = rec.time(
                 f"setup_{layout}_{chunk >> 20}mib_ms",
-                lambda: KVSpace(_layout(layout, dev), dev,
-                                KVSpaceOptions(zero_backing=True, zero_chunk_bytes=chunk, max_spare_pages=0)),
+                lambda: KVSpace(
+                    _layout(layout, dev),
+                    dev,
+                    KVSpaceOptions(zero_backing=True, zero_chunk_bytes=chunk, max_spare_pages=0),
+                ),
                 scale=1e3,
             )
             space.close()
@@ -313,7 +339,9 @@ def ours_alloc(kind: str, device: str) -> dict:
     if kind == "manager":
         manager = kvcached.KVCacheManager(device=device, **g)
     else:
-        manager = KVPool(g["num_layers"], g["block_size"] * g["cell_size"], 2, num_blocks=g["num_blocks"], device=device)
+        manager = KVPool(
+            g["num_layers"], g["block_size"] * g["cell_size"], 2, num_blocks=g["num_blocks"], device=device
+        )
     try:
         return _alloc_loops(manager)
     finally:
@@ -339,8 +367,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     expected = args.get("expect_site")
     if expected:
         # An editable install of another copy hooks sys.meta_path ahead of PYTHONPATH.
-        sys.meta_path[:] = [f for f in sys.meta_path
-                            if not type(f).__module__.startswith(("_editable", "__editable__"))]
+        sys.meta_path[:] = [
+            f for f in sys.meta_path if not type(f).__module__.startswith(("_editable", "__editable__"))
+        ]
     import kvcached
 
     where = os.path.realpath(kvcached.__file__)

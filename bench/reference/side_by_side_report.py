@@ -1,6 +1,6 @@
 """Tables for the side-by-side run (side_by_side.py): ratios, driver floors, calls, every round.
 
-    python bench/reference/side_by_side_report.py DIR      # reads DIR/raw.jsonl, writes DIR/summary.json, DIR/side_by_side.md
+python bench/reference/side_by_side_report.py DIR      # reads DIR/raw.jsonl, writes DIR/summary.json, DIR/side_by_side.md
 """
 
 from __future__ import annotations
@@ -156,22 +156,43 @@ def build(entries: list[dict]) -> tuple[str, dict]:
             f"{with_ratio(space, ref) if case == 'ours_pool' else '—'} | "
             f"{fmt(statistics.median(nozero)) if nozero and case == 'ours_pool' else '—'} |"
         )
-        summary["rows"].append(dict(operation=label, layout=layout, unit=unit, reference=ref, kvcached=ours,
-                                    ratio=r, target=target, floor_kvcached=ours_floor, floor_reference=ref_floor,
-                                    no_current_context=nocontext, space=space, no_zero=nozero))
+        summary["rows"].append(
+            dict(
+                operation=label,
+                layout=layout,
+                unit=unit,
+                reference=ref,
+                kvcached=ours,
+                ratio=r,
+                target=target,
+                floor_kvcached=ours_floor,
+                floor_reference=ref_floor,
+                no_current_context=nocontext,
+                space=space,
+                no_zero=nozero,
+            )
+        )
     for label, case, target in ALLOC_ROWS:
         ref = per_round(entries, "ref_alloc", None, "alloc16_free_us")
         ours = per_round(entries, case, None, "alloc16_free_us")
         r = ratio(ours, ref)
-        lines.append(f"| {label} (µs) | bench_alloc | {rounds_text(ref)} | {rounds_text(ours)} | {fmt(r)}× | "
-                     f"≤ {fmt(target)}× {verdict(r, target)} | — | — | — | — | — |")
+        lines.append(
+            f"| {label} (µs) | bench_alloc | {rounds_text(ref)} | {rounds_text(ours)} | {fmt(r)}× | "
+            f"≤ {fmt(target)}× {verdict(r, target)} | — | — | — | — | — |"
+        )
         summary["rows"].append(dict(operation=label, unit="µs", reference=ref, kvcached=ours, ratio=r, target=target))
-    text = ["## Side by side: kvcached ÷ reference, one run", "",
-            "Medians over rounds in bold, then every round in order. Floors: driver calls the operation "
-            "made (counted round; set_access and unmap once per mapping spanned) × bench_vmm p50 of this run "
-            "(2 MiB figures per-layer, 128 MiB contiguous; synchronize, mem_get_info and context calls not "
-            "included). The pool path runs with the device's primary context current on the calling thread, "
-            "as torch.cuda.set_device leaves it for the reference.", "", *lines, ""]
+    text = [
+        "## Side by side: kvcached ÷ reference, one run",
+        "",
+        "Medians over rounds in bold, then every round in order. Floors: driver calls the operation "
+        "made (counted round; set_access and unmap once per mapping spanned) × bench_vmm p50 of this run "
+        "(2 MiB figures per-layer, 128 MiB contiguous; synchronize, mem_get_info and context calls not "
+        "included). The pool path runs with the device's primary context current on the calling thread, "
+        "as torch.cuda.set_device leaves it for the reference.",
+        "",
+        *lines,
+        "",
+    ]
     text += zero_chunk_section(entries)
     text += calls_section(entries, floor)
     text += every_round_section(entries)
@@ -188,8 +209,12 @@ def zero_chunk_section(entries: list[dict]) -> list[str]:
     if not metrics:
         return []
     ref = {layout: per_round(entries, "ref_space", layout, "setup_ms") for layout in ("contiguous", "per_layer")}
-    lines = ["## Zero-backed set-up by largest zero chunk (KV space alone)", "",
-             "| layout | largest zero chunk | set-up (ms) | ÷ reference set-up |", "|---|---|---|---|"]
+    lines = [
+        "## Zero-backed set-up by largest zero chunk (KV space alone)",
+        "",
+        "| layout | largest zero chunk | set-up (ms) | ÷ reference set-up |",
+        "|---|---|---|---|",
+    ]
     for metric, values in metrics.items():
         layout, chunk_mib = re.fullmatch(r"setup_(contiguous|per_layer)_(\d+)mib_ms", metric).groups()
         chunk = f"{chunk_mib} MiB"
@@ -198,11 +223,15 @@ def zero_chunk_section(entries: list[dict]) -> list[str]:
 
 
 def calls_section(entries: list[dict], floor: dict) -> list[str]:
-    lines = ["## Driver calls per operation (counted round)", "",
-             "Driver time and the measured time are medians over the operations of the counted process "
-             "(the shim's own cost is a few hundred ns per call); the calls are means per operation.", "",
-             "| case | layout | operation | calls per operation | inside the driver (µs) | measured (µs) | driver share |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Driver calls per operation (counted round)",
+        "",
+        "Driver time and the measured time are medians over the operations of the counted process "
+        "(the shim's own cost is a few hundred ns per call); the calls are means per operation.",
+        "",
+        "| case | layout | operation | calls per operation | inside the driver (µs) | measured (µs) | driver share |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for e in entries:
         if not e.get("counted") or "result" not in e:
             continue
@@ -212,11 +241,18 @@ def calls_section(entries: list[dict], floor: dict) -> list[str]:
             total_us = measured * scale if measured is not None else None
             driver = calls.get("driver_us_median", calls["driver_us"])
             share = driver / total_us if total_us else None
-            lines.append(f"| {e['case']} | {e.get('layout')} | {metric} | {calls_text(calls)} | "
-                         f"{fmt(driver)} | {fmt(total_us)} | {fmt(share * 100) + ' %' if share else '—'} |")
+            lines.append(
+                f"| {e['case']} | {e.get('layout')} | {metric} | {calls_text(calls)} | "
+                f"{fmt(driver)} | {fmt(total_us)} | {fmt(share * 100) + ' %' if share else '—'} |"
+            )
     if floor:
-        lines += ["", "bench_vmm p50 per call, this run (µs): " + "; ".join(
-            f"{size}: " + ", ".join(f"{c} {fmt(v)}" for c, v in calls.items()) for size, calls in floor.items())]
+        lines += [
+            "",
+            "bench_vmm p50 per call, this run (µs): "
+            + "; ".join(
+                f"{size}: " + ", ".join(f"{c} {fmt(v)}" for c, v in calls.items()) for size, calls in floor.items()
+            ),
+        ]
     return lines + [""]
 
 
@@ -229,8 +265,10 @@ def every_round_section(entries: list[dict]) -> list[str]:
             body = ", ".join(f"{k} {fmt(v)}" for k, v in e["result"].get("medians", {}).items())
         else:
             body = f"**{e.get('error')}**"
-        lines.append(f"| {e['round']} | {e['case']}{' (counted)' if e.get('counted') else ''} | "
-                     f"{e.get('layout') or ''} | {e.get('seconds', '')} | {body} |")
+        lines.append(
+            f"| {e['round']} | {e['case']}{' (counted)' if e.get('counted') else ''} | "
+            f"{e.get('layout') or ''} | {e.get('seconds', '')} | {body} |"
+        )
     return lines + [""]
 
 

@@ -14,9 +14,7 @@ namespace nb = nanobind;
 
 // Looked up lazily so that importing an extension module never imports the
 // package (stub generation imports the bare module).
-inline nb::object python_error_class(const char* name) {
-  return nb::module_::import_("kvcached.errors").attr(name);
-}
+inline nb::object python_error_class(const char* name) { return nb::module_::import_("kvcached.errors").attr(name); }
 
 inline void raise_driver_error(const char* class_name, const DriverError& e) {
   nb::object cls = python_error_class(class_name);

@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from kvcached import config
 from kvcached.cli_support import (
@@ -114,8 +115,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     """The ``kvcached`` parser; ``json_errors``: a usage error is also JSON on stdout (``info --json``)."""
-    parser = OneLineArgumentParser(prog="kvcached", description="Elastic KV cache for LLM serving.",
-                                   json_errors=json_errors)
+    parser = OneLineArgumentParser(
+        prog="kvcached", description="Elastic KV cache for LLM serving.", json_errors=json_errors
+    )
     add_version_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)

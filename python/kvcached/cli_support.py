@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Iterable, NoReturn, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn, Optional
 
 from kvcached import config
 from kvcached.errors import ConfigurationError
@@ -50,8 +51,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         prog = self.prog.split()[0]
-        report_failure(self.prog, f"{message} (see {prog} --help)", self.json_errors,
-                       {"usage_error": True})
+        report_failure(self.prog, f"{message} (see {prog} --help)", self.json_errors, {"usage_error": True})
         sys.exit(EXIT_USAGE)
 
 
@@ -59,8 +59,12 @@ def add_version_argument(parser: argparse.ArgumentParser) -> None:
     """``--version``: prints the tool's name and the kvcached package version."""
     from kvcached import __version__
 
-    parser.add_argument("--version", action="version", version=f"{parser.prog} {__version__}",
-                        help="print the kvcached version and exit")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{parser.prog} {__version__}",
+        help="print the kvcached version and exit",
+    )
 
 
 def check_settings(names: Optional[Iterable[str]] = None) -> None:

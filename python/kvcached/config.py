@@ -69,221 +69,311 @@ class Option(Generic[T]):
 
 OPTIONS: dict[str, Option] = {
     "page_bytes": Option(
-        "KVCACHED_PAGE_BYTES", 0,
+        "KVCACHED_PAGE_BYTES",
+        0,
         Size(minimum=4 << 10, maximum=1 << 30, multiple_of=4 << 10, zero_means="the device's recommended granularity"),
         "Page size per layer and buffer; a multiple of the device granularity and of the block size.",
         read_by="pools",
         default_note="device granularity: 2 MiB on CUDA and host",
     ),
     "layout": Option(
-        "KVCACHED_LAYOUT", None, Choice(LAYOUTS),
-        ("`per_layer`: each layer's K and V blocks packed (`2·L` allocations per page id). "
-         "`contiguous`: one compound page per page id spanning all layers (O(1) driver calls to grow)."
-         " Why contiguous by default: below. The vLLM and SGLang integrations choose the layout from "
-         "the engine's own tensor strides, not from this option."),
+        "KVCACHED_LAYOUT",
+        None,
+        Choice(LAYOUTS),
+        (
+            "`per_layer`: each layer's K and V blocks packed (`2·L` allocations per page id). "
+            "`contiguous`: one compound page per page id spanning all layers (O(1) driver calls to grow)."
+            " Why contiguous by default: below. The vLLM and SGLang integrations choose the layout from "
+            "the engine's own tensor strides, not from this option."
+        ),
         read_by="pools",
-        default_note=("the device kind's default, `contiguous` on CUDA, HIP and host "
-                      "(`kvcached.layout.DEFAULT_LAYOUTS`; `kvcached info` shows it)"),
+        default_note=(
+            "the device kind's default, `contiguous` on CUDA, HIP and host "
+            "(`kvcached.layout.DEFAULT_LAYOUTS`; `kvcached info` shows it)"
+        ),
     ),
     "zero_backing": Option(
-        "KVCACHED_ZERO_BACKING", True, Boolean(),
+        "KVCACHED_ZERO_BACKING",
+        True,
+        Boolean(),
         "Unmapped regions read as zeros, so stray reads by kernels never fault.",
         read_by="pools",
     ),
     "zero_chunk_bytes": Option(
-        "KVCACHED_ZERO_CHUNK_BYTES", 256 << 20, Size(minimum=4 << 10),
-        ("Largest zero-filled allocation used for zero backing on GPUs; one set per device and "
-         "process, shared by its pools."),
+        "KVCACHED_ZERO_CHUNK_BYTES",
+        256 << 20,
+        Size(minimum=4 << 10),
+        (
+            "Largest zero-filled allocation used for zero backing on GPUs; one set per device and "
+            "process, shared by its pools."
+        ),
         read_by="pools",
     ),
     "min_reserve_pages": Option(
-        "KVCACHED_MIN_RESERVE_PAGES", 1, Count(),
+        "KVCACHED_MIN_RESERVE_PAGES",
+        1,
+        Count(),
         "Mapped free pages the background worker keeps ready, so `alloc` rarely waits on the driver.",
         read_by="pools",
     ),
     "max_reserve_pages": Option(
-        "KVCACHED_MAX_RESERVE_PAGES", 4, Count(),
+        "KVCACHED_MAX_RESERVE_PAGES",
+        4,
+        Count(),
         "Mapped free pages beyond which the worker gives memory back.",
         read_by="pools",
     ),
     "min_spare_pages": Option(
-        "KVCACHED_MIN_SPARE_PAGES", 1, Count(),
-        ("Pre-created (unmapped) physical allocations, in page ids, that the worker keeps ready, so a "
-         "grow maps without creating (`cuMemCreate` off the path). Counted in the pool's budget."),
+        "KVCACHED_MIN_SPARE_PAGES",
+        1,
+        Count(),
+        (
+            "Pre-created (unmapped) physical allocations, in page ids, that the worker keeps ready, so a "
+            "grow maps without creating (`cuMemCreate` off the path). Counted in the pool's budget."
+        ),
         read_by="pools",
     ),
     "max_spare_pages": Option(
-        "KVCACHED_MAX_SPARE_PAGES", 2, Count(),
-        ("Unmapped allocations kept for reuse. A shrink keeps everything it unmaps as spares, so it "
-         "never waits for `cuMemRelease`; the worker's next round (within 50 ms) releases what is "
-         "beyond this many, and releases at once when other pools wait for memory, under a limit, on "
-         "`trim()` and at close. Spares are counted in the budget. The KV spaces of engine ranks that "
-         "do not decide blocks (vLLM's workers) keep none: their budget is released when they "
-         "acknowledge an unmap."),
+        "KVCACHED_MAX_SPARE_PAGES",
+        2,
+        Count(),
+        (
+            "Unmapped allocations kept for reuse. A shrink keeps everything it unmaps as spares, so it "
+            "never waits for `cuMemRelease`; the worker's next round (within 50 ms) releases what is "
+            "beyond this many, and releases at once when other pools wait for memory, under a limit, on "
+            "`trim()` and at close. Spares are counted in the budget. The KV spaces of engine ranks that "
+            "do not decide blocks (vLLM's workers) keep none: their budget is released when they "
+            "acknowledge an unmap."
+        ),
         read_by="pools",
     ),
     "zero_frontier_pages": Option(
-        "KVCACHED_ZERO_FRONTIER_PAGES", 64, Count(),
-        ("Unmapped page ids kept split ahead of use, so a grow never splits a zero chunk: set-up "
-         "splits the first ones (up to 512 allocations' worth: 64 page ids contiguous, 8 per-layer "
-         "with 32 layers), the worker keeps at least this many ready, and twice the largest of the "
-         "last 16 grows. Costs a zero mapping per allocation (no memory)."),
+        "KVCACHED_ZERO_FRONTIER_PAGES",
+        64,
+        Count(),
+        (
+            "Unmapped page ids kept split ahead of use, so a grow never splits a zero chunk: set-up "
+            "splits the first ones (up to 512 allocations' worth: 64 page ids contiguous, 8 per-layer "
+            "with 32 layers), the worker keeps at least this many ready, and twice the largest of the "
+            "last 16 grows. Costs a zero mapping per allocation (no memory)."
+        ),
         read_by="pools (GPU zero backing)",
     ),
     "gpu_utilization": Option(
-        "KVCACHED_GPU_UTILIZATION", 0.9, Fraction(),
-        ("Share of device memory, in (0, 1], that the kvcached instances of one GPU may map together "
-         "(the registry's budget). Checked on every device, host included."),
+        "KVCACHED_GPU_UTILIZATION",
+        0.9,
+        Fraction(),
+        (
+            "Share of device memory, in (0, 1], that the kvcached instances of one GPU may map together "
+            "(the registry's budget). Checked on every device, host included."
+        ),
         read_by="device registry",
     ),
     "virtual_capacity_bytes": Option(
-        "KVCACHED_VIRTUAL_CAPACITY_BYTES", 0, Size(zero_means="the device's total memory"),
+        "KVCACHED_VIRTUAL_CAPACITY_BYTES",
+        0,
+        Size(zero_means="the device's total memory"),
         "Virtual KV capacity of a pool given neither `num_blocks` nor `capacity_bytes`.",
         read_by="pools, vLLM integration",
         default_note="the device's total memory",
     ),
     "host_capacity_bytes": Option(
-        "KVCACHED_HOST_CAPACITY_BYTES", None, Size(minimum=4 << 10),
-        ("Bytes of physical memory the host backend may create; a size, more than 0. "
-         "`kvcached._core.open_host_device(capacity)` overrides it."),
+        "KVCACHED_HOST_CAPACITY_BYTES",
+        None,
+        Size(minimum=4 << 10),
+        (
+            "Bytes of physical memory the host backend may create; a size, more than 0. "
+            "`kvcached._core.open_host_device(capacity)` overrides it."
+        ),
         read_by="host backend, when a host device is opened",
         default_note="half of the machine's (or cgroup's) memory limit",
     ),
     "host_memory": Option(
-        "KVCACHED_HOST_MEMORY", "shared_files", Choice(HOST_MEMORY_KINDS),
-        ("What the host backend's allocations are. `shared_files`: `memfd` files mapped shared, each 4"
-         " KiB page faulted in by its first use. `anonymous`: private anonymous memory in 4 KiB pages,"
-         " allocated when an allocation is created (as `cuMemCreate` does on a GPU) and moved into "
-         "place with `mremap`, freed at once on release; running out of memory is a `MemoryError` at "
-         "create. Whichever kind, a child of `fork()` inherits none of it "
-         "([allocator.md](allocator.md#fork)). `huge_pages`: `anonymous` in 2 MiB transparent"
-         " huge pages where the kernel allows them: far cheaper per page where the kernel has free "
-         "huge pages at hand, far dearer on a VM whose host reclaims the guest's free 2 MiB blocks "
-         "(free page reporting). Why `shared_files` is the default, and figures for all three: "
-         "[gpu-backends.md](gpu-backends.md), `bench/probes/host_page_cost.py`."),
+        "KVCACHED_HOST_MEMORY",
+        "shared_files",
+        Choice(HOST_MEMORY_KINDS),
+        (
+            "What the host backend's allocations are. `shared_files`: `memfd` files mapped shared, each 4"
+            " KiB page faulted in by its first use. `anonymous`: private anonymous memory in 4 KiB pages,"
+            " allocated when an allocation is created (as `cuMemCreate` does on a GPU) and moved into "
+            "place with `mremap`, freed at once on release; running out of memory is a `MemoryError` at "
+            "create. Whichever kind, a child of `fork()` inherits none of it "
+            "([allocator.md](allocator.md#fork)). `huge_pages`: `anonymous` in 2 MiB transparent"
+            " huge pages where the kernel allows them: far cheaper per page where the kernel has free "
+            "huge pages at hand, far dearer on a VM whose host reclaims the guest's free 2 MiB blocks "
+            "(free page reporting). Why `shared_files` is the default, and figures for all three: "
+            "[gpu-backends.md](gpu-backends.md), `bench/probes/host_page_cost.py`."
+        ),
         read_by="host backend, when a host device is opened",
     ),
     "host_populate": Option(
-        "KVCACHED_HOST_POPULATE", "background", Choice(HOST_POPULATE_WAYS),
-        ("When the pages of `shared_files` allocations get their memory. `background`: when the "
-         "mapping thread is bound to some of the CPUs (a CPU engine's worker, as vLLM binds it), as "
-         "soon as access is granted, by `madvise(MADV_POPULATE_WRITE)` on one thread per process "
-         "running on the other CPUs, so the engine's forward pass does not take a page fault and zero "
-         "a page for each 4 KiB it writes first; a range unmapped before its turn is skipped; a "
-         "mapping thread free to run on every CPU has none to spare, and its pages fault in on first "
-         "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated"
-         " at create either way. Figures: [gpu-backends.md](gpu-backends.md)."),
+        "KVCACHED_HOST_POPULATE",
+        "background",
+        Choice(HOST_POPULATE_WAYS),
+        (
+            "When the pages of `shared_files` allocations get their memory. `background`: when the "
+            "mapping thread is bound to some of the CPUs (a CPU engine's worker, as vLLM binds it), as "
+            "soon as access is granted, by `madvise(MADV_POPULATE_WRITE)` on one thread per process "
+            "running on the other CPUs, so the engine's forward pass does not take a page fault and zero "
+            "a page for each 4 KiB it writes first; a range unmapped before its turn is skipped; a "
+            "mapping thread free to run on every CPU has none to spare, and its pages fault in on first "
+            "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated"
+            " at create either way. Figures: [gpu-backends.md](gpu-backends.md)."
+        ),
         read_by="host backend, when a host device is opened",
     ),
     "hip_mapping_settle_us": Option(
-        "KVCACHED_HIP_MAPPING_SETTLE_US", 2000, Count(maximum=10_000_000),
-        ("How old (µs) the newest `hipMemSetAccess` must be before fresh mappings are handed to GPU "
-         "work (`fence_new_mappings`); `0` turns the fence off. See `docs/amd.md`."),
+        "KVCACHED_HIP_MAPPING_SETTLE_US",
+        2000,
+        Count(maximum=10_000_000),
+        (
+            "How old (µs) the newest `hipMemSetAccess` must be before fresh mappings are handed to GPU "
+            "work (`fence_new_mappings`); `0` turns the fence off. See `docs/amd.md`."
+        ),
         read_by="HIP backend, when a device is opened",
     ),
     "registry_dir": Option(
-        "KVCACHED_REGISTRY_DIR", "/dev/shm", AbsolutePath(),
-        ("Absolute path of the directory holding the per-device registry files that `kvctl` and "
-         "`kvtop` read. Created (mode 0700, or 0770 with a group) when the first engine registers, if "
-         "its parent exists. See [security.md](security.md)."),
+        "KVCACHED_REGISTRY_DIR",
+        "/dev/shm",
+        AbsolutePath(),
+        (
+            "Absolute path of the directory holding the per-device registry files that `kvctl` and "
+            "`kvtop` read. Created (mode 0700, or 0770 with a group) when the first engine registers, if "
+            "its parent exists. See [security.md](security.md)."
+        ),
         read_by="device registry",
     ),
     "registry_group": Option(
-        "KVCACHED_REGISTRY_GROUP", None, GroupName(),
-        ("A group (name or gid) whose members share the registries: files are made mode 0660 and owned"
-         " by it. Every engine and tool sharing a device must set the same value. See "
-         "[security.md](security.md)."),
+        "KVCACHED_REGISTRY_GROUP",
+        None,
+        GroupName(),
+        (
+            "A group (name or gid) whose members share the registries: files are made mode 0660 and owned"
+            " by it. Every engine and tool sharing a device must set the same value. See "
+            "[security.md](security.md)."
+        ),
         read_by="device registry",
         default_note="registries are private to their creator",
     ),
     "enable": Option(
-        "KVCACHED_ENABLE", False, Boolean(),
+        "KVCACHED_ENABLE",
+        False,
+        Boolean(),
         "Switches kvcached on in a vLLM or SGLang engine; `ENABLE_KVCACHED=true` works too.",
         read_by="vLLM and SGLang integrations",
         aliases=("ENABLE_KVCACHED",),
     ),
     "name": Option(
-        "KVCACHED_NAME", None, InstanceName(),
-        ("The engine's name in the device registries (one entry per rank) (`kvctl set-limit NAME`, "
-         "`kvtop`): 1–63 bytes of UTF-8, no control characters."),
+        "KVCACHED_NAME",
+        None,
+        InstanceName(),
+        (
+            "The engine's name in the device registries (one entry per rank) (`kvctl set-limit NAME`, "
+            "`kvtop`): 1–63 bytes of UTF-8, no control characters."
+        ),
         read_by="vLLM and SGLang integrations",
         default_note="derived from the model",
     ),
     "limit_bytes": Option(
-        "KVCACHED_LIMIT_BYTES", None, Size(),
-        ("The engine's own limit on physical KV memory of each rank, beside the device's shared "
-         "budget; `kvctl set-limit` changes it while the engine runs."),
+        "KVCACHED_LIMIT_BYTES",
+        None,
+        Size(),
+        (
+            "The engine's own limit on physical KV memory of each rank, beside the device's shared "
+            "budget; `kvctl set-limit` changes it while the engine runs."
+        ),
         read_by="vLLM and SGLang integrations",
         default_note="vLLM's `kv_cache_memory_bytes` if given, else none",
     ),
     "idle_cache_bytes": Option(
-        "KVCACHED_IDLE_CACHE_BYTES", 0, Size(),
-        ("Prefix-cache memory an idle engine keeps; with 0 an engine with no requests returns all of "
-         "its KV memory."),
+        "KVCACHED_IDLE_CACHE_BYTES",
+        0,
+        Size(),
+        ("Prefix-cache memory an idle engine keeps; with 0 an engine with no requests returns all of its KV memory."),
         read_by="vLLM and SGLang integrations",
     ),
     "idle_release_s": Option(
-        "KVCACHED_IDLE_RELEASE_S", 5.0, Seconds(zero_means="as soon as the engine is idle"),
-        ("Seconds an idle engine keeps its KV memory before giving it back (down to "
-         "`idle_cache_bytes`). This is the first hold: one that ran out before work came back within "
-         "`idle_release_max_s` of the spell's start grows to 1.5 times that spell (the spell before "
-         "the engine's first work teaches nothing), and a longer spell sets it back to this value. It "
-         "gives it back at once when another instance on the same device is refused memory (the "
-         "registry's pressure) or when it holds more than its limit (`kvctl set-limit`, `set-budget`),"
-         " within about 10 ms. `0`: as soon as the engine is idle. An in-process vLLM EngineCore "
-         "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the same way (the watching thread gives the "
-         "memory back). Why: taking memory back costs page faults or driver calls per page, which "
-         "bursts a few seconds apart would pay every time "
-         "(`python/kvcached/integration/common/idle.py`)."),
+        "KVCACHED_IDLE_RELEASE_S",
+        5.0,
+        Seconds(zero_means="as soon as the engine is idle"),
+        (
+            "Seconds an idle engine keeps its KV memory before giving it back (down to "
+            "`idle_cache_bytes`). This is the first hold: one that ran out before work came back within "
+            "`idle_release_max_s` of the spell's start grows to 1.5 times that spell (the spell before "
+            "the engine's first work teaches nothing), and a longer spell sets it back to this value. It "
+            "gives it back at once when another instance on the same device is refused memory (the "
+            "registry's pressure) or when it holds more than its limit (`kvctl set-limit`, `set-budget`),"
+            " within about 10 ms. `0`: as soon as the engine is idle. An in-process vLLM EngineCore "
+            "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the same way (the watching thread gives the "
+            "memory back). Why: taking memory back costs page faults or driver calls per page, which "
+            "bursts a few seconds apart would pay every time "
+            "(`python/kvcached/integration/common/idle.py`)."
+        ),
         read_by="vLLM (EngineCore) and SGLang (scheduler) integrations",
     ),
     "idle_release_max_s": Option(
-        "KVCACHED_IDLE_RELEASE_MAX_S", 30.0, Seconds(zero_means="a fixed hold of idle_release_s"),
-        ("The longest a learnt idle hold grows to; at most `idle_release_s`: the hold stays fixed. "
-         "Why: an engine whose bursts come 5–20 s apart would otherwise take its memory back after "
-         "every idle spell (in `bench/e2e/vllm_e2e_paired.py` each engine idles about 10 s while the other"
-         " serves, and with the hold fixed at 5 s its output tokens/s read 0.959× of an engine without"
-         " kvcached, against 0.972× with the learnt hold — 0.941× against 0.982× pooled — on the "
-         "2-core development VM, `bench/RESULTS.md`)."),
+        "KVCACHED_IDLE_RELEASE_MAX_S",
+        30.0,
+        Seconds(zero_means="a fixed hold of idle_release_s"),
+        (
+            "The longest a learnt idle hold grows to; at most `idle_release_s`: the hold stays fixed. "
+            "Why: an engine whose bursts come 5–20 s apart would otherwise take its memory back after "
+            "every idle spell (in `bench/e2e/vllm_e2e_paired.py` each engine idles about 10 s while the other"
+            " serves, and with the hold fixed at 5 s its output tokens/s read 0.959× of an engine without"
+            " kvcached, against 0.972× with the learnt hold — 0.941× against 0.982× pooled — on the "
+            "2-core development VM, `bench/RESULTS.md`)."
+        ),
         read_by="vLLM (EngineCore) and SGLang (scheduler) integrations",
     ),
     "keep_freed_while_busy": Option(
-        "KVCACHED_KEEP_FREED_WHILE_BUSY", True, Boolean(),
-        ("Pages the engine frees (a flushed radix cache, aborted requests) stay mapped for its next "
-         "requests; they go back with the rest of its memory at the end of its idle hold "
-         "(`idle_release_s`), at once when another instance on the device waits for memory, or when it"
-         " holds more than its limit. Off: beyond `max_reserve_pages` they go back at the end of the "
-         "step. Why: a burst of frees followed by a burst of allocs would otherwise unmap pages and "
-         "map them again, paying the page faults or driver calls of every page twice: in "
-         "`bench/e2e/sglang_e2e_paired.py --flush-cache` the engine mapped about 8 pages inline in every "
-         "pass, and with both engines running kvcached, keeping them read 1.036× (pooled 1.029×) the "
-         "output tokens/s of not keeping them on the 2-core development VM (`bench/RESULTS.md`)."),
+        "KVCACHED_KEEP_FREED_WHILE_BUSY",
+        True,
+        Boolean(),
+        (
+            "Pages the engine frees (a flushed radix cache, aborted requests) stay mapped for its next "
+            "requests; they go back with the rest of its memory at the end of its idle hold "
+            "(`idle_release_s`), at once when another instance on the device waits for memory, or when it"
+            " holds more than its limit. Off: beyond `max_reserve_pages` they go back at the end of the "
+            "step. Why: a burst of frees followed by a burst of allocs would otherwise unmap pages and "
+            "map them again, paying the page faults or driver calls of every page twice: in "
+            "`bench/e2e/sglang_e2e_paired.py --flush-cache` the engine mapped about 8 pages inline in every "
+            "pass, and with both engines running kvcached, keeping them read 1.036× (pooled 1.029×) the "
+            "output tokens/s of not keeping them on the 2-core development VM (`bench/RESULTS.md`)."
+        ),
         read_by="SGLang integration (scheduler)",
     ),
     "host_heap_keep_bytes": Option(
-        "KVCACHED_HOST_HEAP_KEEP_BYTES", 256 << 20, Size(zero_means="glibc's own behaviour"),
-        ("Freed heap memory the process that runs the model (SGLang's scheduler, vLLM's CPU worker) "
-         "keeps for its next step: glibc's trim threshold is fixed at this size and its mmap threshold"
-         " at glibc's own ceiling, 32 MiB (`mallopt`; fixing either stops glibc adjusting both). `0`: "
-         "glibc's own behaviour. Not glibc (tcmalloc or jemalloc preloaded, musl): left as it is. The "
-         "KV cache is not on this heap and stays elastic. Why: on the CPU the scheduler also runs the "
-         "model, whose temporaries come from glibc's heap each step; with kvcached handing out the "
-         "slots, glibc gave the top of that heap back and faulted it in again every step (about 250 "
-         "000 minor page faults a pass against about 2 000 without kvcached, in "
-         "`bench/e2e/sglang_e2e_paired.py`; SGLang without kvcached did the same in three of six engine "
-         "pairs, `bench/RESULTS.md`). With the setting, SGLang's output tokens/s with kvcached read "
-         "1.012× of without over six engine pairs (0.954× before); with both engines keeping their "
-         "heap, 0.985×. vLLM's CPU worker did the same in-process (+182 faults a step with no page "
-         "mapped; `bench/e2e/vllm_e2e_paired.py --lockstep --in-process`): 0.949× before, 0.998× with the "
-         "setting, 0.990× with both engines keeping their heap."),
+        "KVCACHED_HOST_HEAP_KEEP_BYTES",
+        256 << 20,
+        Size(zero_means="glibc's own behaviour"),
+        (
+            "Freed heap memory the process that runs the model (SGLang's scheduler, vLLM's CPU worker) "
+            "keeps for its next step: glibc's trim threshold is fixed at this size and its mmap threshold"
+            " at glibc's own ceiling, 32 MiB (`mallopt`; fixing either stops glibc adjusting both). `0`: "
+            "glibc's own behaviour. Not glibc (tcmalloc or jemalloc preloaded, musl): left as it is. The "
+            "KV cache is not on this heap and stays elastic. Why: on the CPU the scheduler also runs the "
+            "model, whose temporaries come from glibc's heap each step; with kvcached handing out the "
+            "slots, glibc gave the top of that heap back and faulted it in again every step (about 250 "
+            "000 minor page faults a pass against about 2 000 without kvcached, in "
+            "`bench/e2e/sglang_e2e_paired.py`; SGLang without kvcached did the same in three of six engine "
+            "pairs, `bench/RESULTS.md`). With the setting, SGLang's output tokens/s with kvcached read "
+            "1.012× of without over six engine pairs (0.954× before); with both engines keeping their "
+            "heap, 0.985×. vLLM's CPU worker did the same in-process (+182 faults a step with no page "
+            "mapped; `bench/e2e/vllm_e2e_paired.py --lockstep --in-process`): 0.949× before, 0.998× with the "
+            "setting, 0.990× with both engines keeping their heap."
+        ),
         read_by="SGLang integration (scheduler) and vLLM integration (each worker), KV cache on the CPU",
     ),
     "rank_ack_timeout_s": Option(
-        "KVCACHED_RANK_ACK_TIMEOUT_S", 120.0, Seconds(),
-        ("Seconds after which a rank (tensor-parallel worker or pipeline stage) that has not "
-         "acknowledged a page-op batch is declared lost: its budget is given back and its "
-         "acknowledgements are no longer awaited. A rank whose process is gone is declared lost at "
-         "once."),
+        "KVCACHED_RANK_ACK_TIMEOUT_S",
+        120.0,
+        Seconds(),
+        (
+            "Seconds after which a rank (tensor-parallel worker or pipeline stage) that has not "
+            "acknowledged a page-op batch is declared lost: its budget is given back and its "
+            "acknowledgements are no longer awaited. A rank whose process is gone is declared lost at "
+            "once."
+        ),
         read_by="vLLM integration (EngineCore)",
     ),
 }

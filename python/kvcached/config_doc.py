@@ -84,8 +84,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.check:
         if documented_table(args.check.read_text()) != options_table():
-            print(f"{args.check}: the options table differs from kvcached.config.OPTIONS; "
-                  f"run python -m kvcached.config_doc --write {args.check}", file=sys.stderr)
+            print(
+                f"{args.check}: the options table differs from kvcached.config.OPTIONS; "
+                f"run python -m kvcached.config_doc --write {args.check}",
+                file=sys.stderr,
+            )
             return 1
         return 0
     sys.stdout.write(options_table())

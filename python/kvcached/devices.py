@@ -188,7 +188,7 @@ def open_device(spec: Any = "cpu") -> _core.Device:
 
 
 def usable_devices() -> list[str]:
-    """"cpu", plus the first device of each GPU backend usable in this process."""
+    """ "cpu", plus the first device of each GPU backend usable in this process."""
     return ["cpu"] + [f"{s.name}:0" for s in backends() if s.name != "host" and s.available]
 
 

@@ -32,7 +32,8 @@ import json
 import os
 import pwd
 import sys
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 from kvcached.cli_support import (
     EXIT_FAILED,
@@ -68,7 +69,7 @@ def _target(text: str) -> Union[int, bytes]:
 
     Names are bytes, so names that are not UTF-8 match as stored."""
     if text.startswith(NAME_PREFIX):
-        name = text[len(NAME_PREFIX):]
+        name = text[len(NAME_PREFIX) :]
         if not name:
             raise InvalidArgumentError(f"{text!r} names no instance: give a name after {NAME_PREFIX!r}")
         return os.fsencode(name)
@@ -79,8 +80,9 @@ def _target(text: str) -> Union[int, bytes]:
         return os.fsencode(text)
     pid = int(digits)
     if not 0 < pid <= MAX_PID:
-        raise InvalidArgumentError(f"{text!r} is not a process id (1 to {MAX_PID}); "
-                         f"for an instance named so, write {NAME_PREFIX}{digits}")
+        raise InvalidArgumentError(
+            f"{text!r} is not a process id (1 to {MAX_PID}); for an instance named so, write {NAME_PREFIX}{digits}"
+        )
     return pid
 
 
@@ -142,7 +144,7 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
 
 
 def _registry_label(registry: DeviceRegistry) -> str:
-    """"cuda-GPU-… (cuda:0 here)" or "cpu"."""
+    """ "cuda-GPU-… (cuda:0 here)" or "cpu"."""
     local = registry.local_device
     return registry.device if not local or local == registry.device else f"{registry.device} ({local} here)"
 
@@ -195,8 +197,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     registry = open_existing(args.device)
     if registry is None:
         name = resolve_device(args.device)
-        payload = {"device": name.registry, "local_device": name.local,
-                   "path": DeviceRegistry.segment_path(name.registry), "exists": False, "instances": []}
+        payload = {
+            "device": name.registry,
+            "local_device": name.local,
+            "path": DeviceRegistry.segment_path(name.registry),
+            "exists": False,
+            "instances": [],
+        }
         _emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
         return EXIT_OK
     payload, human = _device_listing(registry)
@@ -213,14 +220,18 @@ def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
     payload["device"] = registry.device
     found = [entry for entry in registry.entries() if _matches(entry, target)]
     if not found:
-        return _fail(args.json, {**payload, "matched": 0},
-                     f"no instance named or with pid {args.target!r} on {registry.device}")
+        return _fail(
+            args.json, {**payload, "matched": 0}, f"no instance named or with pid {args.target!r} on {registry.device}"
+        )
     if not any(entry["alive"] for entry in found):
         # Its process is gone: a limit would change nothing (and say "done" for nothing).
         pids = ", ".join(sorted({str(entry["pid"]) for entry in found}))
-        return _fail(args.json, {**payload, "matched": 0},
-                     f"{args.target!r} on {registry.device} is a dead instance (pid {pids}): "
-                     "nothing to limit; 'kvctl clean' reclaims its memory")
+        return _fail(
+            args.json,
+            {**payload, "matched": 0},
+            f"{args.target!r} on {registry.device} is a dead instance (pid {pids}): "
+            "nothing to limit; 'kvctl clean' reclaims its memory",
+        )
     matched = registry.set_limit(target, limit_bytes)
     payload["matched"] = matched
     if matched == 0:  # every match exited meanwhile
@@ -231,8 +242,10 @@ def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
 
 
 def _no_registry(device: str) -> str:
-    return (f"no registry for device {device!r} under {registry_dir()}: the first engine on the device "
-            "creates it (check KVCACHED_REGISTRY_DIR)")
+    return (
+        f"no registry for device {device!r} under {registry_dir()}: the first engine on the device "
+        "creates it (check KVCACHED_REGISTRY_DIR)"
+    )
 
 
 def cmd_set_limit(args: argparse.Namespace) -> int:
@@ -254,8 +267,9 @@ def cmd_set_budget(args: argparse.Namespace) -> int:
     payload = {**_device_summary(registry), "previous_budget_bytes": previous}
     over = payload["mapped_bytes"] > budget_bytes
     note = " (over budget: instances shrink as they free memory)" if over else ""
-    _emit(args.json, payload,
-          f"{registry.device}: budget {format_bytes(previous)} -> {format_bytes(budget_bytes)}{note}")
+    _emit(
+        args.json, payload, f"{registry.device}: budget {format_bytes(previous)} -> {format_bytes(budget_bytes)}{note}"
+    )
     return EXIT_OK
 
 
@@ -303,12 +317,16 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     # --device/--json are accepted both before and after the command; SUPPRESS
     # keeps a subcommand's unset copy from overwriting the top-level value.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--device", default=argparse.SUPPRESS,
-                        help=f"device: cpu, cuda:0, or a registry name such as cuda-GPU-<uuid> (default {HOST_DEVICE})")
+    common.add_argument(
+        "--device",
+        default=argparse.SUPPRESS,
+        help=f"device: cpu, cuda:0, or a registry name such as cuda-GPU-<uuid> (default {HOST_DEVICE})",
+    )
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    parser = OneLineArgumentParser(prog="kvctl", description=__doc__.split("\n\n")[0], parents=[common],
-                                   json_errors=json_errors)
+    parser = OneLineArgumentParser(
+        prog="kvctl", description=__doc__.split("\n\n")[0], parents=[common], json_errors=json_errors
+    )
     add_version_argument(parser)
     subparser = functools.partial(OneLineArgumentParser, json_errors=json_errors)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=subparser)
@@ -325,9 +343,11 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     set_budget = commands.add_parser("set-budget", parents=[common], help="set the device-wide budget")
     set_budget.add_argument("size", metavar="SIZE")
     set_budget.set_defaults(handler=cmd_set_budget)
-    commands.add_parser("clean", parents=[common],
-                        help="reclaim dead instances; remove old-style, damaged and unfinished registry files"
-                        ).set_defaults(handler=cmd_clean)
+    commands.add_parser(
+        "clean",
+        parents=[common],
+        help="reclaim dead instances; remove old-style, damaged and unfinished registry files",
+    ).set_defaults(handler=cmd_clean)
     commands.add_parser("files", parents=[common], help="list the registry directory's files").set_defaults(
         handler=cmd_files
     )

@@ -21,7 +21,8 @@ import argparse
 import math
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from kvcached.cli_support import (
     EXIT_FAILED,
@@ -70,7 +71,7 @@ class UsageBar:
         self.used_bytes, self.free_mapped_bytes = used_bytes, free_mapped_bytes
         self.scale_bytes = max(scale_bytes, used_bytes + free_mapped_bytes, 1)
 
-    def text(self, width: int) -> "Text":
+    def text(self, width: int) -> Text:
         used_cells = round(width * self.used_bytes / self.scale_bytes)
         free_mapped_cells = min(width - used_cells, round(width * self.free_mapped_bytes / self.scale_bytes))
         bar = Text(no_wrap=True)
@@ -79,14 +80,14 @@ class UsageBar:
         bar.append(FREE_CHAR * (width - used_cells - free_mapped_cells), style="dim")
         return bar
 
-    def __rich_measure__(self, console: "Console", options: "ConsoleOptions") -> "Measurement":
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement(MIN_BAR_WIDTH, MAX_BAR_WIDTH)
 
-    def __rich_console__(self, console: "Console", options: "ConsoleOptions") -> "RenderResult":
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield self.text(max(MIN_BAR_WIDTH, min(MAX_BAR_WIDTH, options.max_width)))
 
 
-def _status(entry: dict[str, Any]) -> "Text":
+def _status(entry: dict[str, Any]) -> Text:
     if not entry["alive"]:
         status = Text("dead", style="red")
     elif entry["wanted_bytes"]:
@@ -116,8 +117,14 @@ def _instance_row(entry: dict[str, Any], budget_bytes: int) -> dict[str, Any]:
 
 
 # Column, justification; the name comes first and the bar last.
-TEXT_COLUMNS = (("PID", "right"), ("AS", "left"), ("USED", "right"), ("MAPPED", "right"), ("LIMIT", "right"),
-                ("STATUS", "left"))
+TEXT_COLUMNS = (
+    ("PID", "right"),
+    ("AS", "left"),
+    ("USED", "right"),
+    ("MAPPED", "right"),
+    ("LIMIT", "right"),
+    ("STATUS", "left"),
+)
 # What gives way on a narrow terminal, in this order, before a name is cut.
 OPTIONAL_COLUMNS = ("USAGE", "AS")
 CELL_PADDING = 3  # between two columns: a space each side of the (blank) separator
@@ -135,7 +142,7 @@ def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[st
     return shown, 0
 
 
-def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> "Group":
+def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> Group:
     """One device in ``total_width`` cells: a header with its budget bar, then a table of its instances."""
     budget, mapped = registry.budget_bytes, registry.mapped_bytes
     share = mapped / budget if budget else 0.0
@@ -143,16 +150,18 @@ def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> "
     label = registry.device if not local or local == registry.device else f"{registry.device} ({local} here)"
     # The device on a line of its own: a GPU's identity is long and must stay whole.
     figures = Table.grid()
-    figures.add_row("  ", f"budget {format_bytes(budget)}  mapped {format_bytes(mapped)} ({share:.0%})  "
-                          f"available {format_bytes(registry.available_bytes)}")
+    figures.add_row(
+        "  ",
+        f"budget {format_bytes(budget)}  mapped {format_bytes(mapped)} ({share:.0%})  "
+        f"available {format_bytes(registry.available_bytes)}",
+    )
     figures.add_row("", ProgressBar(total=max(budget, 1), completed=min(mapped, max(budget, 1)), width=MAX_BAR_WIDTH))
     header = Group(Text(label, style="bold cyan", overflow="fold"), figures)
     entries = registry.entries()
     if not entries:
         return Group(header, Text("  no instances", style="dim"), Text(""))
     rows = [_instance_row(entry, budget) for entry in entries]
-    widths = {column: max([len(column)] + [len(str(row[column])) for row in rows])
-              for column, _ in TEXT_COLUMNS}
+    widths = {column: max([len(column)] + [len(str(row[column])) for row in rows]) for column, _ in TEXT_COLUMNS}
     longest_name = max([len("NAME")] + [len(row["NAME"]) for row in rows])
     widths["NAME"] = min(NAME_MAX_WIDTH, longest_name)
     widths["USAGE"] = MIN_BAR_WIDTH
@@ -183,7 +192,7 @@ def _device_or_error(name: str, total_width: int) -> Any:
         return Text(printable(f"{name}: {error}"), style="yellow")
 
 
-def frame(devices: Optional[Sequence[str]], total_width: int = DEFAULT_WIDTH) -> "Group":
+def frame(devices: Optional[Sequence[str]], total_width: int = DEFAULT_WIDTH) -> Group:
     """Everything kvtop shows at one instant, laid out for ``total_width`` cells."""
     views: list[Any] = []
     try:
@@ -197,11 +206,15 @@ def frame(devices: Optional[Sequence[str]], total_width: int = DEFAULT_WIDTH) ->
             if file["status"] == "current":
                 views.append(_device_or_error(file["device"], total_width))
             elif file["status"] != "unfinished":
-                views.append(Text(printable(f"{file['file_name']}: {file['status']}: {file['detail']}"), style="yellow"))
+                views.append(
+                    Text(printable(f"{file['file_name']}: {file['status']}: {file['detail']}"), style="yellow")
+                )
     if not views:
         views.append(Text(f"no kvcached registry under {registry_dir()}", style="dim"))
-    footer = Text(f"{USED_CHAR} used  {FREE_MAPPED_CHAR} mapped, free  {FREE_CHAR} not mapped   "
-                  f"{time.strftime('%H:%M:%S')}", style="dim")
+    footer = Text(
+        f"{USED_CHAR} used  {FREE_MAPPED_CHAR} mapped, free  {FREE_CHAR} not mapped   {time.strftime('%H:%M:%S')}",
+        style="dim",
+    )
     return Group(*views, footer)
 
 
@@ -230,15 +243,15 @@ def shown_devices(names: Sequence[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="kvtop", description=__doc__.split("\n\n")[0])
     add_version_argument(parser)
-    parser.add_argument("--device", action="append",
-                        help="device to show: cpu, cuda:0 or a registry name (repeatable); default: all")
-    parser.add_argument("--interval", type=_interval, default=DEFAULT_INTERVAL_S,
-                        help="seconds between refreshes")
+    parser.add_argument(
+        "--device", action="append", help="device to show: cpu, cuda:0 or a registry name (repeatable); default: all"
+    )
+    parser.add_argument("--interval", type=_interval, default=DEFAULT_INTERVAL_S, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     return parser
 
 
-def _stream_snapshots(console: "Console", devices: Sequence[str], interval_s: float) -> None:
+def _stream_snapshots(console: Console, devices: Sequence[str], interval_s: float) -> None:
     """Not a terminal (a pipe, a log file): one plain frame per interval, each after the last.
 
     A reader that goes away (``kvtop | head``) ends it quietly through rich (exit status 1)."""

@@ -45,7 +45,7 @@ def default_layout(backend: Optional[str] = None) -> str:
     return config.get("layout") or DEFAULT_LAYOUTS.get(backend or "host", FALLBACK_LAYOUT)
 
 
-def _device_of(device: DeviceLike) -> Optional["_core.Device"]:
+def _device_of(device: DeviceLike) -> Optional[_core.Device]:
     if device is None or isinstance(device, _core.Device):
         return device
     from kvcached.devices import open_device
@@ -102,7 +102,9 @@ class KVLayout(_core.KVLayout):
             if capacity_bytes is None:
                 dev = dev or _device_of(device)
                 if dev is None:
-                    raise InvalidArgumentError("give num_blocks or capacity_bytes (without a device there is no default)")
+                    raise InvalidArgumentError(
+                        "give num_blocks or capacity_bytes (without a device there is no default)"
+                    )
                 capacity_bytes = dev.memory_info()[1]
             num_blocks = _core.KVLayout.for_capacity(
                 num_layers, block_bytes, capacity_bytes, page_bytes, num_buffers, kind
@@ -154,6 +156,12 @@ def block_manager_options(
 
 
 __all__ = [
-    "DEFAULT_LAYOUTS", "BlockManagerOptions", "KVLayout", "KVSpaceOptions", "Mirror", "block_manager_options",
-    "default_layout", "space_options",
+    "DEFAULT_LAYOUTS",
+    "BlockManagerOptions",
+    "KVLayout",
+    "KVSpaceOptions",
+    "Mirror",
+    "block_manager_options",
+    "default_layout",
+    "space_options",
 ]

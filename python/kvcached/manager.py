@@ -11,7 +11,8 @@ underneath, reachable as :attr:`KVCacheManager.pool`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
@@ -89,12 +90,21 @@ class KVCacheManager:
         self.cell_size = _check_positive("cell_size", cell_size)
         self.block_mem_size = self.block_size * self.cell_size  # bytes of one block of one buffer
         dev = device if isinstance(device, _core.Device) else open_device(device or default_device())
-        kv_layout = KVLayout(num_layers, self.block_mem_size, num_blocks, num_buffers=num_kv_buffers,
-                             page_bytes=page_bytes, kind=layout, device=dev)
-        options = block_manager_options(null_block=reserve_null_block, limit_bytes=limit_bytes,
-                                        background_worker=background_worker)
-        self.pool = KVPool(kv_layout=kv_layout, options=options, device=dev, zero_backing=zero_backing,
-                           budget=budget, name=name)
+        kv_layout = KVLayout(
+            num_layers,
+            self.block_mem_size,
+            num_blocks,
+            num_buffers=num_kv_buffers,
+            page_bytes=page_bytes,
+            kind=layout,
+            device=dev,
+        )
+        options = block_manager_options(
+            null_block=reserve_null_block, limit_bytes=limit_bytes, background_worker=background_worker
+        )
+        self.pool = KVPool(
+            kv_layout=kv_layout, options=options, device=dev, zero_backing=zero_backing, budget=budget, name=name
+        )
         self.reserve_null_block = reserve_null_block
         self._alloc = self.pool.alloc_list  # bound once: the veneer costs one Python call
         self._free = self.pool.free
@@ -185,7 +195,7 @@ class KVCacheManager:
 
     # ---- tensors and lifetime -----------------------------------------------------------
 
-    def get_kv_tensors(self, dtype: Optional["torch.dtype"] = None) -> list["torch.Tensor"]:
+    def get_kv_tensors(self, dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
         """Per layer ``(num_kv_buffers, num_blocks, block_size, cell_size / itemsize)`` views.
 
         ``dtype`` defaults to bytes (torch.uint8); its size must divide
@@ -205,8 +215,9 @@ class KVCacheManager:
         shape = [self.num_kv_buffers, self.num_blocks, self.block_size, self.cell_size // itemsize]
         strides = [space.buffer_stride_bytes, space.block_stride_bytes, self.cell_size, itemsize]
         return [
-            strided_bytes_view(flat, shape=shape, strides_bytes=strides, dtype=dtype,
-                               offset_bytes=layer * space.layer_stride_bytes)
+            strided_bytes_view(
+                flat, shape=shape, strides_bytes=strides, dtype=dtype, offset_bytes=layer * space.layer_stride_bytes
+            )
             for layer in range(self.num_layers)
         ]
 
@@ -218,7 +229,7 @@ class KVCacheManager:
         """Release all memory; live tensors then read zeros. Idempotent."""
         self.pool.close()
 
-    def __enter__(self) -> "KVCacheManager":
+    def __enter__(self) -> KVCacheManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -58,7 +58,9 @@ class Size:
         if value == 0 and self.zero_means:
             return 0
         if value < self.minimum or value > self.maximum or value % self.multiple_of:
-            raise InvalidArgumentError(f"{format_bytes(value)} ({value} bytes) is out of range: expected {self.describe()}")
+            raise InvalidArgumentError(
+                f"{format_bytes(value)} ({value} bytes) is out of range: expected {self.describe()}"
+            )
         return value
 
     def describe(self) -> str:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -132,7 +133,7 @@ class KVSpace(_LayoutGeometry, _core.KVSpace):
         """
         return self.device.view(self.base_address, self.size_bytes, self.memory_owner())
 
-    def __enter__(self) -> "KVSpace":
+    def __enter__(self) -> KVSpace:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -188,7 +189,7 @@ class BlockManager(_LayoutGeometry, _core.BlockManager):
         """Physical bytes alloc could still take (``available()`` blocks, all layers)."""
         return self.available() * self.block_id_bytes
 
-    def __enter__(self) -> "BlockManager":
+    def __enter__(self) -> BlockManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -258,14 +259,26 @@ class KVPool(BlockManager):
         if kv_layout is None:
             if num_layers is None or block_bytes is None:
                 raise InvalidTypeError("give num_layers and block_bytes, or a kv_layout")
-            kv_layout = KVLayout(num_layers, block_bytes, num_blocks, num_buffers=num_buffers, page_bytes=page_bytes,
-                                 kind=layout, capacity_bytes=capacity_bytes, device=dev)
+            kv_layout = KVLayout(
+                num_layers,
+                block_bytes,
+                num_blocks,
+                num_buffers=num_buffers,
+                page_bytes=page_bytes,
+                kind=layout,
+                capacity_bytes=capacity_bytes,
+                device=dev,
+            )
         elif num_layers is not None or block_bytes is not None or num_blocks is not None or layout is not None:
             raise InvalidTypeError("give the geometry either as arguments or as kv_layout, not both")
         if options is None:
             options = block_manager_options(
-                null_block=null_block, limit_bytes=limit_bytes, min_reserve_pages=min_reserve_pages,
-                max_reserve_pages=max_reserve_pages, background_worker=background_worker, placement=placement,
+                null_block=null_block,
+                limit_bytes=limit_bytes,
+                min_reserve_pages=min_reserve_pages,
+                max_reserve_pages=max_reserve_pages,
+                background_worker=background_worker,
+                placement=placement,
             )
         if space_options is None:
             space_options = configured_space_options(zero_backing=zero_backing)

@@ -125,7 +125,10 @@ def _identity_of(device: Any, local: str) -> str:
         _warned_index_keyed.add(local)
         logger.warning(
             "%s: the %s backend reports no device identity, so its registry is keyed by index (%s); "
-            "processes that see this GPU under another index get another budget", local, backend, fallback,
+            "processes that see this GPU under another index get another budget",
+            local,
+            backend,
+            fallback,
         )
     return fallback
 
@@ -141,7 +144,11 @@ def resolve_device(device: Union[str, Any]) -> DeviceName:
 
     if not isinstance(device, str):
         local = str(device.name)
-        return DeviceName(HOST_DEVICE, HOST_DEVICE) if local == HOST_DEVICE else DeviceName(_identity_of(device, local), local)
+        return (
+            DeviceName(HOST_DEVICE, HOST_DEVICE)
+            if local == HOST_DEVICE
+            else DeviceName(_identity_of(device, local), local)
+        )
     text = device.strip()
     if not text.isascii():
         shown = text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
@@ -174,8 +181,10 @@ def _gpu_total_bytes(device: str) -> int:
 
     name = resolve_device(device)
     if not name.local:
-        raise InvalidArgumentError(f"cannot size a budget for {device!r}: name the device as this process sees it "
-                         "('cuda:0') or give its total memory")
+        raise InvalidArgumentError(
+            f"cannot size a budget for {device!r}: name the device as this process sees it "
+            "('cuda:0') or give its total memory"
+        )
     _free_bytes, total_bytes = open_device(name.local).memory_info()
     return int(total_bytes)
 

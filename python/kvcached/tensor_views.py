@@ -11,7 +11,8 @@ Shapes that only one engine uses live in that engine's integration
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 from kvcached.errors import InvalidArgumentError, InvalidTypeError
 
@@ -30,7 +31,7 @@ def torch_module() -> Any:
     return torch
 
 
-def itemsize_of(dtype: "torch.dtype") -> int:
+def itemsize_of(dtype: torch.dtype) -> int:
     """Bytes per element of a torch dtype; TypeError for anything that is not one."""
     torch = torch_module()
     if not isinstance(dtype, torch.dtype):
@@ -38,7 +39,7 @@ def itemsize_of(dtype: "torch.dtype") -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _as_flat_bytes(flat: Any) -> "torch.Tensor":
+def _as_flat_bytes(flat: Any) -> torch.Tensor:
     """A 1-D contiguous uint8 tensor over ``flat`` (a tensor or a DLPack exporter)."""
     torch = torch_module()
     if not isinstance(flat, torch.Tensor):
@@ -66,9 +67,9 @@ def strided_bytes_view(
     *,
     shape: Sequence[int],
     strides_bytes: Sequence[int],
-    dtype: "torch.dtype",
+    dtype: torch.dtype,
     offset_bytes: int = 0,
-) -> "torch.Tensor":
+) -> torch.Tensor:
     """A view of ``flat``'s bytes as ``dtype`` with byte strides.
 
     Raises ValueError when a stride or the offset is not a multiple of the
@@ -103,11 +104,11 @@ def layer_views(
     num_layers: int,
     num_blocks: int,
     block_shape: Sequence[int],
-    dtype: "torch.dtype",
+    dtype: torch.dtype,
     layer_stride_bytes: int,
     block_stride_bytes: int,
     offset_bytes: int = 0,
-) -> list["torch.Tensor"]:
+) -> list[torch.Tensor]:
     """One ``(num_blocks, *block_shape)`` tensor per layer over ``flat``'s bytes.
 
     Block ``b`` of layer ``l`` starts at byte
@@ -152,7 +153,7 @@ def _packed_strides_bytes(shape: Sequence[int], itemsize: int) -> list[int]:
 SpaceLike = Union["KVSpace", "KVPool"]
 
 
-def space_of(obj: SpaceLike) -> "KVSpace":
+def space_of(obj: SpaceLike) -> KVSpace:
     """The KV space of a KVPool (or the KVSpace itself); TypeError for anything else."""
     space = getattr(obj, "space", obj)
     for attr in ("block_stride_bytes", "layer_stride_bytes", "buffer_stride_bytes", "tensor"):
@@ -161,7 +162,7 @@ def space_of(obj: SpaceLike) -> "KVSpace":
     return space
 
 
-def _tokens_per_block(space: "KVSpace", token_bytes: int, halves: int) -> int:
+def _tokens_per_block(space: KVSpace, token_bytes: int, halves: int) -> int:
     """Tokens in one block when each token takes ``token_bytes`` in each of ``halves`` parts."""
     cell_bytes = token_bytes * halves
     if space.block_bytes % cell_bytes:
@@ -172,7 +173,7 @@ def _tokens_per_block(space: "KVSpace", token_bytes: int, halves: int) -> int:
     return space.block_bytes // cell_bytes
 
 
-def kv_block_geometry(space: "KVSpace", num_heads: int, head_dim: int, dtype: "torch.dtype") -> tuple[int, int, int]:
+def kv_block_geometry(space: KVSpace, num_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(block_size, k_to_v_stride_bytes, token_bytes) for a space of K and V blocks.
 
     With two buffers K and V are separate arrays (``buffer_stride_bytes``
@@ -188,7 +189,7 @@ def kv_block_geometry(space: "KVSpace", num_heads: int, head_dim: int, dtype: "t
     return block_size, block_size * token_bytes, token_bytes
 
 
-def _per_layer(space: "KVSpace", shape: list[int], strides: list[int], dtype: "torch.dtype") -> list["torch.Tensor"]:
+def _per_layer(space: KVSpace, shape: list[int], strides: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     flat = torch_module().from_dlpack(space.tensor())
     return [
         strided_bytes_view(
@@ -198,9 +199,7 @@ def _per_layer(space: "KVSpace", shape: list[int], strides: list[int], dtype: "t
     ]
 
 
-def flash_attn_views(
-    pool: SpaceLike, *, num_heads: int, head_dim: int, dtype: "torch.dtype"
-) -> list["torch.Tensor"]:
+def flash_attn_views(pool: SpaceLike, *, num_heads: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Per layer ``(2, num_blocks, block_size, num_heads, head_dim)``: FlashAttention / vLLM style.
 
     Index 0 of the first dimension is K, 1 is V. ``block_size`` (tokens per
@@ -214,9 +213,7 @@ def flash_attn_views(
     return _per_layer(space, shape, strides, dtype)
 
 
-def flashinfer_views(
-    pool: SpaceLike, *, num_heads: int, head_dim: int, dtype: "torch.dtype"
-) -> list["torch.Tensor"]:
+def flashinfer_views(pool: SpaceLike, *, num_heads: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Per layer ``(num_blocks, 2, block_size, num_heads, head_dim)``: FlashInfer style (NHD)."""
     space = space_of(pool)
     block_size, kv_stride, token_bytes = kv_block_geometry(space, num_heads, head_dim, dtype)
@@ -226,7 +223,7 @@ def flashinfer_views(
     return _per_layer(space, shape, strides, dtype)
 
 
-def mla_views(pool: SpaceLike, *, dim: int, dtype: "torch.dtype") -> list["torch.Tensor"]:
+def mla_views(pool: SpaceLike, *, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Per layer ``(num_blocks, block_size, dim)`` for MLA's single latent buffer (num_buffers=1)."""
     space = space_of(pool)
     if space.num_buffers != 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 import results_page  # bench/, on the path through pyproject's pytest settings
 
 HEADER = "| target | figure | measured (UTC) | command | machine | tree |\n|---|---|---|---|---|---|\n"
@@ -35,12 +36,25 @@ def test_every_committed_run_is_listed_and_every_figure_names_its_command_machin
 
 def test_the_latest_measurement_of_a_target_is_current_and_earlier_ones_are_listed_below(tmp_path):
     row = "| grow (target ≤ 1×) | {fig} | {when} | `python bench/x.py` | one H200 | `{tree}` |"
-    _run(tmp_path, "2026-12-01-first", "First — 2026-12-01 10:00 UTC",
-         [row.format(fig="1.30×", when="2026-12-01 10:00", tree="aaaaaaa")])
-    _run(tmp_path, "2026-12-03-third", "Third — 2026-12-03 09:00 UTC",
-         [row.format(fig="0.90×", when="2026-12-03 09:00", tree="ccccccc")], raw=True)
-    _run(tmp_path, "2026-12-02-second", "Second — 2026-12-02 23:00 UTC",
-         [row.format(fig="1.10×", when="2026-12-02 23:00", tree="bbbbbbb")])
+    _run(
+        tmp_path,
+        "2026-12-01-first",
+        "First — 2026-12-01 10:00 UTC",
+        [row.format(fig="1.30×", when="2026-12-01 10:00", tree="aaaaaaa")],
+    )
+    _run(
+        tmp_path,
+        "2026-12-03-third",
+        "Third — 2026-12-03 09:00 UTC",
+        [row.format(fig="0.90×", when="2026-12-03 09:00", tree="ccccccc")],
+        raw=True,
+    )
+    _run(
+        tmp_path,
+        "2026-12-02-second",
+        "Second — 2026-12-02 23:00 UTC",
+        [row.format(fig="1.10×", when="2026-12-02 23:00", tree="bbbbbbb")],
+    )
     _run(tmp_path, "2026-12-04-no-figures", "Notes — 2026-12-04 08:00 UTC", [])
 
     runs, figures = results_page.read_results(tmp_path)
@@ -49,8 +63,12 @@ def test_the_latest_measurement_of_a_target_is_current_and_earlier_ones_are_list
     assert "**0.90×**" in current and "`ccccccc`" in current and "`python bench/x.py`" in current
     assert "1.10×" not in current and "1.30×" not in current
     assert earlier.index("1.10×") < earlier.index("1.30×")  # latest first
-    assert [run.name for run in runs] == ["2026-12-04-no-figures", "2026-12-03-third", "2026-12-02-second",
-                                          "2026-12-01-first"]
+    assert [run.name for run in runs] == [
+        "2026-12-04-no-figures",
+        "2026-12-03-third",
+        "2026-12-02-second",
+        "2026-12-01-first",
+    ]
     assert "[raw](results/2026-12-03-third.raw.md)" in page
     assert "results/2026-12-01-first.raw.md" not in page
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from sglang_scheduler_profile import function, in_kvcached, inclusive, read_stacks, table
 
 # `py-spy record --threads --format raw`, as py-spy writes it.
@@ -36,8 +35,10 @@ def test_a_function_counts_once_per_stack_whatever_its_lines():
 
 def test_time_inside_kvcached_goes_to_the_outermost_kvcached_function():
     ours = in_kvcached(read_stacks(ON))
-    assert ours == {"MainThread: alloc (kvcached/integration/sglang/v0_5_23/allocators.py)": 4,
-                    "kvcached-idle-release: _watch (kvcached/integration/common/idle.py)": 2}
+    assert ours == {
+        "MainThread: alloc (kvcached/integration/sglang/v0_5_23/allocators.py)": 4,
+        "kvcached-idle-release: _watch (kvcached/integration/common/idle.py)": 2,
+    }
     assert in_kvcached(read_stacks(OFF)) == {}
 
 

@@ -6,7 +6,6 @@ import os
 import sys
 
 import pytest
-
 import side_by_side
 
 
@@ -36,6 +35,11 @@ def test_runner_pins_its_children(tmp_path):
     args = side_by_side.argparse.Namespace(out=str(tmp_path), deadline_s=10.0, cpus=str(cpu))
     runner = side_by_side.Runner(args)
     assert (tmp_path / "cpus.txt").read_text() == f"--cpus {cpu}: every process on CPUs [{cpu}]\n"
-    proc = side_by_side.subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                                       capture_output=True, text=True, check=True, preexec_fn=runner._pin)
+    proc = side_by_side.subprocess.run(
+        [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=runner._pin,
+    )
     assert proc.stdout.strip() == f"[{cpu}]"

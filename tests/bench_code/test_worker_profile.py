@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from vllm_worker_profile import samples_by, table, waits_by_reason
 
 PIDS = {"on": 200, "off": 100}

@@ -12,12 +12,12 @@
 #include <vector>
 
 #include "check.hpp"
+#include "kvcached/backends/host_backend.hpp"
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/registry/device_registry.hpp"
 #include "kvcached/registry/registry_settings.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 
@@ -203,7 +203,6 @@ void test_close_from_two_threads() {
   }
 }
 
-
 // ---- mirrors: every page charged on every mirror's budget ---------------------------
 
 std::vector<std::shared_ptr<FixedBudget>> fixed_budgets(std::size_t count, std::size_t bytes) {
@@ -269,9 +268,8 @@ void test_pipeline_stages_are_charged_their_own_page_cost() {
   BlockManager m(whole, BlockManagerOptions{}, {{budgets[0], first}, {budgets[1], second}});
   m.alloc(12);
   CHECK((used(budgets) == std::vector<std::size_t>{3 * first.page_id_bytes(), 3 * second.page_id_bytes()}));
-  CHECK(throws<InvalidArgument>([&] {
-    BlockManager bad(whole, BlockManagerOptions{}, {{nullptr, layout_of(64, 1, 8)}});
-  }));
+  CHECK(throws<InvalidArgument>(
+      [&] { BlockManager bad(whole, BlockManagerOptions{}, {{nullptr, layout_of(64, 1, 8)}}); }));
 }
 
 void test_charges_awaiting_acknowledgement_are_reused_at_once() {
@@ -291,8 +289,8 @@ void test_charges_awaiting_acknowledgement_are_reused_at_once() {
   CHECK(m.available() == 4);
   std::vector<std::int64_t> again = m.alloc(4);  // mirror 1's pending charge covers its new page
   CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page}));
-  CHECK(std::find(unmap.unmap_pages.begin(), unmap.unmap_pages.end(),
-                  static_cast<std::int64_t>(m.page_of(again[0]))) == unmap.unmap_pages.end());
+  CHECK(std::find(unmap.unmap_pages.begin(), unmap.unmap_pages.end(), static_cast<std::int64_t>(m.page_of(again[0]))) ==
+        unmap.unmap_pages.end());
   m.acknowledge(1, unmap.seq);
   CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page}));  // the charge moved, not released
   const PageOps map_again = m.take_page_ops();
@@ -318,7 +316,8 @@ void test_a_lost_mirror_gives_back_its_budget() {
   CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 3 * page}) && s.pending_pages == 1);
   m.mirror_lost(1);
   s = m.stats();
-  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 0}) && s.pending_pages == 0 && !s.mirrors[1].progress.alive);
+  CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 0}) && s.pending_pages == 0 &&
+        !s.mirrors[1].progress.alive);
   m.alloc(4);
   CHECK((used(budgets) == std::vector<std::size_t>{3 * page, 0}));
   m.close();

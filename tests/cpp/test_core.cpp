@@ -6,11 +6,11 @@
 #include <vector>
 
 #include "check.hpp"
+#include "kvcached/backends/host_backend.hpp"
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/device/device.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 
@@ -29,9 +29,9 @@ void test_device_rules() {
     CHECK(throws<InvalidArgument>([&] { device->map(range.base() + 4 * page, memory); }));
     device->map_accessible(range.base(), memory);
     std::memset(reinterpret_cast<void*>(range.base()), 7, page);
-    CHECK(throws<InvalidArgument>([&] { device->map(range.base(), memory); }));          // over a mapping
-    CHECK(throws<InvalidArgument>([&] { memory.release(); }));                           // still mapped
-    CHECK(throws<InvalidArgument>([&] { device->unmap(range.base() + page, page); }));   // not mapped
+    CHECK(throws<InvalidArgument>([&] { device->map(range.base(), memory); }));         // over a mapping
+    CHECK(throws<InvalidArgument>([&] { memory.release(); }));                          // still mapped
+    CHECK(throws<InvalidArgument>([&] { device->unmap(range.base() + page, page); }));  // not mapped
     device->map_accessible(range.base() + 2 * page, memory);  // a second mapping shares the bytes
     CHECK(reinterpret_cast<unsigned char*>(range.base() + 2 * page)[5] == 7);
     device->unmap(range.base(), page);
@@ -102,13 +102,13 @@ void test_a_space_applies_page_ops_in_order() {
   options.max_spare_pages = 1;
   KVSpace space(device, KVLayout(config), options);
   CHECK(space.apply(PageOps{1, {0, 1}, {}}) == 1 && space.mapped_pages() == 2);
-  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{1, {2}, {}}); }));   // applied already
-  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{3, {2}, {}}); }));   // batch 2 missing
-  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {1}, {}}); }));   // mapped already
-  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {}, {3}}); }));   // not mapped
-  CHECK(space.applied_seq() == 1 && space.mapped_pages() == 2);                // nothing changed
-  CHECK(space.apply(PageOps{2, {0}, {0, 1}}) == 2);  // unmaps first: page 0 comes back fresh
-  CHECK(space.mapped_pages() == 1 && space.spare_pages() == 0);  // the kept spare backed page 0 again
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{1, {2}, {}}); }));  // applied already
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{3, {2}, {}}); }));  // batch 2 missing
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {1}, {}}); }));  // mapped already
+  CHECK(throws<InvalidArgument>([&] { space.apply(PageOps{2, {}, {3}}); }));  // not mapped
+  CHECK(space.applied_seq() == 1 && space.mapped_pages() == 2);               // nothing changed
+  CHECK(space.apply(PageOps{2, {0}, {0, 1}}) == 2);                           // unmaps first: page 0 comes back fresh
+  CHECK(space.mapped_pages() == 1 && space.spare_pages() == 0);               // the kept spare backed page 0 again
   const UnmapResult result = space.unmap_pages({0});
   CHECK(result.unmapped_pages == 1 && result.kept_spare_pages == 1 && result.released_pages() == 0);
   CHECK(space.trim_spares(0) == 1 && space.spare_pages() == 0);

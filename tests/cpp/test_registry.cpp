@@ -94,7 +94,7 @@ void test_registry_refuses_links_and_removed_files(const std::string& directory)
   auto budget = target->register_instance("engine");
   CHECK(unlink(target->path().c_str()) == 0);
   CHECK(throws<RegistryUnusable>([&] { budget->try_acquire(kPage); }, "was removed"));
-  struct stat info {};
+  struct stat info{};
   CHECK(stat(DeviceRegistry::open("cpu", kPage)->path().c_str(), &info) == 0 && (info.st_mode & 0777) == 0600);
 }
 
@@ -104,7 +104,8 @@ void test_registry_settings_are_checked_when_given(const std::string& directory)
   CHECK(resolve_registry_group("4294967294") == static_cast<gid_t>(4294967294u));
   CHECK(throws<InvalidArgument>([] { resolve_registry_group("4294967295"); }, "out of range"));
   CHECK(throws<InvalidArgument>([] { resolve_registry_group("4294968298"); }, "KVCACHED_REGISTRY_GROUP='4294968298'"));
-  CHECK(throws<InvalidArgument>([] { resolve_registry_group("nosuch-kvcached-group"); }, "names no group on this machine"));
+  CHECK(throws<InvalidArgument>([] { resolve_registry_group("nosuch-kvcached-group"); },
+                                "names no group on this machine"));
   CHECK(throws<InvalidArgument>([] { configure_registry({"relative/dir", ""}); }, "absolute path"));
   CHECK(throws<InvalidArgument>([&] { configure_registry({directory, "4294968298"}); }, "out of range"));
   CHECK(registry_settings().directory == directory && registry_settings().group.empty());  // unchanged

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "check.hpp"
+#include "kvcached/backends/host_backend.hpp"
 #include "kvcached/blocks/block_manager.hpp"
 #include "kvcached/blocks/fixed_budget.hpp"
 #include "kvcached/space/kv_space.hpp"
-#include "kvcached/backends/host_backend.hpp"
 
 namespace {
 
@@ -78,7 +78,7 @@ void test_a_shrink_keeps_what_it_unmaps_until_the_next_round() {
   CHECK(device->counters().created_bytes == created);
   CHECK(budget->used_bytes() == 4 * layout.page_id_bytes());  // spares stay charged: budget truth
   CHECK(m.available() == 16 * layout.blocks_per_page());      // and their charge is reusable at once
-  m.maintain();  // the next round releases what is beyond the maximum
+  m.maintain();                                               // the next round releases what is beyond the maximum
   CHECK(m.stats().spare_pages == 1 && budget->used_bytes() == layout.page_id_bytes());
   blocks = m.alloc(layout.blocks_per_page());
   CHECK(device->counters().created_bytes == layout.page_id_bytes());  // the grow took the spare: no create

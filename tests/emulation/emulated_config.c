@@ -18,8 +18,7 @@ evmm_config g_config;
 
 /* A misconfigured emulation must not let tests pass vacuously: stop loudly. */
 static void refuse(const char* variable, const char* value, const char* expected) {
-  fprintf(stderr, "[kvcached emulation] %s=%s is not valid: expected %s\n", variable, value,
-          expected);
+  fprintf(stderr, "[kvcached emulation] %s=%s is not valid: expected %s\n", variable, value, expected);
   abort();
 }
 
@@ -45,8 +44,8 @@ static void read_granularity(void) {
   unsigned long long minimum = strtoull(text, &end, 10);
   unsigned long long recommended = minimum;
   if (end && *end == '/') recommended = strtoull(end + 1, &end, 10);
-  if (!end || *end != '\0' || !is_power_of_two(minimum) || !is_power_of_two(recommended) ||
-      recommended < minimum || minimum < 4096) {
+  if (!end || *end != '\0' || !is_power_of_two(minimum) || !is_power_of_two(recommended) || recommended < minimum ||
+      minimum < 4096) {
     refuse("KVCACHED_EMULATED_GRANULARITY", text,
            "MIN or MIN/RECOMMENDED in bytes, powers of two, 4096 <= MIN <= RECOMMENDED");
   }
@@ -65,8 +64,7 @@ static void read_config(void) {
   unsigned long long vmm = env_number("KVCACHED_EMULATED_VMM", 1);
   if (vmm > 1) refuse("KVCACHED_EMULATED_VMM", getenv("KVCACHED_EMULATED_VMM"), "0 or 1");
   g_config.vmm_supported = (int)vmm;
-  g_config.mapping_delay_ns =
-      g_face->mapping_delay_env ? env_number(g_face->mapping_delay_env, 0) * 1000ull : 0;
+  g_config.mapping_delay_ns = g_face->mapping_delay_env ? env_number(g_face->mapping_delay_env, 0) * 1000ull : 0;
   g_config.dirty_memory = env_number("KVCACHED_EMULATED_DIRTY_MEMORY", 0) != 0;
   const char* trace = getenv("KVCACHED_EMULATION_TRACE");
   g_config.trace = trace && strcmp(trace, "1") == 0;
@@ -98,8 +96,7 @@ void evmm_uuid(int physical_device, unsigned char out[EVMM_UUID_BYTES]) {
 }
 
 int evmm_visible_devices(const char* list, int candidate_count,
-                         void (*uuid_text)(int candidate, char* text, size_t size),
-                         int out[EVMM_MAX_DEVICES]) {
+                         void (*uuid_text)(int candidate, char* text, size_t size), int out[EVMM_MAX_DEVICES]) {
   int count = 0;
   if (!list) {
     for (int i = 0; i < candidate_count && i < EVMM_MAX_DEVICES; i++) out[count++] = i;

@@ -33,11 +33,11 @@ static long find_mapping_containing(uintptr_t address) {
 }
 
 /* Checks a device range for device work (caller holds g_lock). */
-static evmm_status check_device_range(const char* call, uintptr_t address, size_t size,
-                                      int needs_write) {
+static evmm_status check_device_range(const char* call, uintptr_t address, size_t size, int needs_write) {
   if (evmm_find_range_containing(address, size) < 0) {
-    evmm_trace(call, "the device range is not inside one reserved range (ROCm refuses copies "
-                     "spanning two reservations, even adjacent ones)");
+    evmm_trace(call,
+               "the device range is not inside one reserved range (ROCm refuses copies "
+               "spanning two reservations, even adjacent ones)");
     return EVMM_INVALID_VALUE;
   }
   for (uintptr_t cursor = address; cursor < address + size;) {
@@ -55,8 +55,7 @@ static evmm_status check_device_range(const char* call, uintptr_t address, size_
 /* Visits the parts of [address, address + size) whose mapping is (`stale` 1)
  * or is not (`stale` 0) still inside its visibility window (caller holds g_lock). */
 typedef void (*part_visitor)(uintptr_t offset, size_t length, void* context);
-static void for_each_part(uintptr_t address, size_t size, int stale, part_visitor visit,
-                          void* context) {
+static void for_each_part(uintptr_t address, size_t size, int stale, part_visitor visit, void* context) {
   const unsigned long long now = evmm_now_ns();
   for (uintptr_t cursor = address; cursor < address + size;) {
     long index = find_mapping_containing(cursor);
@@ -73,7 +72,11 @@ static void zero_part(uintptr_t offset, size_t length, void* destination) {
 }
 
 /* Only visible destination parts take the write; the rest is lost. */
-typedef struct { char* destination; const char* source; int fill_value; } write_job;
+typedef struct {
+  char* destination;
+  const char* source;
+  int fill_value;
+} write_job;
 static void copy_part(uintptr_t offset, size_t length, void* context) {
   write_job* job = (write_job*)context;
   memcpy(job->destination + offset, job->source + offset, length);
@@ -83,8 +86,8 @@ static void fill_part(uintptr_t offset, size_t length, void* context) {
   memset(job->destination + offset, job->fill_value, length);
 }
 
-evmm_status evmm_device_copy(uintptr_t destination, uintptr_t source, size_t size_bytes,
-                             int destination_on_device, int source_on_device) {
+evmm_status evmm_device_copy(uintptr_t destination, uintptr_t source, size_t size_bytes, int destination_on_device,
+                             int source_on_device) {
   if (size_bytes == 0) return EVMM_OK;
   /* Device to device goes through a host copy so a stale source reads as zeros. */
   char* staged = destination_on_device && source_on_device ? malloc(size_bytes) : NULL;

@@ -10,7 +10,10 @@
 
 #include "emulated_vmm.h"
 
-typedef struct { uintptr_t base; size_t size; } range_record;
+typedef struct {
+  uintptr_t base;
+  size_t size;
+} range_record;
 typedef struct {
   uint64_t handle;
   int fd;
@@ -27,7 +30,11 @@ typedef struct {
 } mapping_record;
 
 /* A growable array of records of one type. */
-typedef struct { void* items; size_t count; size_t capacity; } record_array;
+typedef struct {
+  void* items;
+  size_t count;
+  size_t capacity;
+} record_array;
 
 extern EVMM_HIDDEN pthread_mutex_t g_lock; /* guards every record */
 extern EVMM_HIDDEN record_array g_ranges, g_allocations, g_mappings;

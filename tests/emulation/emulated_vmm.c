@@ -44,8 +44,7 @@ static int append_record(record_array* array, const void* record, size_t record_
 
 static void remove_record(record_array* array, size_t index, size_t record_size) {
   char* items = (char*)array->items;
-  memmove(items + index * record_size, items + (index + 1) * record_size,
-          (array->count - index - 1) * record_size);
+  memmove(items + index * record_size, items + (index + 1) * record_size, (array->count - index - 1) * record_size);
   array->count--;
 }
 
@@ -104,8 +103,9 @@ static int is_whole_mappings(uintptr_t address, size_t size) {
 evmm_status evmm_reserve(size_t size_bytes, size_t alignment_bytes, uintptr_t* base) {
   if (!base || size_bytes == 0 || !is_aligned(size_bytes) || !is_aligned(alignment_bytes) ||
       (alignment_bytes & (alignment_bytes - 1)) != 0) {
-    evmm_trace("reserve", "size and alignment must be multiples of the granularity, "
-                          "alignment a power of two (or 0)");
+    evmm_trace("reserve",
+               "size and alignment must be multiples of the granularity, "
+               "alignment a power of two (or 0)");
     return EVMM_INVALID_VALUE;
   }
   size_t granularity = g_config.minimum_granularity_bytes;
@@ -231,14 +231,12 @@ evmm_status evmm_map(uintptr_t address, size_t size_bytes, size_t offset_bytes, 
     status = EVMM_ALREADY_MAPPED;
   } else {
     /* Inaccessible until set_access, like a fresh driver mapping. */
-    void* mapped = mmap((void*)address, size_bytes, PROT_NONE, MAP_SHARED | MAP_FIXED,
-                        ALLOCATIONS[allocation].fd, 0);
+    void* mapped = mmap((void*)address, size_bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, ALLOCATIONS[allocation].fd, 0);
     mapping_record record = {address, size_bytes, handle, EVMM_ACCESS_NONE, 0};
     if (mapped == MAP_FAILED) {
       status = EVMM_OS_ERROR;
     } else if (!append_record(&g_mappings, &record, sizeof record)) {
-      mmap((void*)address, size_bytes, PROT_NONE,
-           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      mmap((void*)address, size_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
       status = EVMM_OUT_OF_MEMORY;
     } else {
       ALLOCATIONS[allocation].mapping_count++;
@@ -260,8 +258,8 @@ evmm_status evmm_unmap(uintptr_t address, size_t size_bytes) {
       long index = find_mapping_at(cursor);
       mapping_record mapping = MAPPINGS[index];
       /* Back to a PROT_NONE hole that stays reserved; nothing else can land there. */
-      mmap((void*)mapping.address, mapping.size, PROT_NONE,
-           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      mmap((void*)mapping.address, mapping.size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1,
+           0);
       ALLOCATIONS[find_allocation(mapping.handle)].mapping_count--;
       remove_record(&g_mappings, (size_t)index, sizeof(mapping_record));
       cursor += mapping.size;

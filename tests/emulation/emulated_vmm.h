@@ -68,8 +68,7 @@ EVMM_HIDDEN evmm_status evmm_reserve(size_t size_bytes, size_t alignment_bytes, 
 EVMM_HIDDEN evmm_status evmm_free_range(uintptr_t base, size_t size_bytes);
 EVMM_HIDDEN evmm_status evmm_create(int physical_device, size_t size_bytes, uint64_t* handle);
 EVMM_HIDDEN evmm_status evmm_release(uint64_t handle);
-EVMM_HIDDEN evmm_status evmm_map(uintptr_t address, size_t size_bytes, size_t offset_bytes,
-                                 uint64_t handle);
+EVMM_HIDDEN evmm_status evmm_map(uintptr_t address, size_t size_bytes, size_t offset_bytes, uint64_t handle);
 EVMM_HIDDEN evmm_status evmm_unmap(uintptr_t address, size_t size_bytes);
 EVMM_HIDDEN evmm_status evmm_set_access(uintptr_t address, size_t size_bytes, int access);
 

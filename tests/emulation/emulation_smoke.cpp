@@ -52,8 +52,7 @@ void expect(bool ok, const std::string& backend, const std::string& what) {
 }
 
 // True when `action` throws DriverError naming `call` (or DeviceOutOfMemory when `oom`).
-bool throws_driver_error(const std::function<void()>& action, const std::string& call,
-                         bool oom = false) {
+bool throws_driver_error(const std::function<void()>& action, const std::string& call, bool oom = false) {
   try {
     action();
   } catch (const kvcached::DeviceOutOfMemory& e) {
@@ -81,7 +80,7 @@ sigjmp_buf g_fault_jump;
 void on_fault(int) { siglongjmp(g_fault_jump, 1); }
 
 bool is_readable(VirtualAddress address) {
-  struct sigaction handler {}, previous {};
+  struct sigaction handler{}, previous{};
   handler.sa_handler = on_fault;
   sigemptyset(&handler.sa_mask);
   sigaction(SIGSEGV, &handler, &previous);
@@ -113,9 +112,8 @@ void run_contract(VmmBackend& backend, const std::string& mapping_call, const st
   const std::string create_call = mapping_call + "Create";
 
   const kvcached::Granularity granularity = backend.granularity();
-  expect(granularity.minimum_bytes == expected_minimum_bytes &&
-             granularity.recommended_bytes == kPageBytes,
-         tag, "granularity: the driver's minimum, 2 MiB recommended");
+  expect(granularity.minimum_bytes == expected_minimum_bytes && granularity.recommended_bytes == kPageBytes, tag,
+         "granularity: the driver's minimum, 2 MiB recommended");
   kvcached::MemoryInfo info = backend.memory_info();
   expect(info.total_bytes == kEmulatedCapacityBytes && info.free_bytes == info.total_bytes, tag,
          "memory_info reports the emulated capacity, all free");
@@ -134,8 +132,7 @@ void run_contract(VmmBackend& backend, const std::string& mapping_call, const st
   backend.map(base + kPageBytes, kPageBytes, page_b);
   backend.set_access(base + kPageBytes, kPageBytes);
   fill(base + kPageBytes, 0xB2);
-  expect(holds(base, 0xA1) && holds(base + kPageBytes, 0xB2), tag,
-         "two mapped pages hold their own data");
+  expect(holds(base, 0xA1) && holds(base + kPageBytes, 0xB2), tag, "two mapped pages hold their own data");
 
   // The drivers' rules.
   expect(throws_driver_error([&] { backend.map(base, kPageBytes, page_b); }, map_call), tag,
@@ -143,17 +140,15 @@ void run_contract(VmmBackend& backend, const std::string& mapping_call, const st
   expect(throws_driver_error([&] { backend.map(base + 4 * kPageBytes + kUnalignedOffsetBytes, kPageBytes, page_a); },
                              map_call),
          tag, "mapping at an unaligned address is refused");
-  expect(throws_driver_error([&] { backend.map(base + 4 * kPageBytes, 2 * kPageBytes, page_a); },
-                             map_call),
-         tag, "mapping with a size other than the allocation's is refused");
+  expect(throws_driver_error([&] { backend.map(base + 4 * kPageBytes, 2 * kPageBytes, page_a); }, map_call), tag,
+         "mapping with a size other than the allocation's is refused");
   expect(throws_driver_error([&] { backend.unmap(base, kPageBytes / 2); }, unmap_call), tag,
          "unmapping part of a mapping is refused");
   expect(throws_driver_error([&] { backend.release(page_a); }, release_call), tag,
          "releasing a mapped allocation is refused (emulation is stricter than CUDA here)");
   expect(throws_driver_error([&] { backend.create(kPageBytes + 1); }, create_call), tag,
          "creating an unaligned size is refused");
-  expect(throws_driver_error([&] { backend.free_range(base, kRangePages * kPageBytes); },
-                             mapping_call + "AddressFree"),
+  expect(throws_driver_error([&] { backend.free_range(base, kRangePages * kPageBytes); }, mapping_call + "AddressFree"),
          tag, "freeing a range with mappings inside is refused");
 
   // Same physical memory at a second address.
@@ -227,14 +222,13 @@ void run_contract(VmmBackend& backend, const std::string& mapping_call, const st
 void run_cuda() {
   const std::string tag = "cuda";
   expect(kvcached::cuda_device_count() == 1, tag, "one emulated device");
-  expect(kvcached::cuda_vmm_supported(0) && !kvcached::cuda_vmm_supported(1), tag,
-         "vmm_supported for device 0 only");
+  expect(kvcached::cuda_vmm_supported(0) && !kvcached::cuda_vmm_supported(1), tag, "vmm_supported for device 0 only");
   expect(kvcached::cuda_driver_version() > 0, tag, "driver_version is positive");
   expect(throws<kvcached::BackendUnavailable>([] { kvcached::make_cuda_backend(1); }), tag,
          "opening a missing device throws BackendUnavailable");
   auto backend = kvcached::make_cuda_backend(0);
-  expect(backend->name() == "cuda" && backend->dlpack_device_type() == kvcached::DLDeviceType::kCUDA,
-         tag, "name and DLPack device type");
+  expect(backend->name() == "cuda" && backend->dlpack_device_type() == kvcached::DLDeviceType::kCUDA, tag,
+         "name and DLPack device type");
   // A thread with no current context gets the primary context once and keeps
   // it (as torch.cuda.set_device would), so later calls need no context call.
   CUcontext before = nullptr;
@@ -268,16 +262,15 @@ void run_cuda() {
 void run_hip() {
   const std::string tag = "hip";
   expect(kvcached::hip_device_count() == 1, tag, "one emulated device");
-  expect(kvcached::hip_vmm_supported(0) && !kvcached::hip_vmm_supported(1), tag,
-         "vmm_supported for device 0 only");
+  expect(kvcached::hip_vmm_supported(0) && !kvcached::hip_vmm_supported(1), tag, "vmm_supported for device 0 only");
   expect(kvcached::hip_driver_version() > 0, tag, "driver_version is positive");
   // The settle time is the caller's (Python passes KVCACHED_HIP_MAPPING_SETTLE_US); none here.
   const std::chrono::microseconds no_settle{0};
   expect(throws<kvcached::BackendUnavailable>([&] { kvcached::make_hip_backend(1, no_settle); }), tag,
          "opening a missing device throws BackendUnavailable");
   auto backend = kvcached::make_hip_backend(0, no_settle);
-  expect(backend->name() == "hip" && backend->dlpack_device_type() == kvcached::DLDeviceType::kROCM,
-         tag, "name and DLPack device type");
+  expect(backend->name() == "hip" && backend->dlpack_device_type() == kvcached::DLDeviceType::kROCM, tag,
+         "name and DLPack device type");
   expect(backend->physical_device_name().rfind("hip-GPU-", 0) == 0 &&
              backend->physical_device_name() == kvcached::hip_physical_device_name(0),
          tag, "physical_device_name is the device's UUID");

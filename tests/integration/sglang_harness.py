@@ -115,8 +115,13 @@ def run(spec: dict) -> dict:
         if not phase.get("prompts"):  # a pure synchronisation phase; with settle_s, a probe after it
             if "settle_s" in phase:
                 time.sleep(phase["settle_s"])
-                probes.append({"label": f"phase{i}_done", "mapped_bytes": registry_mapped_bytes(name),
-                               "kvcached": kvcached_stats(llm)})
+                probes.append(
+                    {
+                        "label": f"phase{i}_done",
+                        "mapped_bytes": registry_mapped_bytes(name),
+                        "kvcached": kvcached_stats(llm),
+                    }
+                )
             _touch(phase.get("signal"))
             outputs.append([])
             cached.append([])
@@ -128,8 +133,9 @@ def run(spec: dict) -> dict:
         cached.append([r["meta_info"].get("cached_tokens", 0) for r in result])
         peaks.append(max(samples) if samples else None)
         time.sleep(phase.get("settle_s", 1.0))  # the scheduler goes idle and gives memory back
-        probes.append({"label": f"phase{i}_done", "mapped_bytes": registry_mapped_bytes(name),
-                       "kvcached": kvcached_stats(llm)})
+        probes.append(
+            {"label": f"phase{i}_done", "mapped_bytes": registry_mapped_bytes(name), "kvcached": kvcached_stats(llm)}
+        )
         _touch(phase.get("signal"))
     result = {
         "outputs": outputs,

@@ -32,8 +32,15 @@ SHARED = {"prompts": prompt_ids(12, 200, seed=1, shared_prefix=130), "max_new_to
 LOAD = {"prompts": prompt_ids(16, 300, seed=7), "max_new_tokens": 64}
 # vLLM's load in the mixed test: 12 x (250 + 32) tokens in blocks of 128 = 5 page ids with its null block.
 VLLM_LOAD = {"prompts": prompt_ids(12, 250, seed=7), "max_tokens": 32}
-_FLAGS = ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "KVCACHED_LIMIT_BYTES", "KVCACHED_NAME",
-          "KVCACHED_IDLE_CACHE_BYTES", "KVCACHED_PAGE_BYTES", "KVCACHED_IDLE_RELEASE_S")
+_FLAGS = (
+    "KVCACHED_ENABLE",
+    "ENABLE_KVCACHED",
+    "KVCACHED_LIMIT_BYTES",
+    "KVCACHED_NAME",
+    "KVCACHED_IDLE_CACHE_BYTES",
+    "KVCACHED_PAGE_BYTES",
+    "KVCACHED_IDLE_RELEASE_S",
+)
 
 
 def engine_env(kvcached_on: bool, registry_dir: Path, *, sglang: bool = True, **extra: str) -> dict[str, str]:
@@ -53,15 +60,17 @@ def engine_env(kvcached_on: bool, registry_dir: Path, *, sglang: bool = True, **
     return env
 
 
-def start(workdir: Path, label: str, spec: dict, env: dict, python: str = sys.executable,
-          harness: str = "sglang_harness.py") -> tuple[subprocess.Popen, Path]:
+def start(
+    workdir: Path, label: str, spec: dict, env: dict, python: str = sys.executable, harness: str = "sglang_harness.py"
+) -> tuple[subprocess.Popen, Path]:
     spec = {"model": str(workdir / "model"), **spec}
     spec_path, out_path = workdir / f"{label}.spec.json", workdir / f"{label}.out.json"
     spec_path.write_text(json.dumps(spec))
     log = open(workdir / f"{label}.log", "w")
     script = HERE / harness if harness == "sglang_harness.py" else VLLM_HARNESS
-    proc = subprocess.Popen([python, str(script), str(spec_path), str(out_path)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    proc = subprocess.Popen(
+        [python, str(script), str(spec_path), str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir
+    )
     return proc, out_path
 
 
@@ -88,9 +97,13 @@ def wait_for_file(path: Path, procs: list[subprocess.Popen], what: str) -> None:
 
 
 def kvctl(registry: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcached.kvctl", *args, "--device", "cpu"],
-                          env=dict(os.environ, KVCACHED_REGISTRY_DIR=str(registry)),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcached.kvctl", *args, "--device", "cpu"],
+        env=dict(os.environ, KVCACHED_REGISTRY_DIR=str(registry)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def probe(result: dict, label: str) -> dict:

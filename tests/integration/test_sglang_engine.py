@@ -50,11 +50,16 @@ def page16(sglang_workdir):
     registry = workdir / "registry-p16"
     registry.mkdir()
     loaded, limited = workdir / "p16.loaded", workdir / "p16.limited"
-    base = start(workdir, "base_p16", {"page_size": 16, "engine": ENGINE, "phases": [SHARED, LOAD]},
-                 engine_env(False, registry))
+    base = start(
+        workdir, "base_p16", {"page_size": 16, "engine": ENGINE, "phases": [SHARED, LOAD]}, engine_env(False, registry)
+    )
     phases = [SHARED, {**LOAD, "signal": str(loaded)}, {**LOAD, "wait_for": str(limited)}]
-    kv = start(workdir, "kv_p16", {"page_size": 16, "engine": ENGINE, "phases": phases},
-               engine_env(True, registry, KVCACHED_NAME="kv-p16"))
+    kv = start(
+        workdir,
+        "kv_p16",
+        {"page_size": 16, "engine": ENGINE, "phases": phases},
+        engine_env(True, registry, KVCACHED_NAME="kv-p16"),
+    )
     try:
         wait_for_file(loaded, [base[0], kv[0]], "the first load")
         set_limit = kvctl(registry, "set-limit", "kv-p16", str(2 * PAGE_ID_BYTES))
@@ -74,8 +79,11 @@ def sleeping(sglang_workdir):
     registry = sglang_workdir / "registry-sleep"
     registry.mkdir()
     spec = {"page_size": 1, "engine": {**ENGINE, "sleep_on_idle": True}, "phases": [{**LOAD, "settle_s": 0.4}]}
-    return finish(sglang_workdir, "kv_sleep", *start(sglang_workdir, "kv_sleep", spec,
-                                                    engine_env(True, registry, KVCACHED_NAME="kv-sleep")))
+    return finish(
+        sglang_workdir,
+        "kv_sleep",
+        *start(sglang_workdir, "kv_sleep", spec, engine_env(True, registry, KVCACHED_NAME="kv-sleep")),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +93,11 @@ def holding(sglang_workdir):
     again once the hold has passed."""
     registry = sglang_workdir / "registry-hold"
     registry.mkdir()
-    spec = {"page_size": 1, "engine": {**ENGINE, "sleep_on_idle": True},
-            "phases": [{**LOAD, "settle_s": 0.4}, {"settle_s": 2.6}]}
+    spec = {
+        "page_size": 1,
+        "engine": {**ENGINE, "sleep_on_idle": True},
+        "phases": [{**LOAD, "settle_s": 0.4}, {"settle_s": 2.6}],
+    }
     env = engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2")
     return finish(sglang_workdir, "kv_hold", *start(sglang_workdir, "kv_hold", spec, env))
 
@@ -163,16 +174,47 @@ def test_http_server_answers_generate_with_the_same_tokens(sglang_workdir, sglan
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", str(workdir / "model"),
-        "--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init",
-        "--dtype", "float32", "--page-size", "1", "--max-total-tokens", "8192",
-        "--max-running-requests", "16", "--chunked-prefill-size", "512", "--max-prefill-tokens", "2048",
-        "--random-seed", "0", "--disable-cuda-graph", "--log-level", "warning",
-        "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(workdir / "model"),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--page-size",
+        "1",
+        "--max-total-tokens",
+        "8192",
+        "--max-running-requests",
+        "16",
+        "--chunked-prefill-size",
+        "512",
+        "--max-prefill-tokens",
+        "2048",
+        "--random-seed",
+        "0",
+        "--disable-cuda-graph",
+        "--log-level",
+        "warning",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
     log = open(workdir / "http.log", "w")
-    server = subprocess.Popen(command, env=engine_env(True, registry, KVCACHED_NAME="kv-http"), stdout=log,
-                              stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
+    server = subprocess.Popen(
+        command,
+        env=engine_env(True, registry, KVCACHED_NAME="kv-http"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + ENGINE_TIMEOUT_S
@@ -185,8 +227,12 @@ def test_http_server_answers_generate_with_the_same_tokens(sglang_workdir, sglan
                         break
             except OSError:
                 time.sleep(1.0)
-        body = json.dumps({"input_ids": SHARED["prompts"], "sampling_params": {
-            "temperature": 0.0, "max_new_tokens": SHARED["max_new_tokens"], "ignore_eos": True}}).encode()
+        body = json.dumps(
+            {
+                "input_ids": SHARED["prompts"],
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": SHARED["max_new_tokens"], "ignore_eos": True},
+            }
+        ).encode()
         request = urllib.request.Request(f"{url}/generate", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             answers = json.loads(response.read())

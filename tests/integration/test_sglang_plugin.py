@@ -110,8 +110,14 @@ def _plan(v, name: str, limit_bytes=None):
 def _mha_pool(v, name: str, size: int, page_size: int, limit_bytes=None):
     with v.building(_plan(v, name, limit_bytes)):
         return v.KvcachedMHATokenToKVPool(
-            size=size, page_size=page_size, dtype=torch.float32, head_num=4, head_dim=64,
-            layer_num=2, device="cpu", enable_memory_saver=False,
+            size=size,
+            page_size=page_size,
+            dtype=torch.float32,
+            head_num=4,
+            head_dim=64,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
         )
 
 
@@ -124,14 +130,23 @@ def test_an_engine_on_the_cpu_keeps_its_freed_heap(v, monkeypatch, keep_bytes):
     plan_module = sys.modules[v.Plan.__module__]
     kept = []
     monkeypatch.setattr(plan_module, "keep_freed_heap", kept.append)
-    settings = Settings(virtual_bytes=None, limit_bytes=None, page_bytes=2 * MiB, name="heap",
-                        host_heap_keep_bytes=keep_bytes)
+    settings = Settings(
+        virtual_bytes=None, limit_bytes=None, page_bytes=2 * MiB, name="heap", host_heap_keep_bytes=keep_bytes
+    )
     from kvcached.integration.common.rank_devices import describe_rank
 
     plan = v.Plan(settings=settings, rank=describe_rank("cpu", 0), name="heap", virtual_bytes=64 * MiB)
     with v.building(plan):
-        v.KvcachedMHATokenToKVPool(size=1024, page_size=1, dtype=torch.float32, head_num=4, head_dim=64,
-                                   layer_num=2, device="cpu", enable_memory_saver=False)
+        v.KvcachedMHATokenToKVPool(
+            size=1024,
+            page_size=1,
+            dtype=torch.float32,
+            head_num=4,
+            head_dim=64,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     assert kept == [keep_bytes]  # the setting as given: 0 leaves glibc as it is (keep_freed_heap's rule)
 
 
@@ -182,13 +197,22 @@ def test_paged_allocator_places_tokens_like_sglangs_own(v):
     page, size = 16, 1024
     pool = _mha_pool(v, "paged-place", size=size, page_size=page)
     ours = v.KvcachedPagedTokenToKVPoolAllocator(size, page, torch.float32, "cpu", pool, False)
-    stock_pool = MHATokenToKVPool(size=size, page_size=page, dtype=torch.float32, head_num=4, head_dim=64,
-                                  layer_num=2, device="cpu", enable_memory_saver=False)
+    stock_pool = MHATokenToKVPool(
+        size=size,
+        page_size=page,
+        dtype=torch.float32,
+        head_num=4,
+        head_dim=64,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     stock = PagedTokenToKVPoolAllocator(size, page, torch.float32, "cpu", stock_pool, False)
 
     def both(method, *args):
-        return [getattr(a, method)(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args])
-                for a in (ours, stock)]
+        return [
+            getattr(a, method)(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args]) for a in (ours, stock)
+        ]
 
     def same_placement(x, y):
         # Same slot within each page, and one page of ours per page of SGLang's.
@@ -202,7 +226,7 @@ def test_paged_allocator_places_tokens_like_sglangs_own(v):
     same_placement(got, want)
     assert (got[:20] // page).unique().numel() == 2 and int(got.min()) >= page  # page 0 pads
     ends = torch.cumsum(seq, 0) - 1
-    for step in range(14):  # decode across page boundaries
+    for _ in range(14):  # decode across page boundaries
         seq = seq + 1
         last = [got[ends], want[ends]]
         got_d, want_d = [a.alloc_decode(seq, seq, loc) for a, loc in zip((ours, stock), last)]
@@ -276,8 +300,14 @@ def test_prefill_admission_secures_memory_or_says_no(v):
 def test_mla_pool_latent_buffers_are_views_of_a_kvcached_space(v):
     with v.building(_plan(v, "mla")):
         pool = v.KvcachedMLATokenToKVPool(
-            size=512, page_size=16, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=32,
-            layer_num=2, device="cpu", enable_memory_saver=False,
+            size=512,
+            page_size=16,
+            dtype=torch.bfloat16,
+            kv_lora_rank=64,
+            qk_rope_head_dim=32,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
         )
     space = pool.kvcached_blocks.space
     assert space.num_buffers == 1
@@ -315,12 +345,25 @@ def test_last_request_waits_for_memory_instead_of_being_aborted(v, monkeypatch):
 def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
     from types import SimpleNamespace
 
-    server_args = SimpleNamespace(tp_size=2, speculative_algorithm="EAGLE", enable_hierarchical_cache=False,
-                                  disaggregation_mode="null", kv_cache_dtype="auto", model_path="/m/llama")
+    server_args = SimpleNamespace(
+        tp_size=2,
+        speculative_algorithm="EAGLE",
+        enable_hierarchical_cache=False,
+        disaggregation_mode="null",
+        kv_cache_dtype="auto",
+        model_path="/m/llama",
+    )
     model = SimpleNamespace(head_dim=64, v_head_dim=64)
     configurator = SimpleNamespace(
-        server_args=server_args, model_config=model, is_draft_worker=False, is_hybrid_swa=False,
-        mambaish_config=None, use_mla_backend=False, post_capture_kv_active=False, device="cpu", gpu_id=0,
+        server_args=server_args,
+        model_config=model,
+        is_draft_worker=False,
+        is_hybrid_swa=False,
+        mambaish_config=None,
+        use_mla_backend=False,
+        post_capture_kv_active=False,
+        device="cpu",
+        gpu_id=0,
     )
     assert v.refusals(configurator) == ["tensor parallelism", "speculative decoding"]
     with caplog.at_level(logging.ERROR, logger="kvcached.integration.sglang"):
@@ -347,8 +390,9 @@ def test_idle_engine_holds_its_memory_until_the_hold_ends_or_the_device_wants_it
     allocator.idle = IdleRelease(0.3, [device])
     blocks_per_page_id = pool.kvcached_blocks.layout.blocks_per_page
     sleeper = SimpleNamespace(poller=zmq.Poller())  # SGLang's IdleSleeper: its poller, here with no sockets
-    scheduler = SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=None, idle_sleeper=sleeper,
-                                is_fully_idle=lambda: True)
+    scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=allocator, tree_cache=None, idle_sleeper=sleeper, is_fully_idle=lambda: True
+    )
     slept = []
 
     def sleep_as_sglang(s):  # SGLang's maybe_sleep_on_idle, with a 0.5 s timeout instead of 1 s

@@ -58,31 +58,54 @@ def shared_budget(sglang_workdir):
         registry_for("cpu", total_bytes=BUDGET_BYTES)
     finally:
         del os.environ["KVCACHED_REGISTRY_DIR"]
-    flag = {name: str(workdir / f"shared.{name}") for name in
-            ("b_ready", "v_ready", "a_done", "b_done", "v_done", "release")}
+    flag = {
+        name: str(workdir / f"shared.{name}")
+        for name in ("b_ready", "v_ready", "a_done", "b_done", "v_done", "release")
+    }
     vllm_python = _vllm_python()
     waits = [{"wait_for": flag["b_ready"]}] + ([{"wait_for": flag["v_ready"]}] if vllm_python else [])
     specs = {
-        "sglang_a": {"phases": [*waits, {**LOAD, "settle_s": 0.4, "signal": flag["a_done"]},
-                                {"wait_for": flag["b_done"], "settle_s": 0.0}, {"wait_for": flag["release"]}]},
-        "sglang_b": {"phases": [{"signal": flag["b_ready"]}, {**LOAD, "wait_for": flag["a_done"],
-                                "signal": flag["b_done"]}, {"wait_for": flag["release"]}]},
+        "sglang_a": {
+            "phases": [
+                *waits,
+                {**LOAD, "settle_s": 0.4, "signal": flag["a_done"]},
+                {"wait_for": flag["b_done"], "settle_s": 0.0},
+                {"wait_for": flag["release"]},
+            ]
+        },
+        "sglang_b": {
+            "phases": [
+                {"signal": flag["b_ready"]},
+                {**LOAD, "wait_for": flag["a_done"], "signal": flag["b_done"]},
+                {"wait_for": flag["release"]},
+            ]
+        },
     }
     # A's idle hold outlasts the test: A gives its memory back because B asks for it.
     holds = {"sglang_a": "600", "sglang_b": "0"}
     started = {
-        label: start(workdir, label, {"page_size": 1, **spec},
-                     engine_env(True, registry, KVCACHED_NAME=label.replace("_", "-"),
-                                KVCACHED_IDLE_RELEASE_S=holds[label]))
+        label: start(
+            workdir,
+            label,
+            {"page_size": 1, **spec},
+            engine_env(True, registry, KVCACHED_NAME=label.replace("_", "-"), KVCACHED_IDLE_RELEASE_S=holds[label]),
+        )
         for label, spec in specs.items()
     }
     if vllm_python:
-        vllm_phases = [{"signal": flag["v_ready"]},
-                       {**VLLM_LOAD, "wait_for": flag["b_done"], "probe_during": True, "signal": flag["v_done"]},
-                       {"wait_for": flag["release"]}]
-        started["vllm_v"] = start(workdir, "vllm_v", {"phases": vllm_phases},
-                                  engine_env(True, registry, sglang=False, KVCACHED_NAME="vllm-v"),
-                                  python=vllm_python, harness="vllm_harness.py")
+        vllm_phases = [
+            {"signal": flag["v_ready"]},
+            {**VLLM_LOAD, "wait_for": flag["b_done"], "probe_during": True, "signal": flag["v_done"]},
+            {"wait_for": flag["release"]},
+        ]
+        started["vllm_v"] = start(
+            workdir,
+            "vllm_v",
+            {"phases": vllm_phases},
+            engine_env(True, registry, sglang=False, KVCACHED_NAME="vllm-v"),
+            python=vllm_python,
+            harness="vllm_harness.py",
+        )
     procs = [proc for proc, _ in started.values()]
     try:
         wait_for_file(Path(flag["v_done" if vllm_python else "b_done"]), procs, "the last load")
@@ -92,9 +115,14 @@ def shared_budget(sglang_workdir):
     try:
         results = {label: finish(workdir, label, *run) for label, run in started.items()}
         if vllm_python:  # vLLM without kvcached, once the shared engines are gone (memory)
-            baseline = start(workdir, "vllm_base", {"phases": [VLLM_LOAD]},
-                             engine_env(False, workdir / "registry-unused", sglang=False),
-                             python=vllm_python, harness="vllm_harness.py")
+            baseline = start(
+                workdir,
+                "vllm_base",
+                {"phases": [VLLM_LOAD]},
+                engine_env(False, workdir / "registry-unused", sglang=False),
+                python=vllm_python,
+                harness="vllm_harness.py",
+            )
             procs.append(baseline[0])
             results["vllm_base"] = finish(workdir, "vllm_base", *baseline)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvcached.testing.tiny_llama import TINY_LLAMA, make_tiny_llama, prompt_ids
 
 # transformers comes with the engines; the vLLM environment has it.

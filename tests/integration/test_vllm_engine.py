@@ -44,10 +44,21 @@ def prefix_on(vllm_workdir):
     hold = {"prefix_caching": True, "phases": [{**PHASES[2], "settle_s": 0.3}, {"settle_s": 3.0}]}
     return run_side_by_side(
         vllm_workdir,
-        {"base_on": (spec, engine_env(False, registry)), "kv_on": (spec, engine_env(True, registry)),
-         "kv_hold": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2")),
-         "kv_hold_inproc": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold-inproc",
-                                             KVCACHED_IDLE_RELEASE_S="2", VLLM_ENABLE_V1_MULTIPROCESSING="0"))},
+        {
+            "base_on": (spec, engine_env(False, registry)),
+            "kv_on": (spec, engine_env(True, registry)),
+            "kv_hold": (hold, engine_env(True, registry, KVCACHED_NAME="kv-hold", KVCACHED_IDLE_RELEASE_S="2")),
+            "kv_hold_inproc": (
+                hold,
+                engine_env(
+                    True,
+                    registry,
+                    KVCACHED_NAME="kv-hold-inproc",
+                    KVCACHED_IDLE_RELEASE_S="2",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                ),
+            ),
+        },
     )
 
 
@@ -156,15 +167,21 @@ def test_two_engines_share_one_budget(vllm_workdir):
     finally:
         del os.environ["KVCACHED_REGISTRY_DIR"]
     flag = {name: str(workdir / f"{name}.flag") for name in ("b_ready", "a_done", "kvctl_done", "b_done")}
-    spec_a = {"prefix_caching": True, "phases": [
-        {"wait_for": flag["b_ready"], **PHASES[2], "signal": flag["a_done"]},
-        {"wait_for": flag["b_done"], "settle_s": 0.2},  # stay alive: B must use what A *released*
-    ]}
-    spec_b = {"prefix_caching": True, "phases": [
-        {"signal": flag["b_ready"]},
-        {"wait_for": flag["a_done"], **PHASES[2]},
-        {"wait_for": flag["kvctl_done"], "signal": flag["b_done"]},
-    ]}
+    spec_a = {
+        "prefix_caching": True,
+        "phases": [
+            {"wait_for": flag["b_ready"], **PHASES[2], "signal": flag["a_done"]},
+            {"wait_for": flag["b_done"], "settle_s": 0.2},  # stay alive: B must use what A *released*
+        ],
+    }
+    spec_b = {
+        "prefix_caching": True,
+        "phases": [
+            {"signal": flag["b_ready"]},
+            {"wait_for": flag["a_done"], **PHASES[2]},
+            {"wait_for": flag["kvctl_done"], "signal": flag["b_done"]},
+        ],
+    }
     # A's idle hold outlasts the test: A gives its memory back because B asks for it.
     env_a = engine_env(True, registry, KVCACHED_NAME="engine-a", KVCACHED_IDLE_RELEASE_S="600")
     env_b = engine_env(True, registry, KVCACHED_NAME="engine-b")
@@ -179,7 +196,9 @@ def test_two_engines_share_one_budget(vllm_workdir):
         listing = subprocess.run(
             [sys.executable, "-m", "kvcached.kvctl", "list", "--json", "--device", "cpu"],
             env=dict(os.environ, KVCACHED_REGISTRY_DIR=str(registry)),
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         Path(flag["kvctl_done"]).write_text("done")
         result_a = finish(workdir, "engine_a", proc_a, out_a)

@@ -40,8 +40,7 @@ FAMILIES = {
     # Gated DeltaNet state (CPU kernels need bf16): 192 KiB blocks, 6 MiB page ids of 32 blocks;
     # prefix caching puts its state in vLLM's "align" mode (state blocks at block boundaries).
     "qwen3_next": dict(requests=16, limit_bytes=6 * MiB, prefix_caching=True, dtype="bfloat16", state_groups=3),
-    "granite_hybrid": dict(requests=8, limit_bytes=8 * MiB, prefix_caching=False, dtype="bfloat16",
-                           state_groups=3),
+    "granite_hybrid": dict(requests=8, limit_bytes=8 * MiB, prefix_caching=False, dtype="bfloat16", state_groups=3),
 }
 ALL = sorted(FAMILIES)
 SLIDING = sorted(name for name, options in FAMILIES.items() if options.get("sliding_groups"))
@@ -53,17 +52,28 @@ def _run_family(workdir: Path, family: str) -> dict[str, dict]:
     registry = workdir / f"registry-{family}"
     registry.mkdir()
     options = FAMILIES[family]
-    load = {"prompts": prompt_ids(options["requests"], PROMPT_TOKENS, seed=11), "max_tokens": NEW_TOKENS,
-            "probe_during": True}
+    load = {
+        "prompts": prompt_ids(options["requests"], PROMPT_TOKENS, seed=11),
+        "max_tokens": NEW_TOKENS,
+        "probe_during": True,
+    }
     # All long prompts prefill in one step, so that they also finish together.
-    spec = {"model": model, "prefix_caching": options["prefix_caching"], "phases": [SHARED, load],
-            "max_num_batched_tokens": 8192, "dtype": options.get("dtype", "float32")}
+    spec = {
+        "model": model,
+        "prefix_caching": options["prefix_caching"],
+        "phases": [SHARED, load],
+        "max_num_batched_tokens": 8192,
+        "dtype": options.get("dtype", "float32"),
+    }
     tight_env = engine_env(True, registry, KVCACHED_LIMIT_BYTES=str(options["limit_bytes"]))
-    return run_side_by_side(workdir, {
-        f"{family}_base": (spec, engine_env(False, registry)),
-        f"{family}_kv": (spec, engine_env(True, registry)),
-        f"{family}_tight": (spec, tight_env),
-    })
+    return run_side_by_side(
+        workdir,
+        {
+            f"{family}_base": (spec, engine_env(False, registry)),
+            f"{family}_kv": (spec, engine_env(True, registry)),
+            f"{family}_tight": (spec, tight_env),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +95,7 @@ def test_every_group_is_backed_by_kvcached(family_runs):
     assert "kvcached: virtual KV cache of" in log and "is a virtual" in log
     assert "kvcached is NOT active" not in log
     # The worker names the groups it backs: more than one kind of KV cache spec.
-    line = next(l for l in log.splitlines() if "is a virtual" in l)
+    line = next(text for text in log.splitlines() if "is a virtual" in text)
     assert " + " in line, line
     assert "kvcached" not in base["log"].replace("KVCACHED", "")
 
@@ -154,10 +164,16 @@ def gemma3_tp2(vllm_workdir):
     registry = vllm_workdir / "registry-gemma3-tp2"
     registry.mkdir()
     load = {"prompts": prompt_ids(8, PROMPT_TOKENS, seed=11), "max_tokens": NEW_TOKENS, "probe_during": True}
-    spec = {"model": model, "phases": [SHARED, load], "max_num_batched_tokens": 8192, "tensor_parallel_size": 2,
-            "gpu_memory_utilization": 0.15}
-    return run_side_by_side(vllm_workdir, {"tp2_base": (spec, engine_env(False, registry)),
-                                           "tp2_kv": (spec, engine_env(True, registry))})
+    spec = {
+        "model": model,
+        "phases": [SHARED, load],
+        "max_num_batched_tokens": 8192,
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.15,
+    }
+    return run_side_by_side(
+        vllm_workdir, {"tp2_base": (spec, engine_env(False, registry)), "tp2_kv": (spec, engine_env(True, registry))}
+    )
 
 
 def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3_tp2):

@@ -38,14 +38,21 @@ NUM_BLOCKS = 16
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
 WINDOW = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=16)
 # A Mamba state padded to the attention page (vLLM unifies page sizes of hybrid models).
-MAMBA = MambaSpec(block_size=64, shapes=((3, 64), (4, 16, 8)), dtypes=(torch.float32, torch.float32),
-                  page_size_padded=FULL.page_size_bytes)
+MAMBA = MambaSpec(
+    block_size=64,
+    shapes=((3, 64), (4, 16, 8)),
+    dtypes=(torch.float32, torch.float32),
+    page_size_padded=FULL.page_size_bytes,
+)
 
 
 def _config(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> KVCacheConfig:
     """vLLM's own plan for ``groups`` in ``layout`` (only the settings its planner reads)."""
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, num_gpu_blocks_override=NUM_BLOCKS,
-                            prefix_cache_retention_interval=None)
+    cache = SimpleNamespace(
+        get_resolved_kv_cache_layout=lambda: layout,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        prefix_cache_retention_interval=None,
+    )
     vllm_config = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
     return kv_cache_utils.get_kv_cache_config_from_groups(vllm_config, groups, 1 << 30)
 
@@ -67,11 +74,11 @@ def _block_region(found, block: int) -> torch.Tensor:
     mask = torch.zeros(size, dtype=torch.bool)
     for slot in range(found.num_layers):
         start = slot * found.block_bytes * NUM_BLOCKS + block * found.block_bytes
-        mask[start:start + found.block_bytes] = True
+        mask[start : start + found.block_bytes] = True
     return mask
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_every_groups_block_lies_in_the_block_kvcached_maps(model, layout):
     config = _config(MODELS[model], layout)
@@ -91,7 +98,7 @@ def test_every_groups_block_lies_in_the_block_kvcached_maps(model, layout):
             assert reached.any() and not (reached & ~region).any(), (name, block)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 def test_the_views_are_the_ones_vllm_carves_over_its_own_buffer(layout):
     """Same shapes, strides, dtype and offsets as vLLM's ``allocate_kv_cache`` (over its zeros)."""
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -118,9 +125,16 @@ def test_a_layout_no_block_id_space_covers_is_refused_by_name():
 def test_host_resident_tensors_are_refused_by_name():
     config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=FULL.page_size_bytes * NUM_BLOCKS, layers=["full"],
-                                        layer_stride=FULL.page_size_bytes * NUM_BLOCKS,
-                                        block_stride=FULL.page_size_bytes, offset=0, host_resident=True)],
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=FULL.page_size_bytes * NUM_BLOCKS,
+                layers=["full"],
+                layer_stride=FULL.page_size_bytes * NUM_BLOCKS,
+                block_stride=FULL.page_size_bytes,
+                offset=0,
+                host_resident=True,
+            )
+        ],
         kv_cache_groups=[KVCacheGroupSpec(["full"], FULL)],
     )
     with pytest.raises(UnsupportedVLLMConfig, match="FullAttentionSpec.*host-resident"):
@@ -130,7 +144,8 @@ def test_host_resident_tensors_are_refused_by_name():
 def _engine_config(kv_cache_memory_bytes):
     return SimpleNamespace(
         cache_config=SimpleNamespace(kv_cache_memory_bytes=kv_cache_memory_bytes),
-        model_config=SimpleNamespace(enable_sleep_mode=False), kv_transfer_config=None,
+        model_config=SimpleNamespace(enable_sleep_mode=False),
+        kv_transfer_config=None,
         attention_config=SimpleNamespace(hisparse_config=None),
     )
 

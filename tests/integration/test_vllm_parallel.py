@@ -15,7 +15,6 @@ early and the second stage's worker dies on
 
 from __future__ import annotations
 
-
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -35,10 +34,13 @@ RANKS = ["rank0-cpu", "rank1-cpu"]
 def _pair(workdir, label: str, spec: dict) -> dict:
     registry = workdir / f"registry-{label}"
     registry.mkdir()
-    return run_side_by_side(workdir, {
-        f"base_{label}": (spec, engine_env(False, registry)),
-        f"kv_{label}": (spec, engine_env(True, registry, KVCACHED_NAME=f"kv-{label}")),
-    })
+    return run_side_by_side(
+        workdir,
+        {
+            f"base_{label}": (spec, engine_env(False, registry)),
+            f"kv_{label}": (spec, engine_env(True, registry, KVCACHED_NAME=f"kv-{label}")),
+        },
+    )
 
 
 @pytest.fixture(scope="module")

@@ -107,15 +107,26 @@ def _ranks(*hosts):
 
     from kvcached.integration.common.rank_devices import RankDevice
 
-    return [RankDevice(rank=i, device="cpu", local_device="cpu", total_bytes=1 << 30, pid=os.getpid(),
-                       host=host or socket.gethostname()) for i, host in enumerate(hosts)]
+    return [
+        RankDevice(
+            rank=i,
+            device="cpu",
+            local_device="cpu",
+            total_bytes=1 << 30,
+            pid=os.getpid(),
+            host=host or socket.gethostname(),
+        )
+        for i, host in enumerate(hosts)
+    ]
 
 
 def _layouts(*layers, block_bytes=4096):
     from kvcached.integration.common.engine_layout import engine_layout
 
-    return [engine_layout(num_blocks=64, block_bytes=block_bytes, num_layers=n, num_buffers=1, page_bytes=64 << 10)
-            for n in layers]
+    return [
+        engine_layout(num_blocks=64, block_bytes=block_bytes, num_layers=n, num_buffers=1, page_bytes=64 << 10)
+        for n in layers
+    ]
 
 
 def test_ranks_of_tensor_and_pipeline_parallel_engines_are_accepted():
@@ -206,8 +217,9 @@ def _idle_engine(hold_s):
         def release_cached_blocks(self, keep_bytes):
             released.append("prefix cache")
 
-    engine = SimpleNamespace(blocks=Blocks(), block_pool=BlockPool(), idle=IdleRelease(hold_s, []),
-                             lock=threading.RLock())
+    engine = SimpleNamespace(
+        blocks=Blocks(), block_pool=BlockPool(), idle=IdleRelease(hold_s, []), lock=threading.RLock()
+    )
     return engine, released
 
 
@@ -242,8 +254,9 @@ def test_an_in_process_engine_busy_again_within_its_hold_keeps_its_memory():
 
     engine, released = _idle_engine(0.2)
     unfinished = [0]
-    core = SimpleNamespace(scheduler=SimpleNamespace(_kvcached=engine,
-                                                     get_num_unfinished_requests=lambda: unfinished[0]))
+    core = SimpleNamespace(
+        scheduler=SimpleNamespace(_kvcached=engine, get_num_unfinished_requests=lambda: unfinished[0])
+    )
     scheduler._flush_if_idle(core)
     unfinished[0] = 1
     engine.idle.busy()  # the next schedule(): work came back before the hold ran out
@@ -268,7 +281,8 @@ def test_an_idle_engine_process_holds_its_memory_then_its_loop_is_woken_to_give_
     engine, released = _idle_engine(0.2)
     core = CoreProcess(
         scheduler=SimpleNamespace(_kvcached=engine, get_num_unfinished_requests=lambda: 0),
-        _idle_state_callbacks=[], input_queue=queue.Queue(),
+        _idle_state_callbacks=[],
+        input_queue=queue.Queue(),
     )
     scheduler._flush_if_idle(core)
     assert released == []  # held: the loop goes on to wait for input

@@ -19,7 +19,6 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import vllm_release_drive as drive  # noqa: E402
-
 from kvcached.integration import vllm as plugin  # noqa: E402
 from kvcached.integration.common.front_door import PatchPointMoved, verify_patch_points  # noqa: E402
 

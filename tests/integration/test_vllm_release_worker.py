@@ -65,8 +65,10 @@ def spaces():
 
 
 def _sites(package):
-    return getattr(package, "KV_TENSOR_SITES", None) or importlib.import_module(
-        "kvcached.integration.vllm.v0_32.patch_points").KV_TENSOR_SITES
+    return (
+        getattr(package, "KV_TENSOR_SITES", None)
+        or importlib.import_module("kvcached.integration.vllm.v0_32.patch_points").KV_TENSOR_SITES
+    )
 
 
 def _importable_allocators(package):
@@ -122,13 +124,16 @@ def test_writes_through_vllms_views_land_in_mapped_kvcached_pages_and_unmapped_b
         block = per_page + layer
         view[block].fill_(layer + 1.5)
         offset = space.offset_of(layer, 0, block)
-        cell = flat[offset: offset + view[block].numel() * view.element_size()].view(view.dtype)
+        cell = flat[offset : offset + view[block].numel() * view.element_size()].view(view.dtype)
         assert torch.all(cell == layer + 1.5)
         assert torch.count_nonzero(view[2 * per_page]) == 0  # an unmapped page reads zeros
 
 
-@pytest.mark.parametrize("attn_utils_module", ["vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.cpu.attn_utils"],
-                         ids=["model-runner-v2", "standalone-cpu-runner"])
+@pytest.mark.parametrize(
+    "attn_utils_module",
+    ["vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.cpu.attn_utils"],
+    ids=["model-runner-v2", "standalone-cpu-runner"],
+)
 def test_model_runner_v2_init_kv_cache_binds_kvcached_views(planned, spaces, attn_utils_module):
     package, config, kv_cache_config = planned
     try:

@@ -20,11 +20,11 @@ pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 torch = pytest.importorskip("torch")
 
-from test_vllm_kv_tensors import MODELS, _config  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvcached.integration import vllm as plugin  # noqa: E402
+from test_vllm_kv_tensors import MODELS, _config  # noqa: E402
 
 CONFIGS = {**MODELS, "llama": [KVCacheGroupSpec(["l0", "l1"], MODELS["gpt_oss"][1].kv_cache_spec)]}
 
@@ -49,7 +49,7 @@ def v2_attn_utils(monkeypatch, tmp_path):
 def _plan(config, page_bytes: int = 64 << 10):
     """Marks ``config`` as kvcached's plan of a one-rank engine on the host, as the EngineCore does."""
     from kvcached.integration.common.acks import AckBoard
-    from kvcached.integration.common.devices import describe_rank
+    from kvcached.integration.common.rank_devices import describe_rank
     from kvcached.integration.vllm.v0_32 import plan
 
     layout = plan.layout_of(config, page_bytes)
@@ -60,7 +60,7 @@ def _plan(config, page_bytes: int = 64 << 10):
     return board
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda layout: layout.name)
 @pytest.mark.parametrize("model", sorted(CONFIGS))
 def test_v2_kv_tensors_match_vllms_own_over_kvcached_memory(v2_attn_utils, model, layout):
     from kvcached.integration.vllm.v0_32 import worker

@@ -58,23 +58,42 @@ def attention_specs() -> dict[str, Any]:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32) for i in range(NUM_LAYERS)}
+    return {
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
+        )
+        for i in range(NUM_LAYERS)
+    }
 
 
-def vllm_config(model_dir: str, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                max_model_len: int = 512, prefix_caching: bool = True, tensor_parallel: int = 1) -> Any:
+def vllm_config(
+    model_dir: str,
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 512,
+    prefix_caching: bool = True,
+    tensor_parallel: int = 1,
+) -> Any:
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
-    model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True,
-                        max_model_len=max_model_len)
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=True,
-                                is_encoder_decoder=False)
+    model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
     cache = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=prefix_caching)
     parallel = ParallelConfig(tensor_parallel_size=tensor_parallel)
-    config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
-                        parallel_config=parallel, device_config=DeviceConfig(device="cpu"))
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        parallel_config=parallel,
+        device_config=DeviceConfig(device="cpu"),
+    )
     config.cache_config.kv_cache_layout = LAYOUT  # what the EngineCore resolves from its workers
     return config
 
@@ -84,7 +103,7 @@ def plan_kv_cache(config: Any, *, num_blocks: int, ranks: int = 1) -> list[Any]:
     import torch
     from vllm.v1.engine import core
 
-    from kvcached.integration.common.devices import describe_rank
+    from kvcached.integration.common.rank_devices import describe_rank
     from kvcached.integration.vllm.v0_32 import plan
 
     specs = [attention_specs() for _ in range(ranks)]
@@ -138,10 +157,13 @@ class Drive:
         request_id = f"req-{number}"
         # Distinct prompts (their first tokens differ) unless one is given.
         tokens = prompt if prompt is not None else [3 + (i * 7 + number * 131) % 500 for i in range(prompt_len)]
-        request = Request(request_id=request_id, prompt_token_ids=list(tokens),
-                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          pooling_params=None,
-                          block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
         self.scheduler.add_request(request)
         return request_id
 
@@ -160,8 +182,9 @@ class Drive:
         results = self.scheduler.update_from_output(output, self.runner_output(output))
         for outputs in results.values():
             for request_output in outputs.outputs:
-                self.generated[request_output.request_id] = (
-                    self.generated.get(request_output.request_id, 0) + len(request_output.new_token_ids))
+                self.generated[request_output.request_id] = self.generated.get(request_output.request_id, 0) + len(
+                    request_output.new_token_ids
+                )
         mapped = [int(space.space.mapped_pages) for space in self.spaces]
         self.max_mapped_pages = [max(pair) for pair in zip(mapped, self.max_mapped_pages or mapped)]
         self.steps += 1
@@ -186,8 +209,14 @@ class Drive:
             done = request.num_computed_tokens >= request.num_prompt_tokens
             sampled.append([5] if done else [])
         fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
-        values = dict(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                      sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+        values = dict(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
         return ModelRunnerOutput(**{k: v for k, v in values.items() if k in fields})
 
     def run_until_done(self, max_steps: int = 500) -> None:
@@ -206,8 +235,9 @@ class Drive:
             assert method == "kvcached_apply_page_ops"
             return [space.apply(*args) for space in self.spaces]
 
-        engine_core = SimpleNamespace(scheduler=self.scheduler, batch_queue=None,
-                                      model_executor=SimpleNamespace(collective_rpc=collective_rpc))
+        engine_core = SimpleNamespace(
+            scheduler=self.scheduler, batch_queue=None, model_executor=SimpleNamespace(collective_rpc=collective_rpc)
+        )
         kvcached_scheduler._flush_if_idle(engine_core, hold=False)
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -220,8 +250,9 @@ class Drive:
             space.close()
 
 
-def start(model_dir: str, *, num_blocks: int = 256, ranks: int = 1, limit_bytes: Optional[int] = None,
-          **config_kwargs: Any) -> Drive:
+def start(
+    model_dir: str, *, num_blocks: int = 256, ranks: int = 1, limit_bytes: Optional[int] = None, **config_kwargs: Any
+) -> Drive:
     """A Scheduler over kvcached for ``ranks`` tensor-parallel ranks (each with its own KV space here)."""
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -244,12 +275,28 @@ def start(model_dir: str, *, num_blocks: int = 256, ranks: int = 1, limit_bytes:
     configs = plan_kv_cache(config, num_blocks=num_blocks, ranks=ranks)
     plan = getattr(configs[0], PLAN_ATTR)
     config.cache_config.num_gpu_blocks = configs[0].num_blocks  # what the EngineCore records
-    spaces = [WorkerSpace(plan.layouts[r], device="cpu", rank=r, board=AckBoard.attach(plan.board_path, ranks))
-              for r in range(ranks)]
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=generate_scheduler_kv_cache_config(configs),
-                          structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
-                          log_stats=True)
+    spaces = [
+        WorkerSpace(plan.layouts[r], device="cpu", rank=r, board=AckBoard.attach(plan.board_path, ranks))
+        for r in range(ranks)
+    ]
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=generate_scheduler_kv_cache_config(configs),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
     return Drive(scheduler=scheduler, spaces=spaces, configs=configs)
 
 
-__all__ = ["BLOCK_SIZE", "Drive", "environment_kept", "NUM_LAYERS", "PAGE_BYTES", "install", "plan_kv_cache", "start", "vllm_config"]
+__all__ = [
+    "BLOCK_SIZE",
+    "Drive",
+    "environment_kept",
+    "NUM_LAYERS",
+    "PAGE_BYTES",
+    "install",
+    "plan_kv_cache",
+    "start",
+    "vllm_config",
+]

@@ -28,17 +28,28 @@ enum { kSuccess = 0 };
 
 /* Call kinds, in the order bench/reference/driver_calls.py names them. */
 enum {
-  kReserve, kFreeRange, kCreate, kRelease, kMap, kUnmap, kSetAccess, kMemset, kSynchronize,
-  kMemGetInfo, kCtxGetCurrent, kCtxSetCurrent, kCallKinds
+  kReserve,
+  kFreeRange,
+  kCreate,
+  kRelease,
+  kMap,
+  kUnmap,
+  kSetAccess,
+  kMemset,
+  kSynchronize,
+  kMemGetInfo,
+  kCtxGetCurrent,
+  kCtxSetCurrent,
+  kCallKinds
 };
 
 struct ccount_event {
-  uint32_t call;       /* one of the kinds above */
-  uint32_t zero;       /* 1 when it touched a zero allocation */
-  uint64_t bytes;      /* size argument (0 where the call has none) */
-  uint64_t mappings;   /* mappings a range call (unmap, set_access) spans */
-  uint64_t handle;     /* allocation concerned (first mapping's, for range calls) */
-  uint64_t driver_ns;  /* time inside the real driver call */
+  uint32_t call;      /* one of the kinds above */
+  uint32_t zero;      /* 1 when it touched a zero allocation */
+  uint64_t bytes;     /* size argument (0 where the call has none) */
+  uint64_t mappings;  /* mappings a range call (unmap, set_access) spans */
+  uint64_t handle;    /* allocation concerned (first mapping's, for range calls) */
+  uint64_t driver_ns; /* time inside the real driver call */
 };
 
 /* ---- tables: open addressing with linear probing, keys never 0 ----------------- */
@@ -153,8 +164,7 @@ static void record(uint32_t call, uint64_t bytes, uint64_t mappings, uint64_t ha
     g_event_capacity = capacity;
   }
   g_events[g_event_count++] =
-      (struct ccount_event){call, (uint32_t)(handle != 0 && handle_is_zero(handle)), bytes, mappings,
-                            handle, ns};
+      (struct ccount_event){call, (uint32_t)(handle != 0 && handle_is_zero(handle)), bytes, mappings, handle, ns};
 }
 
 /* The mappings exactly covering [address, address + size): count, first handle. */
@@ -191,8 +201,8 @@ static void* driver_symbol(const char* symbol) {
 }
 
 /* Looked up once per call kind; the shim's own definition gives the pointer type. */
-#define REAL(name) \
-  static __typeof__(&name) real_##name; \
+#define REAL(name)                                                                \
+  static __typeof__(&name) real_##name;                                           \
   if (real_##name == NULL) real_##name = (__typeof__(&name))driver_symbol(#name); \
   if (real_##name == NULL) return 999 /* CUDA_ERROR_UNKNOWN */
 
@@ -222,8 +232,7 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   return result;
 }
 
-CUresult cuMemCreate(CUmemHandle* handle, size_t size, const CUmemAllocationProp* prop,
-                     unsigned long long flags) {
+CUresult cuMemCreate(CUmemHandle* handle, size_t size, const CUmemAllocationProp* prop, unsigned long long flags) {
   REAL(cuMemCreate);
   const uint64_t start = now_ns();
   const CUresult result = real_cuMemCreate(handle, size, prop, flags);
@@ -253,8 +262,7 @@ CUresult cuMemRelease(CUmemHandle handle) {
   return result;
 }
 
-CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemHandle handle,
-                  unsigned long long flags) {
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemHandle handle, unsigned long long flags) {
   REAL(cuMemMap);
   const uint64_t start = now_ns();
   const CUresult result = real_cuMemMap(ptr, size, offset, handle, flags);

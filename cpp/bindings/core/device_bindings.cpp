@@ -38,8 +38,7 @@ std::shared_ptr<Device> open_host_device(std::size_t capacity_bytes) {
 }
 
 std::shared_ptr<Device> open_backend_capsule(nb::handle capsule) {
-  auto* holder = static_cast<std::shared_ptr<VmmBackend>*>(
-      PyCapsule_GetPointer(capsule.ptr(), kBackendCapsuleName));
+  auto* holder = static_cast<std::shared_ptr<VmmBackend>*>(PyCapsule_GetPointer(capsule.ptr(), kBackendCapsuleName));
   if (holder == nullptr) {
     PyErr_Clear();
     throw InvalidArgument(std::string("expected a capsule named ") + kBackendCapsuleName);
@@ -76,37 +75,38 @@ void bind_device(nb::module_& m) {
            "Give the memory back. Raises ValueError while the allocation is mapped.");
 
   nb::class_<Device>(m, "Device", "One device behind the VMM contract, with kvcached's rule checks.")
-      .def_prop_ro("name", &Device::name,
-                   "Device string with the ordinal this process sees, e.g. 'cpu' or 'cuda:0'.")
+      .def_prop_ro("name", &Device::name, "Device string with the ordinal this process sees, e.g. 'cpu' or 'cuda:0'.")
       .def_prop_ro("canonical_name", &Device::canonical_name,
                    "The physical device, the same in every process whatever its visible-devices "
                    "mask: 'cpu', 'cuda-GPU-<uuid>', 'hip-GPU-<uuid>' or 'hip-pci-<bus id>'.")
       .def_prop_ro("backend", &Device::backend_name, "'host', 'cuda' or 'hip'.")
       .def_prop_ro("ordinal", &Device::ordinal)
-      .def_prop_ro("dlpack_device_type",
-                   [](const Device& d) { return static_cast<int>(d.dlpack_device_type()); },
-                   "DLPack device type: 1 cpu, 2 cuda, 10 rocm.")
-      .def_prop_ro("granularity",
-                   [](const Device& d) {
-                     const Granularity g = d.granularity();
-                     return std::make_pair(g.minimum_bytes, g.recommended_bytes);
-                   },
-                   "(minimum_bytes, recommended_bytes).")
-      .def("memory_info",
-           [](const Device& d) {
-             const MemoryInfo info = d.memory_info();
-             return std::make_pair(info.free_bytes, info.total_bytes);
-           },
-           Released(), "(free_bytes, total_bytes) of the device, asked of the driver.")
+      .def_prop_ro(
+          "dlpack_device_type", [](const Device& d) { return static_cast<int>(d.dlpack_device_type()); },
+          "DLPack device type: 1 cpu, 2 cuda, 10 rocm.")
+      .def_prop_ro(
+          "granularity",
+          [](const Device& d) {
+            const Granularity g = d.granularity();
+            return std::make_pair(g.minimum_bytes, g.recommended_bytes);
+          },
+          "(minimum_bytes, recommended_bytes).")
+      .def(
+          "memory_info",
+          [](const Device& d) {
+            const MemoryInfo info = d.memory_info();
+            return std::make_pair(info.free_bytes, info.total_bytes);
+          },
+          Released(), "(free_bytes, total_bytes) of the device, asked of the driver.")
       .def_prop_ro("estimated_free_bytes", &Device::estimated_free_bytes,
                    "Free bytes without a driver call: the last memory_info(), less what was created "
                    "through this Device since, plus what was released.")
-      .def("counters", [](const Device& d) { return counters_dict(d.counters()); },
-           "Reserved / created / mapped bytes and object counts held through this Device.")
+      .def(
+          "counters", [](const Device& d) { return counters_dict(d.counters()); },
+          "Reserved / created / mapped bytes and object counts held through this Device.")
       .def("reserve", &Device::reserve, "size"_a, "alignment"_a = 0, Released(),
            "Reserve a virtual address range (size a multiple of the minimum granularity).")
-      .def("create", &Device::create, "size"_a, Released(),
-           "Create a physical allocation of `size` bytes.")
+      .def("create", &Device::create, "size"_a, Released(), "Create a physical allocation of `size` bytes.")
       .def("map", &Device::map, "address"_a, "allocation"_a, Released(),
            "Map the whole allocation at `address`; not accessible until set_access.")
       .def("unmap", &Device::unmap, "address"_a, "size"_a, Released(),
@@ -115,42 +115,45 @@ void bind_device(nb::module_& m) {
            "map + set_access in one call; the mapping is undone if set_access fails.")
       .def("set_access", &Device::set_access, "address"_a, "size"_a, Released(),
            "Make mapped memory readable and writable by the device.")
-      .def("synchronize", &Device::synchronize, Released(),
-           "Wait for work queued on the device.")
+      .def("synchronize", &Device::synchronize, Released(), "Wait for work queued on the device.")
       .def("fence_new_mappings", &Device::fence_new_mappings, Released(),
            "Make mappings made so far visible to device work submitted from now on (may wait; "
            "HIP: KVCACHED_HIP_MAPPING_SETTLE_US). Call before handing fresh memory to kernels.")
-      .def("view",
-           [](Device& d, std::uintptr_t address, std::size_t size, nb::handle owner) {
-             // ROCm fails a copy spanning two separately reserved ranges, even
-             // adjacent ones, so no exported array ever spans two.
-             if (!d.inside_one_reservation(address, size)) {
-               throw InvalidArgument("view: [" + std::to_string(address) + ", +" +
-                                     std::to_string(size) + ") is not inside one reserved range");
-             }
-             const std::size_t shape[1] = {size};
-             return nb::ndarray<nb::array_api, uint8_t, nb::ndim<1>>(
-                 reinterpret_cast<void*>(address), 1, shape, owner, nullptr,
-                 nb::dtype<uint8_t>(), static_cast<int>(d.dlpack_device_type()), d.ordinal());
-           },
-           "address"_a, "size"_a, "owner"_a.none(),
-           "A DLPack byte array over [address, address + size) that keeps `owner` alive. "
-           "The range must lie inside one reservation (ValueError otherwise). Low-level: the "
-           "caller guarantees the memory is mapped and accessible.");
+      .def(
+          "view",
+          [](Device& d, std::uintptr_t address, std::size_t size, nb::handle owner) {
+            // ROCm fails a copy spanning two separately reserved ranges, even
+            // adjacent ones, so no exported array ever spans two.
+            if (!d.inside_one_reservation(address, size)) {
+              throw InvalidArgument("view: [" + std::to_string(address) + ", +" + std::to_string(size) +
+                                    ") is not inside one reserved range");
+            }
+            const std::size_t shape[1] = {size};
+            return nb::ndarray<nb::array_api, uint8_t, nb::ndim<1>>(
+                reinterpret_cast<void*>(address), 1, shape, owner, nullptr, nb::dtype<uint8_t>(),
+                static_cast<int>(d.dlpack_device_type()), d.ordinal());
+          },
+          "address"_a, "size"_a, "owner"_a.none(),
+          "A DLPack byte array over [address, address + size) that keeps `owner` alive. "
+          "The range must lie inside one reservation (ValueError otherwise). Low-level: the "
+          "caller guarantees the memory is mapped and accessible.");
 
   m.def("open_host_device", &open_host_device, "capacity_bytes"_a = 0,
         "Open the host backend with the settings of kvcached.config (KVCACHED_HOST_MEMORY, "
         "KVCACHED_HOST_POPULATE). capacity 0: KVCACHED_HOST_CAPACITY_BYTES or half of the memory limit.");
   m.def("open_backend_capsule", &open_backend_capsule, "capsule"_a,
         "Wrap a backend handed over by a GPU backend module (kvcached._cuda / kvcached._hip).");
-  m.def("default_host_capacity_bytes", [] { return host_capacity_bytes(0); },
-        "The host backend's default capacity in bytes: KVCACHED_HOST_CAPACITY_BYTES, else half "
-        "of the machine's (or cgroup's) memory limit.");
-  m.def("wait_for_host_population", [] {
-          nb::gil_scoped_release release;
-          wait_for_population();
-        },
-        "Block until the host pages mapped so far are populated (KVCACHED_HOST_POPULATE=background).");
+  m.def(
+      "default_host_capacity_bytes", [] { return host_capacity_bytes(0); },
+      "The host backend's default capacity in bytes: KVCACHED_HOST_CAPACITY_BYTES, else half "
+      "of the machine's (or cgroup's) memory limit.");
+  m.def(
+      "wait_for_host_population",
+      [] {
+        nb::gil_scoped_release release;
+        wait_for_population();
+      },
+      "Block until the host pages mapped so far are populated (KVCACHED_HOST_POPULATE=background).");
 }
 
 }  // namespace kvcached::bindings

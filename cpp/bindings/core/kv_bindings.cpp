@@ -88,15 +88,32 @@ std::vector<std::int64_t> ids_from(nb::handle ids) {
     if (!is_int && !is_uint) not_integer_ids("an array of " + text_of(ids.attr("dtype")));
     out.reserve(array.shape(0));
     switch (dtype.bits * (is_int ? 1 : -1)) {
-      case 8: append_ids<std::int8_t>(array, out); break;
-      case 16: append_ids<std::int16_t>(array, out); break;
-      case 32: append_ids<std::int32_t>(array, out); break;
-      case 64: append_ids<std::int64_t>(array, out); break;
-      case -8: append_ids<std::uint8_t>(array, out); break;
-      case -16: append_ids<std::uint16_t>(array, out); break;
-      case -32: append_ids<std::uint32_t>(array, out); break;
-      case -64: append_ids<std::uint64_t>(array, out); break;
-      default: not_integer_ids("an array of " + std::to_string(dtype.bits) + "-bit integers");
+      case 8:
+        append_ids<std::int8_t>(array, out);
+        break;
+      case 16:
+        append_ids<std::int16_t>(array, out);
+        break;
+      case 32:
+        append_ids<std::int32_t>(array, out);
+        break;
+      case 64:
+        append_ids<std::int64_t>(array, out);
+        break;
+      case -8:
+        append_ids<std::uint8_t>(array, out);
+        break;
+      case -16:
+        append_ids<std::uint16_t>(array, out);
+        break;
+      case -32:
+        append_ids<std::uint32_t>(array, out);
+        break;
+      case -64:
+        append_ids<std::uint64_t>(array, out);
+        break;
+      default:
+        not_integer_ids("an array of " + std::to_string(dtype.bits) + "-bit integers");
     }
     return out;
   }
@@ -180,12 +197,13 @@ void bind_space(nb::module_& m) {
       });
 
   nb::class_<KVSpace>(m, "KVSpace", "The mapping side of a KV cache: a reservation and its mapped page ids.")
-      .def("__init__",
-           [](KVSpace* self, const KVLayout& layout, std::shared_ptr<Device> device, const KVSpaceOptions& options) {
-             nb::gil_scoped_release release;
-             new (self) KVSpace(std::move(device), layout, options);
-           },
-           "layout"_a, "device"_a, "options"_a)
+      .def(
+          "__init__",
+          [](KVSpace* self, const KVLayout& layout, std::shared_ptr<Device> device, const KVSpaceOptions& options) {
+            nb::gil_scoped_release release;
+            new (self) KVSpace(std::move(device), layout, options);
+          },
+          "layout"_a, "device"_a, "options"_a)
       .def_prop_ro("kv_layout", &KVSpace::layout, "The KVLayout this space was built for.")
       .def_prop_ro("base_address", &KVSpace::base)
       .def_prop_ro("size_bytes", &KVSpace::size_bytes)
@@ -211,115 +229,128 @@ void bind_space(nb::module_& m) {
            "Release spares beyond `keep`; returns how many were released.")
       .def("set_max_spare_pages", &KVSpace::set_max_spare_pages, "count"_a,
            "Unmapped allocations kept for reuse instead of released.")
-      .def("memory_owner", [](const KVSpace& s) { return MemoryOwner{s.memory()}; },
-           "An object that keeps the reservation alive (for exported tensors).")
-      .def("close", &KVSpace::close, Released(),
-           "Unmap everything; tensors still alive then read zeros. Idempotent.")
+      .def(
+          "memory_owner", [](const KVSpace& s) { return MemoryOwner{s.memory()}; },
+          "An object that keeps the reservation alive (for exported tensors).")
+      .def("close", &KVSpace::close, Released(), "Unmap everything; tensors still alive then read zeros. Idempotent.")
       .def_prop_ro("closed", &KVSpace::closed);
 }
 
 void bind_block_manager(nb::module_& m) {
   nb::class_<BlockManager>(m, "BlockManager", "The deciding side of a KV cache: block ids, limits, reserve.")
-      .def("__init__",
-           [](BlockManager* self, const KVLayout& layout, const BlockManagerOptions& options,
-              std::shared_ptr<KVSpace> space, std::optional<std::vector<MirrorSpec>> mirrors,
-              std::shared_ptr<MemoryBudget> budget) {
-             if (space && mirrors) throw InvalidArgument("give a KV space (in-process) or mirrors, not both");
-             nb::gil_scoped_release release;
-             if (space) {
-               new (self) BlockManager(layout, options, std::move(space), std::move(budget));
-             } else {
-               if (budget) throw InvalidArgument("a device-less manager takes its budgets from its mirrors");
-               new (self) BlockManager(layout, options, mirrors ? std::move(*mirrors) : std::vector<MirrorSpec>{{}});
-             }
-           },
-           "layout"_a, "options"_a, "space"_a.none() = nb::none(), "mirrors"_a.none() = nb::none(),
-           "budget"_a.none() = nb::none())
-      .def("alloc",
-           [](BlockManager& b, nb::handle count, double timeout_s) {
-             const std::size_t n = count_arg("n", count);
-             if (!(timeout_s >= 0.0)) throw InvalidArgument("timeout_s must be a number of seconds >= 0");
-             std::vector<std::int64_t> ids;
-             if (!b.try_alloc_mapped(n, ids)) {  // may have to wait: let other threads run
-               const auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                   std::chrono::duration<double>(std::min(timeout_s, 1e9)));
-               nb::gil_scoped_release release;
-               ids = b.alloc(n, wait);
-             }
-             return ids_to_array(std::move(ids));
-           },
-           "n"_a, "timeout_s"_a = 0.0,
-           nb::sig("def alloc(self, n: int, timeout_s: float = 0.0) -> numpy.typing.NDArray[numpy.int64]"),
-           "Allocate n block ids (numpy int64). Raises OutOfMemoryError, rolling back. With timeout_s, waits "
-           "up to that long for memory other pools give back (only when a budget stands in the way).")
-      .def("alloc_list",
-           [](BlockManager& b, nb::handle count) {
-             const std::size_t n = count_arg("n", count);
-             std::vector<std::int64_t> ids;
-             if (!b.try_alloc_mapped(n, ids)) {
-               nb::gil_scoped_release release;
-               ids = b.alloc(n);
-             }
-             return ids;
-           },
-           "n"_a, nb::sig("def alloc_list(self, n: int) -> list[int]"), "alloc(n) as a list of ints.")
-      .def("alloc_ids", [](BlockManager& b, nb::handle ids) {
-             std::vector<std::int64_t> v = ids_from(ids);
-             nb::gil_scoped_release release;
-             b.alloc_ids(v);
-           },
-           "ids"_a, nb::sig("def alloc_ids(self, ids: Sequence[int] | numpy.ndarray) -> None"),
-           "Take exactly these free block ids (all or nothing).")
-      .def("free", [](BlockManager& b, const nb::list& ids) { b.free(ids_from_list(ids)); }, "ids"_a)
-      .def("free", [](BlockManager& b, const Int64Ids& ids) {
-             if (ids.stride(0) == 1) {
-               b.free(ids.data(), ids.shape(0));  // no copy for the common contiguous case
-             } else {
-               std::vector<std::int64_t> v;
-               v.reserve(ids.shape(0));
-               auto view = ids.view();
-               for (std::size_t i = 0; i < ids.shape(0); ++i) v.push_back(view(i));
-               b.free(v);
-             }
-           }, "ids"_a.noconvert())
-      .def("free", [](BlockManager& b, nb::handle ids) { b.free(ids_from(ids)); }, "ids"_a,
-           nb::sig("def free(self, ids: Sequence[int] | numpy.ndarray) -> None"),
-           "Free block ids (integers, all distinct and handed out, or nothing is freed).")
-      .def("try_reserve",
-           [](BlockManager& b, nb::handle count) {
-             const std::size_t n = count_arg("n", count);
-             nb::gil_scoped_release release;
-             return b.try_reserve(n);
-           },
-           "n"_a, nb::sig("def try_reserve(self, n: int) -> bool"),
-           "Set n more blocks aside for the next allocs, which hand them out first; False (nothing taken) "
-           "when they cannot be had now.")
+      .def(
+          "__init__",
+          [](BlockManager* self, const KVLayout& layout, const BlockManagerOptions& options,
+             std::shared_ptr<KVSpace> space, std::optional<std::vector<MirrorSpec>> mirrors,
+             std::shared_ptr<MemoryBudget> budget) {
+            if (space && mirrors) throw InvalidArgument("give a KV space (in-process) or mirrors, not both");
+            nb::gil_scoped_release release;
+            if (space) {
+              new (self) BlockManager(layout, options, std::move(space), std::move(budget));
+            } else {
+              if (budget) throw InvalidArgument("a device-less manager takes its budgets from its mirrors");
+              new (self) BlockManager(layout, options, mirrors ? std::move(*mirrors) : std::vector<MirrorSpec>{{}});
+            }
+          },
+          "layout"_a, "options"_a, "space"_a.none() = nb::none(), "mirrors"_a.none() = nb::none(),
+          "budget"_a.none() = nb::none())
+      .def(
+          "alloc",
+          [](BlockManager& b, nb::handle count, double timeout_s) {
+            const std::size_t n = count_arg("n", count);
+            if (!(timeout_s >= 0.0)) throw InvalidArgument("timeout_s must be a number of seconds >= 0");
+            std::vector<std::int64_t> ids;
+            if (!b.try_alloc_mapped(n, ids)) {  // may have to wait: let other threads run
+              const auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                  std::chrono::duration<double>(std::min(timeout_s, 1e9)));
+              nb::gil_scoped_release release;
+              ids = b.alloc(n, wait);
+            }
+            return ids_to_array(std::move(ids));
+          },
+          "n"_a, "timeout_s"_a = 0.0,
+          nb::sig("def alloc(self, n: int, timeout_s: float = 0.0) -> numpy.typing.NDArray[numpy.int64]"),
+          "Allocate n block ids (numpy int64). Raises OutOfMemoryError, rolling back. With timeout_s, waits "
+          "up to that long for memory other pools give back (only when a budget stands in the way).")
+      .def(
+          "alloc_list",
+          [](BlockManager& b, nb::handle count) {
+            const std::size_t n = count_arg("n", count);
+            std::vector<std::int64_t> ids;
+            if (!b.try_alloc_mapped(n, ids)) {
+              nb::gil_scoped_release release;
+              ids = b.alloc(n);
+            }
+            return ids;
+          },
+          "n"_a, nb::sig("def alloc_list(self, n: int) -> list[int]"), "alloc(n) as a list of ints.")
+      .def(
+          "alloc_ids",
+          [](BlockManager& b, nb::handle ids) {
+            std::vector<std::int64_t> v = ids_from(ids);
+            nb::gil_scoped_release release;
+            b.alloc_ids(v);
+          },
+          "ids"_a, nb::sig("def alloc_ids(self, ids: Sequence[int] | numpy.ndarray) -> None"),
+          "Take exactly these free block ids (all or nothing).")
+      .def(
+          "free", [](BlockManager& b, const nb::list& ids) { b.free(ids_from_list(ids)); }, "ids"_a)
+      .def(
+          "free",
+          [](BlockManager& b, const Int64Ids& ids) {
+            if (ids.stride(0) == 1) {
+              b.free(ids.data(), ids.shape(0));  // no copy for the common contiguous case
+            } else {
+              std::vector<std::int64_t> v;
+              v.reserve(ids.shape(0));
+              auto view = ids.view();
+              for (std::size_t i = 0; i < ids.shape(0); ++i) v.push_back(view(i));
+              b.free(v);
+            }
+          },
+          "ids"_a.noconvert())
+      .def(
+          "free", [](BlockManager& b, nb::handle ids) { b.free(ids_from(ids)); }, "ids"_a,
+          nb::sig("def free(self, ids: Sequence[int] | numpy.ndarray) -> None"),
+          "Free block ids (integers, all distinct and handed out, or nothing is freed).")
+      .def(
+          "try_reserve",
+          [](BlockManager& b, nb::handle count) {
+            const std::size_t n = count_arg("n", count);
+            nb::gil_scoped_release release;
+            return b.try_reserve(n);
+          },
+          "n"_a, nb::sig("def try_reserve(self, n: int) -> bool"),
+          "Set n more blocks aside for the next allocs, which hand them out first; False (nothing taken) "
+          "when they cannot be had now.")
       .def("release_reserved", &BlockManager::release_reserved, "Free the reserved blocks; returns how many.")
       .def("clear", &BlockManager::clear, "Free every block handed out or reserved (not the null block).")
       .def("available", &BlockManager::available, "Blocks that alloc could return right now.")
       .def("free_mapped_blocks", &BlockManager::free_mapped_blocks, "Free blocks on already-mapped pages.")
-      .def("resize",
-           [](BlockManager& b, nb::handle limit_bytes) {
-             const auto limit = optional_size_arg("limit_bytes", limit_bytes);
-             nb::gil_scoped_release release;
-             return b.resize(limit);
-           },
-           "limit_bytes"_a.none(), nb::sig("def resize(self, limit_bytes: int | None) -> bool"),
-           "Set the limit in bytes (None: none). True when the pool is within it now; False when the shrink "
-           "is deferred until blocks in use are freed.")
+      .def(
+          "resize",
+          [](BlockManager& b, nb::handle limit_bytes) {
+            const auto limit = optional_size_arg("limit_bytes", limit_bytes);
+            nb::gil_scoped_release release;
+            return b.resize(limit);
+          },
+          "limit_bytes"_a.none(), nb::sig("def resize(self, limit_bytes: int | None) -> bool"),
+          "Set the limit in bytes (None: none). True when the pool is within it now; False when the shrink "
+          "is deferred until blocks in use are freed.")
       .def("trim", &BlockManager::trim, Released(),
            "Unmap every free page and release spares now; kept so until the next alloc. Returns pages unmapped.")
       .def("maintain", &BlockManager::maintain, Released(), "One round of reserve keeping.")
       .def("prepare_ahead", &BlockManager::prepare_ahead, Released(),
            "Get the next lookahead_pages unmapped page ids ready (the worker does this after each round).")
-      .def("set_reserve",
-           [](BlockManager& b, nb::handle min_free, nb::handle max_free, nb::handle min_spare, nb::handle max_spare) {
-             b.set_reserve({size_arg("min_free_pages", min_free, true), size_arg("max_free_pages", max_free, true),
-                            size_arg("min_spare_pages", min_spare, true), size_arg("max_spare_pages", max_spare, true)});
-           },
-           "min_free_pages"_a, "max_free_pages"_a, "min_spare_pages"_a, "max_spare_pages"_a,
-           nb::sig("def set_reserve(self, min_free_pages: int, max_free_pages: int, min_spare_pages: int, "
-                   "max_spare_pages: int) -> None"))
+      .def(
+          "set_reserve",
+          [](BlockManager& b, nb::handle min_free, nb::handle max_free, nb::handle min_spare, nb::handle max_spare) {
+            b.set_reserve({size_arg("min_free_pages", min_free, true), size_arg("max_free_pages", max_free, true),
+                           size_arg("min_spare_pages", min_spare, true), size_arg("max_spare_pages", max_spare, true)});
+          },
+          "min_free_pages"_a, "max_free_pages"_a, "min_spare_pages"_a, "max_spare_pages"_a,
+          nb::sig("def set_reserve(self, min_free_pages: int, max_free_pages: int, min_spare_pages: int, "
+                  "max_spare_pages: int) -> None"))
       .def("take_page_ops", &BlockManager::take_page_ops, "Page operations for the mirrors since the last call.")
       .def("acknowledge", &BlockManager::acknowledge, "mirror"_a, "seq"_a, Released(),
            "Mirror `mirror` applied every batch up to `seq`.")
@@ -332,14 +363,17 @@ void bind_block_manager(nb::module_& m) {
                    "Unmapped page ids kept ready ahead of use (zero chunks split): the space's floor, "
                    "or twice the largest recent grow.")
       .def_prop_ro("kv_layout", &BlockManager::layout, "The KVLayout this manager decides for.")
-      .def_prop_ro("options", [](const BlockManager& b) { return b.options(); },
-                   "Its BlockManagerOptions (the limit as last set by resize).")
+      .def_prop_ro(
+          "options", [](const BlockManager& b) { return b.options(); },
+          "Its BlockManagerOptions (the limit as last set by resize).")
       .def_prop_ro("blocks_per_page", [](const BlockManager& b) { return b.layout().blocks_per_page(); })
       .def_prop_ro("num_blocks", [](const BlockManager& b) { return b.layout().num_blocks(); })
-      .def_prop_ro("page_id_bytes", [](const BlockManager& b) { return b.layout().page_id_bytes(); },
-                   "Physical bytes behind one page id (all layers and buffers).")
-      .def_prop_ro("block_id_bytes", [](const BlockManager& b) { return b.layout().block_id_bytes(); },
-                   "Physical bytes behind one block id (all layers and buffers).")
+      .def_prop_ro(
+          "page_id_bytes", [](const BlockManager& b) { return b.layout().page_id_bytes(); },
+          "Physical bytes behind one page id (all layers and buffers).")
+      .def_prop_ro(
+          "block_id_bytes", [](const BlockManager& b) { return b.layout().block_id_bytes(); },
+          "Physical bytes behind one block id (all layers and buffers).")
       .def("close", &BlockManager::close, Released(),
            "Unmap everything and stop the worker. Idempotent, also from several threads at once.")
       .def_prop_ro("closed", &BlockManager::closed);

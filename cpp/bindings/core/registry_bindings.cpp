@@ -40,8 +40,7 @@ std::size_t checked_bytes(const char* what, std::int64_t bytes) {
   return static_cast<std::size_t>(bytes);
 }
 
-std::optional<std::size_t> checked_optional_bytes(const char* what,
-                                                  std::optional<std::int64_t> bytes) {
+std::optional<std::size_t> checked_optional_bytes(const char* what, std::optional<std::int64_t> bytes) {
   if (!bytes) return std::nullopt;
   return checked_bytes(what, *bytes);
 }
@@ -49,8 +48,7 @@ std::optional<std::size_t> checked_optional_bytes(const char* what,
 // Names come from a file other processes write: bytes that are not UTF-8 are
 // shown escaped (\\xff) instead of failing the whole listing.
 nb::object text_of(const std::string& bytes) {
-  return nb::steal(PyUnicode_DecodeUTF8(bytes.data(), static_cast<Py_ssize_t>(bytes.size()),
-                                        "backslashreplace"));
+  return nb::steal(PyUnicode_DecodeUTF8(bytes.data(), static_cast<Py_ssize_t>(bytes.size()), "backslashreplace"));
 }
 
 nb::dict entry_to_dict(const RegistryEntryInfo& info) {
@@ -91,8 +89,7 @@ std::variant<std::int64_t, std::string> name_or_pid_of(nb::handle target) {
   if (nb::isinstance<nb::int_>(target)) {
     std::int64_t pid = 0;
     if (!nb::try_cast(target, pid) || pid <= 0) {
-      throw InvalidArgument("pid must be a positive process id, got " +
-                            nb::cast<std::string>(nb::str(target)));
+      throw InvalidArgument("pid must be a positive process id, got " + nb::cast<std::string>(nb::str(target)));
     }
     return pid;
   }
@@ -136,24 +133,27 @@ void install_registry_error_translator() {
 // as its base (a pool taking a MemoryBudget then accepts a RegistryBudget).
 void ensure_memory_budget_bound(nb::module_& m) {
   if (nb::type<MemoryBudget>().is_valid()) return;
-  nb::class_<MemoryBudget>(m, "MemoryBudget",
-                           "Where a pool's allowance of physical memory comes from.")
-      .def("try_acquire", [](MemoryBudget& self, std::int64_t bytes) {
-             const std::size_t checked = checked_bytes("bytes", bytes);
-             nb::gil_scoped_release unlocked;
-             return self.try_acquire(checked);
-           }, "bytes"_a, "Takes `bytes` if the budget allows; False (nothing taken) otherwise.")
-      .def("release", [](MemoryBudget& self, std::int64_t bytes) {
-             self.release(checked_bytes("bytes", bytes));
-           }, "bytes"_a, "Returns bytes taken earlier, once they are no longer mapped.")
-      .def_prop_ro("available_bytes", &MemoryBudget::available_bytes,
-                   "What try_acquire could grant now (a hint).")
+  nb::class_<MemoryBudget>(m, "MemoryBudget", "Where a pool's allowance of physical memory comes from.")
+      .def(
+          "try_acquire",
+          [](MemoryBudget& self, std::int64_t bytes) {
+            const std::size_t checked = checked_bytes("bytes", bytes);
+            nb::gil_scoped_release unlocked;
+            return self.try_acquire(checked);
+          },
+          "bytes"_a, "Takes `bytes` if the budget allows; False (nothing taken) otherwise.")
+      .def(
+          "release", [](MemoryBudget& self, std::int64_t bytes) { self.release(checked_bytes("bytes", bytes)); },
+          "bytes"_a, "Returns bytes taken earlier, once they are no longer mapped.")
+      .def_prop_ro("available_bytes", &MemoryBudget::available_bytes, "What try_acquire could grant now (a hint).")
       .def_prop_ro("external_limit_bytes", &MemoryBudget::external_limit_bytes,
                    "A limit set from outside the pool, or None.")
-      .def("report_usage", [](MemoryBudget& self, std::int64_t used_bytes, std::int64_t mapped_bytes) {
-             self.report_usage(checked_bytes("used_bytes", used_bytes),
-                               checked_bytes("mapped_bytes", mapped_bytes));
-           }, "used_bytes"_a, "mapped_bytes"_a, "Publishes the pool's usage.");
+      .def(
+          "report_usage",
+          [](MemoryBudget& self, std::int64_t used_bytes, std::int64_t mapped_bytes) {
+            self.report_usage(checked_bytes("used_bytes", used_bytes), checked_bytes("mapped_bytes", mapped_bytes));
+          },
+          "used_bytes"_a, "mapped_bytes"_a, "Publishes the pool's usage.");
 }
 
 }  // namespace
@@ -166,86 +166,97 @@ void bind_registry(nb::module_& m) {
   m.attr("REGISTRY_LOCAL_DEVICE_MAX_BYTES") = kRegistryLocalDeviceMaxBytes;
   ensure_memory_budget_bound(m);
 
-  m.def("registry_device_kind", [](const std::string& device) { return kind_name(registry_device_kind(device)); },
-        "device"_a,
-        "'host', 'gpu_identity' or 'gpu_index' for a canonical registry device name; "
-        "ValueError stating the grammar otherwise.");
+  m.def(
+      "registry_device_kind", [](const std::string& device) { return kind_name(registry_device_kind(device)); },
+      "device"_a,
+      "'host', 'gpu_identity' or 'gpu_index' for a canonical registry device name; "
+      "ValueError stating the grammar otherwise.");
   nb::dict layout;
   for (const auto& [field, offset] : registry_layout_offsets()) layout[field.c_str()] = offset;
   m.attr("_REGISTRY_LAYOUT") = layout;
   m.def("validate_instance_name", &validate_instance_name, "name"_a,
         "ValueError unless `name` is a valid instance name (1-63 bytes of UTF-8, no control characters).");
-  m.def("registry_directory", [] {
-          configure_registry_from_config();
-          return registry_directory_path();
-        },
-        "The registry directory (KVCACHED_REGISTRY_DIR through kvcached.config).");
+  m.def(
+      "registry_directory",
+      [] {
+        configure_registry_from_config();
+        return registry_directory_path();
+      },
+      "The registry directory (KVCACHED_REGISTRY_DIR through kvcached.config).");
   m.def("resolve_registry_group", &resolve_registry_group, "text"_a,
         "The gid a KVCACHED_REGISTRY_GROUP value names (a group name, or a gid from 0 to "
         "2**32 - 2); ValueError naming the variable otherwise.");
   m.def("is_legacy_device_name", &is_legacy_device_name, "device"_a,
         "True for index names older kvcached versions used ('cuda:0', 'rocm:1').");
-  m.def("scan_registry_directory", [] {
-          configure_registry_from_config();
-          std::vector<RegistryFileInfo> files;
-          {
-            nb::gil_scoped_release unlocked;
-            files = scan_registry_directory();
-          }
-          nb::list result;
-          for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
-          return result;
-        }, nb::sig("def scan_registry_directory() -> list[dict[str, typing.Any]]"),
-        "Every kvcached-* file of the registry directory, with its status; changes nothing.");
-  m.def("clean_registry_directory", [] {
-          configure_registry_from_config();
-          std::vector<RegistryFileInfo> files;
-          {
-            nb::gil_scoped_release unlocked;
-            files = clean_registry_directory();
-          }
-          nb::list result;
-          for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
-          return result;
-        }, nb::sig("def clean_registry_directory() -> list[dict[str, typing.Any]]"),
-        "Removes old-style files without live instances, damaged files, unfinished creations "
-        "and the caller's symbolic links; returns what was removed.");
+  m.def(
+      "scan_registry_directory",
+      [] {
+        configure_registry_from_config();
+        std::vector<RegistryFileInfo> files;
+        {
+          nb::gil_scoped_release unlocked;
+          files = scan_registry_directory();
+        }
+        nb::list result;
+        for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
+        return result;
+      },
+      nb::sig("def scan_registry_directory() -> list[dict[str, typing.Any]]"),
+      "Every kvcached-* file of the registry directory, with its status; changes nothing.");
+  m.def(
+      "clean_registry_directory",
+      [] {
+        configure_registry_from_config();
+        std::vector<RegistryFileInfo> files;
+        {
+          nb::gil_scoped_release unlocked;
+          files = clean_registry_directory();
+        }
+        nb::list result;
+        for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
+        return result;
+      },
+      nb::sig("def clean_registry_directory() -> list[dict[str, typing.Any]]"),
+      "Removes old-style files without live instances, damaged files, unfinished creations "
+      "and the caller's symbolic links; returns what was removed.");
 
-  nb::class_<RegistryBudget, MemoryBudget>(
-      m, "RegistryBudget",
-      "One registered instance's share of a device's budget (a MemoryBudget).\n\n"
-      "Unregisters when dropped or on unregister(); usable as a context manager.")
+  nb::class_<RegistryBudget, MemoryBudget>(m, "RegistryBudget",
+                                           "One registered instance's share of a device's budget (a MemoryBudget).\n\n"
+                                           "Unregisters when dropped or on unregister(); usable as a context manager.")
       .def_prop_ro("name", [](const RegistryBudget& self) { return text_of(self.name()); })
       .def_prop_ro("slot", &RegistryBudget::slot)
       .def_prop_ro("instance_id", &RegistryBudget::instance_id)
       .def_prop_ro("registered", &RegistryBudget::registered,
                    "False once unregistered, reclaimed as stale, or the registry file is gone.")
-      .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes,
-                   "This instance's own limit (set by kvctl), or None.")
+      .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes, "This instance's own limit (set by kvctl), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
                    "Bytes this instance holds against the device budget.")
       .def_prop_ro("pressure_bytes", &RegistryBudget::pressure_bytes,
                    "Bytes other instances were refused in the last second: give reserve back.")
-      .def("want", [](RegistryBudget& self, std::int64_t bytes) { self.want(checked_bytes("bytes", bytes)); },
-           "bytes"_a,
-           "Records that this instance wants `bytes` more and did not ask because the device "
-           "has no room (others then see pressure_bytes); nothing when the device has room or "
-           "this instance's own limit is the obstacle.")
-      .def("report_worker_errors", [](RegistryBudget& self, std::int64_t worker_errors) {
-             self.report_worker_errors(checked_bytes("worker_errors", worker_errors));
-           }, "worker_errors"_a,
-           "Publishes how many times the pool's background worker has failed (kvctl, kvtop).")
+      .def(
+          "want", [](RegistryBudget& self, std::int64_t bytes) { self.want(checked_bytes("bytes", bytes)); }, "bytes"_a,
+          "Records that this instance wants `bytes` more and did not ask because the device "
+          "has no room (others then see pressure_bytes); nothing when the device has room or "
+          "this instance's own limit is the obstacle.")
+      .def(
+          "report_worker_errors",
+          [](RegistryBudget& self, std::int64_t worker_errors) {
+            self.report_worker_errors(checked_bytes("worker_errors", worker_errors));
+          },
+          "worker_errors"_a, "Publishes how many times the pool's background worker has failed (kvctl, kvtop).")
       .def("unregister", &RegistryBudget::unregister, nb::call_guard<nb::gil_scoped_release>(),
            "Removes the entry now; bytes still counted return to the budget.")
       .def("__enter__", [](std::shared_ptr<RegistryBudget> self) { return self; })
-      .def("__exit__", [](RegistryBudget& self, nb::handle, nb::handle, nb::handle) {
-             nb::gil_scoped_release unlocked;
-             self.unregister();
-           }, "exc_type"_a.none(), "exc_value"_a.none(), "traceback"_a.none());
+      .def(
+          "__exit__",
+          [](RegistryBudget& self, nb::handle, nb::handle, nb::handle) {
+            nb::gil_scoped_release unlocked;
+            self.unregister();
+          },
+          "exc_type"_a.none(), "exc_value"_a.none(), "traceback"_a.none());
 
-  nb::class_<DeviceRegistry>(
-      m, "DeviceRegistry",
-      "The shared-memory registry of one device: its budget and its instances.")
+  nb::class_<DeviceRegistry>(m, "DeviceRegistry",
+                             "The shared-memory registry of one device: its budget and its instances.")
       .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes,
                        const std::string& local_device) {
              const auto budget = checked_optional_bytes("budget_bytes", budget_bytes);
@@ -259,57 +270,67 @@ void bind_registry(nb::module_& m) {
            "Without a budget a missing registry raises RegistryNotFoundError. `local_device` "
            "('cuda:1') is recorded by register() as the device this process sees. "
            "kvcached.registry.registry_for resolves names such as 'cuda:0' first.")
-      .def_static("segment_path", [](const std::string& device) {
-                    configure_registry_from_config();
-                    return DeviceRegistry::segment_path(device);
-                  }, "device"_a,
-                  "Where the registry file of `device` lives (in KVCACHED_REGISTRY_DIR).")
+      .def_static(
+          "segment_path",
+          [](const std::string& device) {
+            configure_registry_from_config();
+            return DeviceRegistry::segment_path(device);
+          },
+          "device"_a, "Where the registry file of `device` lives (in KVCACHED_REGISTRY_DIR).")
       .def_prop_ro("device", &DeviceRegistry::device)
       .def_prop_ro("local_device", &DeviceRegistry::local_device)
       .def_prop_ro("path", &DeviceRegistry::path)
-      .def_prop_rw("budget_bytes", &DeviceRegistry::budget_bytes,
-                   [](DeviceRegistry& self, std::int64_t budget_bytes) {
-                     const std::size_t budget = checked_bytes("budget_bytes", budget_bytes);
-                     nb::gil_scoped_release unlocked;
-                     self.set_budget_bytes(budget);
-                   },
-                   "Device-wide budget shared by all instances; setting it takes effect at once.")
+      .def_prop_rw(
+          "budget_bytes", &DeviceRegistry::budget_bytes,
+          [](DeviceRegistry& self, std::int64_t budget_bytes) {
+            const std::size_t budget = checked_bytes("budget_bytes", budget_bytes);
+            nb::gil_scoped_release unlocked;
+            self.set_budget_bytes(budget);
+          },
+          "Device-wide budget shared by all instances; setting it takes effect at once.")
       .def_prop_ro("mapped_bytes", &DeviceRegistry::mapped_bytes,
                    "Bytes mapped by all instances (dead ones too, until reclaimed).")
       .def_prop_ro("available_bytes", &DeviceRegistry::available_bytes)
-      .def("entries", [](const DeviceRegistry& self) {
-             std::vector<RegistryEntryInfo> snapshot;
-             {
-               nb::gil_scoped_release unlocked;
-               snapshot = self.entries();
-             }
-             nb::list entries;
-             for (const RegistryEntryInfo& info : snapshot) entries.append(entry_to_dict(info));
-             return entries;
-           }, nb::sig("def entries(self) -> list[dict[str, typing.Any]]"),
-           "Snapshot of the live table: one dict per registered instance.")
-      .def("set_limit", [](DeviceRegistry& self, nb::handle name_or_pid,
-                           std::optional<std::int64_t> limit_bytes) {
-             const auto target = name_or_pid_of(name_or_pid);
-             const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
-             nb::gil_scoped_release unlocked;
-             return self.set_limit(target, limit);
-           }, "name_or_pid"_a, "limit_bytes"_a.none(),
-           nb::sig("def set_limit(self, name_or_pid: int | str | bytes, limit_bytes: int | None) -> int"),
-           "Sets (None: clears) the limit of instances matching a pid (int) or name (str or "
-           "bytes); returns how many matched.")
+      .def(
+          "entries",
+          [](const DeviceRegistry& self) {
+            std::vector<RegistryEntryInfo> snapshot;
+            {
+              nb::gil_scoped_release unlocked;
+              snapshot = self.entries();
+            }
+            nb::list entries;
+            for (const RegistryEntryInfo& info : snapshot) entries.append(entry_to_dict(info));
+            return entries;
+          },
+          nb::sig("def entries(self) -> list[dict[str, typing.Any]]"),
+          "Snapshot of the live table: one dict per registered instance.")
+      .def(
+          "set_limit",
+          [](DeviceRegistry& self, nb::handle name_or_pid, std::optional<std::int64_t> limit_bytes) {
+            const auto target = name_or_pid_of(name_or_pid);
+            const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
+            nb::gil_scoped_release unlocked;
+            return self.set_limit(target, limit);
+          },
+          "name_or_pid"_a, "limit_bytes"_a.none(),
+          nb::sig("def set_limit(self, name_or_pid: int | str | bytes, limit_bytes: int | None) -> int"),
+          "Sets (None: clears) the limit of instances matching a pid (int) or name (str or "
+          "bytes); returns how many matched.")
       .def("clean_stale", &DeviceRegistry::clean_stale, nb::call_guard<nb::gil_scoped_release>(),
            "Frees entries of dead processes (their memory returns to the budget); returns how many.")
-      .def("register", [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
-                          std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device) {
-             const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
-             nb::gil_scoped_release unlocked;
-             return self.register_instance(name, pid, limit, local_device);
-           }, "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
-           "Registers an instance (default pid: this process; default local_device: the one "
-           "given when opening) and returns its RegistryBudget.")
-      .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test,
-           nb::call_guard<nb::gil_scoped_release>(),
+      .def(
+          "register",
+          [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
+             std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device) {
+            const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
+            nb::gil_scoped_release unlocked;
+            return self.register_instance(name, pid, limit, local_device);
+          },
+          "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
+          "Registers an instance (default pid: this process; default local_device: the one "
+          "given when opening) and returns its RegistryBudget.")
+      .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");
 }
 

@@ -10,9 +10,7 @@
 
 namespace kvcached::bindings {
 
-inline void delete_backend_holder(void* holder) noexcept {
-  delete static_cast<std::shared_ptr<VmmBackend>*>(holder);
-}
+inline void delete_backend_holder(void* holder) noexcept { delete static_cast<std::shared_ptr<VmmBackend>*>(holder); }
 
 // The capsule owns one heap-allocated shared_ptr; the core copies it, so the
 // backend lives as long as either holds it. Call with the GIL held.

@@ -17,16 +17,13 @@ NB_MODULE(_cuda, m) {
       "CUDA backend of kvcached (CUDA driver API, cuMem*). Linked against libcuda.so.1: on a "
       "machine without the NVIDIA driver, importing this module fails with ImportError.";
 
-  m.def("device_count", &kvcached::cuda_device_count,
-        nb::call_guard<nb::gil_scoped_release>(),
+  m.def("device_count", &kvcached::cuda_device_count, nb::call_guard<nb::gil_scoped_release>(),
         "Number of CUDA devices; 0 when the driver reports none (CUDA_ERROR_NO_DEVICE).\n\n"
         "Raises BackendUnavailableError when the driver is present but cannot start; the "
         "message carries cuInit's own error.");
-  m.def("vmm_supported", &kvcached::cuda_vmm_supported, "ordinal"_a,
-        nb::call_guard<nb::gil_scoped_release>(),
+  m.def("vmm_supported", &kvcached::cuda_vmm_supported, "ordinal"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Whether CUDA device ``ordinal`` supports virtual memory management (False if absent).");
-  m.def("driver_version", &kvcached::cuda_driver_version,
-        nb::call_guard<nb::gil_scoped_release>(),
+  m.def("driver_version", &kvcached::cuda_driver_version, nb::call_guard<nb::gil_scoped_release>(),
         "The driver's CUDA version from cuDriverGetVersion, e.g. 13000 for CUDA 13.0.");
   m.def("physical_device_name", &kvcached::cuda_physical_device_name, "ordinal"_a,
         nb::call_guard<nb::gil_scoped_release>(),

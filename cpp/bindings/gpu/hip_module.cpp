@@ -22,27 +22,26 @@ NB_MODULE(_hip, m) {
       "HIP backend of kvcached (hipMem*, for AMD GPUs). Linked against libamdhip64: on a "
       "machine without the HIP runtime, importing this module fails with ImportError.";
 
-  m.def("device_count", &kvcached::hip_device_count,
-        nb::call_guard<nb::gil_scoped_release>(),
+  m.def("device_count", &kvcached::hip_device_count, nb::call_guard<nb::gil_scoped_release>(),
         "Number of HIP devices; 0 when the runtime reports none (hipErrorNoDevice).\n\n"
         "Raises BackendUnavailableError when the runtime is present but cannot start; the "
         "message carries its own error.");
-  m.def("vmm_supported", &kvcached::hip_vmm_supported, "ordinal"_a,
-        nb::call_guard<nb::gil_scoped_release>(),
+  m.def("vmm_supported", &kvcached::hip_vmm_supported, "ordinal"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Whether HIP device ``ordinal`` supports virtual memory management (False if absent).");
-  m.def("driver_version", &kvcached::hip_driver_version,
-        nb::call_guard<nb::gil_scoped_release>(),
+  m.def("driver_version", &kvcached::hip_driver_version, nb::call_guard<nb::gil_scoped_release>(),
         "hipDriverGetVersion's value, e.g. 50221153 for HIP 5.2.");
   m.def("physical_device_name", &kvcached::hip_physical_device_name, "ordinal"_a,
         nb::call_guard<nb::gil_scoped_release>(),
-        "The physical identity of device ``ordinal``, 'hip-GPU-<uuid>' (or 'hip-pci-<bus id>' without a UUID): the same in every process\n"
+        "The physical identity of device ``ordinal``, 'hip-GPU-<uuid>' (or 'hip-pci-<bus id>' without a UUID): the "
+        "same in every process\n"
         "whatever ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES make its ordinal. Works without VMM support;\n"
         "raises BackendUnavailableError when there is no such device.");
   m.def(
       "open_backend",
       [](int ordinal, std::optional<std::int64_t> mapping_settle_us) {
-        const std::int64_t settle_us = mapping_settle_us ? *mapping_settle_us
-            : nb::cast<std::int64_t>(kvcached::bindings::configured_option("hip_mapping_settle_us"));
+        const std::int64_t settle_us =
+            mapping_settle_us ? *mapping_settle_us
+                              : nb::cast<std::int64_t>(kvcached::bindings::configured_option("hip_mapping_settle_us"));
         std::shared_ptr<kvcached::VmmBackend> backend;
         {
           nb::gil_scoped_release unlocked;

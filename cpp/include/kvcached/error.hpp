@@ -17,10 +17,8 @@ namespace kvcached {
 // driver's numeric code and the driver's own message.
 class KVCACHED_EXPORT DriverError : public std::runtime_error {
  public:
-  DriverError(std::string backend, std::string call, std::int64_t code,
-              std::string driver_message)
-      : std::runtime_error(backend + ": " + call + " failed (code " + std::to_string(code) +
-                           "): " + driver_message),
+  DriverError(std::string backend, std::string call, std::int64_t code, std::string driver_message)
+      : std::runtime_error(backend + ": " + call + " failed (code " + std::to_string(code) + "): " + driver_message),
         backend_(std::move(backend)),
         call_(std::move(call)),
         code_(code),

@@ -215,9 +215,8 @@ class CudaBackend final : public VmmBackend {
     access.location.id = device_;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     const std::size_t one_descriptor = 1;
-    vmm_call("cuMemSetAccess", [&] {
-      return cuMemSetAccess(static_cast<CUdeviceptr>(address), size_bytes, &access, one_descriptor);
-    });
+    vmm_call("cuMemSetAccess",
+             [&] { return cuMemSetAccess(static_cast<CUdeviceptr>(address), size_bytes, &access, one_descriptor); });
   }
 
   void zero_fill(VirtualAddress address, std::size_t size_bytes) override {
@@ -264,11 +263,9 @@ class CudaBackend final : public VmmBackend {
     const CUmemAllocationProp prop = device_allocation_prop();
     Granularity result{0, 0};
     check("cuMemGetAllocationGranularity",
-          cuMemGetAllocationGranularity(&result.minimum_bytes, &prop,
-                                        CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+          cuMemGetAllocationGranularity(&result.minimum_bytes, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     check("cuMemGetAllocationGranularity",
-          cuMemGetAllocationGranularity(&result.recommended_bytes, &prop,
-                                        CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+          cuMemGetAllocationGranularity(&result.recommended_bytes, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     return result;
   }
 
@@ -297,8 +294,8 @@ bool cuda_vmm_supported(int ordinal) {
   CUdevice device = 0;
   if (cuDeviceGet(&device, ordinal) != CUDA_SUCCESS) return false;
   int supported = 0;
-  if (cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                           device) != CUDA_SUCCESS) {
+  if (cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) !=
+      CUDA_SUCCESS) {
     return false;
   }
   return supported != 0;
@@ -308,25 +305,20 @@ int cuda_driver_version() {
   int version = 0;
   const CUresult result = cuDriverGetVersion(&version);
   if (result != CUDA_SUCCESS) {
-    throw BackendUnavailable("CUDA driver unusable: cuDriverGetVersion returned " +
-                             driver_message(result));
+    throw BackendUnavailable("CUDA driver unusable: cuDriverGetVersion returned " + driver_message(result));
   }
   return version;
 }
 
-std::string cuda_physical_device_name(int ordinal) {
-  return physical_name_of(open_device_handle(ordinal));
-}
+std::string cuda_physical_device_name(int ordinal) { return physical_name_of(open_device_handle(ordinal)); }
 
 std::shared_ptr<VmmBackend> make_cuda_backend(int ordinal) {
   const CUdevice device = open_device_handle(ordinal);
   int vmm_supported = 0;
   check("cuDeviceGetAttribute",
-        cuDeviceGetAttribute(&vmm_supported,
-                             CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device));
+        cuDeviceGetAttribute(&vmm_supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device));
   if (vmm_supported == 0) {
-    throw BackendUnavailable("CUDA device " + std::to_string(ordinal) + " (" +
-                             physical_name_of(device) +
+    throw BackendUnavailable("CUDA device " + std::to_string(ordinal) + " (" + physical_name_of(device) +
                              ") does not support virtual memory management: "
                              "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0");
   }

@@ -14,12 +14,12 @@ static const char kStubErrorName[] = "CUDA_ERROR_STUB_LIBRARY";
 static const char kStubErrorText[] =
     "the build-time libcuda link stub was loaded instead of the NVIDIA driver's libcuda.so.1";
 
-CUresult CUDAAPI cuGetErrorName(CUresult error, const char **text) {
+CUresult CUDAAPI cuGetErrorName(CUresult error, const char** text) {
   (void)error;
   *text = kStubErrorName;
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuGetErrorString(CUresult error, const char **text) {
+CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
   (void)error;
   *text = kStubErrorText;
   return CUDA_SUCCESS;
@@ -28,31 +28,31 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   (void)flags;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuDriverGetVersion(int *version) {
+CUresult CUDAAPI cuDriverGetVersion(int* version) {
   (void)version;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuDeviceGetCount(int *count) {
+CUresult CUDAAPI cuDeviceGetCount(int* count) {
   (void)count;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal) {
+CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
   (void)device;
   (void)ordinal;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, CUdevice device) {
+CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice device) {
   (void)value;
   (void)attribute;
   (void)device;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice device) {
+CUresult CUDAAPI cuDeviceGetUuid(CUuuid* uuid, CUdevice device) {
   (void)uuid;
   (void)device;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *context, CUdevice device) {
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
   (void)context;
   (void)device;
   return CUDA_ERROR_STUB_LIBRARY;
@@ -61,7 +61,7 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice device) {
   (void)device;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuCtxGetCurrent(CUcontext *context) {
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext* context) {
   (void)context;
   return CUDA_ERROR_STUB_LIBRARY;
 }
@@ -76,21 +76,20 @@ CUresult CUDAAPI cuMemsetD8(CUdeviceptr ptr, unsigned char value, size_t count) 
   (void)count;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   (void)free_bytes;
   (void)total_bytes;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity,
-                                               const CUmemAllocationProp *prop,
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                                CUmemAllocationGranularity_flags option) {
   (void)granularity;
   (void)prop;
   (void)option;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
-                                     CUdeviceptr addr, unsigned long long flags) {
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                     unsigned long long flags) {
   (void)ptr;
   (void)size;
   (void)alignment;
@@ -103,8 +102,8 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   (void)size;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
-                             const CUmemAllocationProp *prop, unsigned long long flags) {
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                             unsigned long long flags) {
   (void)handle;
   (void)size;
   (void)prop;
@@ -115,8 +114,8 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
   (void)handle;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
-                          CUmemGenericAllocationHandle handle, unsigned long long flags) {
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                          unsigned long long flags) {
   (void)ptr;
   (void)size;
   (void)offset;
@@ -129,8 +128,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   (void)size;
   return CUDA_ERROR_STUB_LIBRARY;
 }
-CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
-                                size_t count) {
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
   (void)ptr;
   (void)size;
   (void)desc;

@@ -70,8 +70,7 @@ class HipBackend final : public VmmBackend {
     void* base = nullptr;
     void* const no_fixed_address = nullptr;
     const unsigned long long no_flags = 0;
-    check("hipMemAddressReserve",
-          hipMemAddressReserve(&base, size_bytes, alignment_bytes, no_fixed_address, no_flags));
+    check("hipMemAddressReserve", hipMemAddressReserve(&base, size_bytes, alignment_bytes, no_fixed_address, no_flags));
     return reinterpret_cast<VirtualAddress>(base);
   }
 
@@ -98,8 +97,8 @@ class HipBackend final : public VmmBackend {
     ScopedHipCall call(ordinal_);
     const std::size_t whole_allocation_offset = 0;
     const unsigned long long no_flags = 0;
-    check("hipMemMap", hipMemMap(to_pointer(address), size_bytes, whole_allocation_offset,
-                                 to_hip_handle(handle), no_flags));
+    check("hipMemMap",
+          hipMemMap(to_pointer(address), size_bytes, whole_allocation_offset, to_hip_handle(handle), no_flags));
   }
 
   void unmap(VirtualAddress address, std::size_t size_bytes) override {
@@ -114,8 +113,7 @@ class HipBackend final : public VmmBackend {
     access.location.id = ordinal_;
     access.flags = hipMemAccessFlagsProtReadWrite;
     const std::size_t one_descriptor = 1;
-    check("hipMemSetAccess",
-          hipMemSetAccess(to_pointer(address), size_bytes, &access, one_descriptor));
+    check("hipMemSetAccess", hipMemSetAccess(to_pointer(address), size_bytes, &access, one_descriptor));
     last_access_set_.store(Clock::now().time_since_epoch().count());
   }
 
@@ -149,11 +147,9 @@ class HipBackend final : public VmmBackend {
     const hipMemAllocationProp prop = hip::device_allocation_prop(ordinal_);
     Granularity result{0, 0};
     check("hipMemGetAllocationGranularity",
-          hipMemGetAllocationGranularity(&result.minimum_bytes, &prop,
-                                         hipMemAllocationGranularityMinimum));
+          hipMemGetAllocationGranularity(&result.minimum_bytes, &prop, hipMemAllocationGranularityMinimum));
     check("hipMemGetAllocationGranularity",
-          hipMemGetAllocationGranularity(&result.recommended_bytes, &prop,
-                                         hipMemAllocationGranularityRecommended));
+          hipMemGetAllocationGranularity(&result.recommended_bytes, &prop, hipMemAllocationGranularityRecommended));
     if (result.minimum_bytes == 0 || result.recommended_bytes % result.minimum_bytes != 0) {
       throw DriverError(hip::kBackendName, "hipMemGetAllocationGranularity", hipErrorInvalidValue,
                         "minimum " + std::to_string(result.minimum_bytes) + " and recommended " +
@@ -161,8 +157,7 @@ class HipBackend final : public VmmBackend {
                             " bytes: the recommendation is not a multiple of the minimum");
     }
     if (result.recommended_bytes < kPreferredPageFloorBytes) {
-      const std::size_t units =
-          (kPreferredPageFloorBytes + result.minimum_bytes - 1) / result.minimum_bytes;
+      const std::size_t units = (kPreferredPageFloorBytes + result.minimum_bytes - 1) / result.minimum_bytes;
       result.recommended_bytes = units * result.minimum_bytes;
     }
     return result;
@@ -185,8 +180,7 @@ int hip_device_count() {
   const hipError_t result = hipGetDeviceCount(&count);
   if (result == hipErrorNoDevice) return 0;
   if (result != hipSuccess) {
-    throw BackendUnavailable("HIP runtime unusable: hipGetDeviceCount returned " +
-                             hip::driver_message(result));
+    throw BackendUnavailable("HIP runtime unusable: hipGetDeviceCount returned " + hip::driver_message(result));
   }
   return count;
 }
@@ -205,8 +199,7 @@ int hip_driver_version() {
   int version = 0;
   const hipError_t result = hipDriverGetVersion(&version);
   if (result != hipSuccess) {
-    throw BackendUnavailable("HIP runtime unusable: hipDriverGetVersion returned " +
-                             hip::driver_message(result));
+    throw BackendUnavailable("HIP runtime unusable: hipDriverGetVersion returned " + hip::driver_message(result));
   }
   return version;
 }
@@ -220,13 +213,11 @@ std::shared_ptr<VmmBackend> make_hip_backend(int ordinal, std::chrono::microseco
   hip::require_device(ordinal);
   std::string why_not;
   if (!hip::vmm_supported(ordinal, &why_not)) {
-    throw BackendUnavailable("HIP device " + std::to_string(ordinal) + " (" +
-                             hip::physical_device_name(ordinal) +
+    throw BackendUnavailable("HIP device " + std::to_string(ordinal) + " (" + hip::physical_device_name(ordinal) +
                              ") does not support virtual memory management: " + why_not);
   }
   if (mapping_settle.count() < 0) {
-    throw InvalidArgument("mapping_settle must not be negative, got " +
-                          std::to_string(mapping_settle.count()) + " us");
+    throw InvalidArgument("mapping_settle must not be negative, got " + std::to_string(mapping_settle.count()) + " us");
   }
   return std::make_shared<HipBackend>(ordinal, mapping_settle);
 }

@@ -68,8 +68,7 @@ void require_device(int ordinal) {
   }
   if (ordinal < 0 || ordinal >= count) {
     throw BackendUnavailable("no HIP device " + std::to_string(ordinal) + ": the runtime reports " +
-                             std::to_string(count) +
-                             " device(s) (after ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)");
+                             std::to_string(count) + " device(s) (after ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)");
   }
 }
 
@@ -84,8 +83,8 @@ constexpr const char* kVmmAdvice =
 bool granularity_query_answers(int ordinal) {
   const hipMemAllocationProp prop = device_allocation_prop(ordinal);
   std::size_t granularity_bytes = 0;
-  return hipMemGetAllocationGranularity(&granularity_bytes, &prop,
-                                        hipMemAllocationGranularityRecommended) == hipSuccess &&
+  return hipMemGetAllocationGranularity(&granularity_bytes, &prop, hipMemAllocationGranularityRecommended) ==
+             hipSuccess &&
          granularity_bytes != 0;
 }
 
@@ -121,8 +120,8 @@ bool vmm_supported(int ordinal, std::string* why_not) {
   } else if (result == hipErrorInvalidValue && granularity_query_answers(ordinal)) {
     return true;  // a runtime older than the attribute, with a working VMM API
   } else {
-    reason = std::string("hipDeviceGetAttribute(") + kVmmSupportedAttributeName + ") returned " +
-             driver_message(result);
+    reason =
+        std::string("hipDeviceGetAttribute(") + kVmmSupportedAttributeName + ") returned " + driver_message(result);
   }
   if (why_not != nullptr) *why_not = reason + ". " + kVmmAdvice;
   return false;

@@ -21,17 +21,14 @@ inline constexpr const char* kBackendName = "hip";
 // that predates it answers hipErrorInvalidValue, and callers fall back to a
 // granularity probe. HIP_VERSION = major*10^7 + minor*10^5 + patch.
 #if HIP_VERSION >= 60000000
-inline constexpr hipDeviceAttribute_t kVmmSupportedAttribute =
-    hipDeviceAttributeVirtualMemoryManagementSupported;
-static_assert(hipDeviceAttributeVirtualMemoryManagementSupported ==
-                  hipDeviceAttributeMemoryPoolsSupported + 1,
+inline constexpr hipDeviceAttribute_t kVmmSupportedAttribute = hipDeviceAttributeVirtualMemoryManagementSupported;
+static_assert(hipDeviceAttributeVirtualMemoryManagementSupported == hipDeviceAttributeMemoryPoolsSupported + 1,
               "the fallback numbering for older headers no longer matches");
 #else
 inline constexpr hipDeviceAttribute_t kVmmSupportedAttribute =
     static_cast<hipDeviceAttribute_t>(hipDeviceAttributeMemoryPoolsSupported + 1);
 #endif
-inline constexpr const char* kVmmSupportedAttributeName =
-    "hipDeviceAttributeVirtualMemoryManagementSupported";
+inline constexpr const char* kVmmSupportedAttributeName = "hipDeviceAttributeVirtualMemoryManagementSupported";
 
 // Concurrent VMM calls have crashed the HIP runtime (ROCm 6.x), so every HIP
 // call this backend makes, from any thread and any device, takes this lock.

@@ -207,8 +207,8 @@ void HostAllocations::map(VirtualAddress address, std::size_t size_bytes, Physic
   } else {  // the parked range is MADV_DONTFORK already, and the move keeps it so
     // Replaces the reservation at `address` in one step; the parked range
     // (PROT_NONE) becomes free address space.
-    void* result = mremap(pointer(allocation.parked), size_bytes, size_bytes, MREMAP_MAYMOVE | MREMAP_FIXED,
-                          pointer(address));
+    void* result =
+        mremap(pointer(allocation.parked), size_bytes, size_bytes, MREMAP_MAYMOVE | MREMAP_FIXED, pointer(address));
     if (result == MAP_FAILED) throw_host_errno("mremap", errno);
     allocation.live = address;
     allocation.parked = 0;
@@ -249,8 +249,8 @@ void HostAllocations::unmap(VirtualAddress address, std::size_t size_bytes) {
     if (result == MAP_FAILED) break;
   }
   const int error = errno;
-  const bool rereserved = moved == to_park.size() &&
-      mmap(pointer(address), size_bytes, PROT_NONE, kHostReservationFlags | MAP_FIXED, -1, 0) != MAP_FAILED;
+  const bool rereserved = moved == to_park.size() && mmap(pointer(address), size_bytes, PROT_NONE,
+                                                          kHostReservationFlags | MAP_FIXED, -1, 0) != MAP_FAILED;
   if (!rereserved) {  // move back what was parked: nothing changed
     const int failure = moved < to_park.size() ? error : errno;
     for (std::size_t i = 0; i < to_park.size(); ++i) {

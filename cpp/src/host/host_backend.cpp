@@ -14,9 +14,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <string>
 
 #include "kvcached/error.hpp"
@@ -29,10 +29,9 @@ constexpr std::size_t kRecommendedGranularityBytes = 2u << 20;  // matches CUDA'
 
 // Smallest of the cgroup v2 / v1 memory limit and MemTotal, in bytes.
 std::size_t machine_memory_limit_bytes() {
-  std::size_t limit = static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES)) *
-                      static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  for (const char* path : {"/sys/fs/cgroup/memory.max",
-                           "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+  std::size_t limit =
+      static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
     // stdio rather than iostreams: see device.cpp on libstdc++ locale state.
     std::FILE* file = std::fopen(path, "r");
     if (file == nullptr) continue;
@@ -60,9 +59,7 @@ class HostBackend final : public VmmBackend {
   int device_ordinal() const override { return 0; }
   std::string physical_device_name() const override { return identity::kHost; }
   DLDeviceType dlpack_device_type() const override { return DLDeviceType::kCPU; }
-  Granularity granularity() const override {
-    return Granularity{page_bytes_, kRecommendedGranularityBytes};
-  }
+  Granularity granularity() const override { return Granularity{page_bytes_, kRecommendedGranularityBytes}; }
   MemoryInfo memory_info() const override {
     const std::size_t used = created_bytes_.load();
     return MemoryInfo{capacity_bytes_ > used ? capacity_bytes_ - used : 0, capacity_bytes_};
@@ -81,11 +78,10 @@ class HostBackend final : public VmmBackend {
     std::size_t used = created_bytes_.load();
     do {
       if (used + size_bytes > capacity_bytes_) {
-        throw DeviceOutOfMemory(
-            "host", "create", ENOMEM,
-            "host backend capacity exhausted: " + std::to_string(used) + " of " +
-                std::to_string(capacity_bytes_) + " bytes in use, " + std::to_string(size_bytes) +
-                " more requested (set KVCACHED_HOST_CAPACITY_BYTES to change the capacity)");
+        throw DeviceOutOfMemory("host", "create", ENOMEM,
+                                "host backend capacity exhausted: " + std::to_string(used) + " of " +
+                                    std::to_string(capacity_bytes_) + " bytes in use, " + std::to_string(size_bytes) +
+                                    " more requested (set KVCACHED_HOST_CAPACITY_BYTES to change the capacity)");
       }
     } while (!created_bytes_.compare_exchange_weak(used, used + size_bytes));
     try {
@@ -96,9 +92,7 @@ class HostBackend final : public VmmBackend {
     }
   }
 
-  void release(PhysicalHandle handle) override {
-    created_bytes_ -= allocations_.release(handle);
-  }
+  void release(PhysicalHandle handle) override { created_bytes_ -= allocations_.release(handle); }
 
   void map(VirtualAddress address, std::size_t size_bytes, PhysicalHandle handle) override {
     allocations_.map(address, size_bytes, handle);  // PROT_NONE until set_access, like a fresh GPU mapping
@@ -123,8 +117,8 @@ class HostBackend final : public VmmBackend {
   bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes) override {
     // Reads of a private anonymous read-only mapping hit the kernel's shared
     // zero page: zeros at no physical cost and no per-page bookkeeping.
-    void* result = mmap(reinterpret_cast<void*>(address), size_bytes, PROT_READ,
-                        kHostReservationFlags | MAP_FIXED, -1, 0);
+    void* result =
+        mmap(reinterpret_cast<void*>(address), size_bytes, PROT_READ, kHostReservationFlags | MAP_FIXED, -1, 0);
     if (result == MAP_FAILED) throw_host_errno("mmap(PROT_READ)", errno);
     return true;
   }
@@ -145,15 +139,13 @@ HostMemory parse_host_memory(const std::string& text) {
   if (text == "anonymous") return HostMemory::kAnonymous;
   if (text == "huge_pages") return HostMemory::kHugePages;
   if (text == "shared_files") return HostMemory::kSharedFiles;
-  throw InvalidArgument("'" + text +
-                        "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
+  throw InvalidArgument("'" + text + "' is not a host memory kind: expected anonymous, huge_pages or shared_files");
 }
 
 HostPopulate parse_host_populate(const std::string& text) {
   if (text == "background") return HostPopulate::kBackground;
   if (text == "on_touch") return HostPopulate::kOnTouch;
-  throw InvalidArgument("'" + text +
-                        "' is not a way to populate host pages: expected background or on_touch");
+  throw InvalidArgument("'" + text + "' is not a way to populate host pages: expected background or on_touch");
 }
 
 std::shared_ptr<VmmBackend> make_host_backend(const HostBackendOptions& options) {

@@ -105,8 +105,7 @@ class Populator {
       // meanwhile, EINVAL before Linux 5.14.
       for (std::size_t done = 0; done < range.second; done += kPieceBytes) {
         const std::size_t piece = std::min(kPieceBytes, range.second - done);
-        if (madvise(reinterpret_cast<void*>(range.first + done), piece, MADV_POPULATE_WRITE) != 0 &&
-            errno == EINVAL) {
+        if (madvise(reinterpret_cast<void*>(range.first + done), piece, MADV_POPULATE_WRITE) != 0 && errno == EINVAL) {
           break;
         }
         // A thread that waits by yielding (vLLM's EngineCore polls its queues

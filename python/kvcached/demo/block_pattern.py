@@ -59,7 +59,8 @@ class BlockPattern:
         else:
             words = np.from_dlpack(pool.tensor()).view(np.int64)
             self.kv = np.lib.stride_tricks.as_strided(
-                words, shape, tuple(stride * WORD_BYTES for stride in strides), writeable=True)
+                words, shape, tuple(stride * WORD_BYTES for stride in strides), writeable=True
+            )
 
     def _as_view(self, ids: list[int], values: np.ndarray) -> tuple[Any, Any]:
         """Block indices and the expected values, shaped to broadcast over the view."""

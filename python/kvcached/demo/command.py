@@ -31,24 +31,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         DEFAULT_WAIT_TIMEOUT_S,
     )
 
-    parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES,
-                        help=f"engine processes sharing the device (default {DEFAULT_ENGINES})")
-    parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, metavar="SECONDS",
-                        help=f"length of each of the two runs' schedules (default {DEFAULT_DURATION_S:g})")
+    parser.add_argument(
+        "--engines",
+        type=int,
+        default=DEFAULT_ENGINES,
+        help=f"engine processes sharing the device (default {DEFAULT_ENGINES})",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=DEFAULT_DURATION_S,
+        metavar="SECONDS",
+        help=f"length of each of the two runs' schedules (default {DEFAULT_DURATION_S:g})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="traffic seed; the same seed gives the same requests")
-    parser.add_argument("--budget", default=None, metavar="SIZE",
-                        help=f"device budget shared by all engines, e.g. 256MiB (default "
-                             f"{format_bytes(DEFAULT_BUDGET_BYTES)}); the traffic scales with it")
+    parser.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help=f"device budget shared by all engines, e.g. 256MiB (default "
+        f"{format_bytes(DEFAULT_BUDGET_BYTES)}); the traffic scales with it",
+    )
     parser.add_argument("--device", default="cpu", help="cpu (host memory, default) or a GPU such as cuda:0")
-    parser.add_argument("--wait-timeout", type=float, default=DEFAULT_WAIT_TIMEOUT_S, metavar="SECONDS",
-                        help="how long a request that finds no memory waits before it is refused "
-                             f"(default {DEFAULT_WAIT_TIMEOUT_S:g})")
-    parser.add_argument("--plot", default=None, metavar="PATH",
-                        help=f"PNG of memory per instance over time (default {DEFAULT_PLOT_PATH} when matplotlib "
-                             "is installed); '' for none")
+    parser.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=DEFAULT_WAIT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"how long a request that finds no memory waits before it is refused (default {DEFAULT_WAIT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help=f"PNG of memory per instance over time (default {DEFAULT_PLOT_PATH} when matplotlib "
+        "is installed); '' for none",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
-    parser.add_argument("--no-live", action="store_true",
-                        help="plain progress lines instead of the live table (automatic when not a terminal)")
+    parser.add_argument(
+        "--no-live",
+        action="store_true",
+        help="plain progress lines instead of the live table (automatic when not a terminal)",
+    )
 
 
 def _installed(module: str) -> bool:
@@ -76,7 +100,9 @@ def _plot_path(requested: Optional[str]) -> Optional[Path]:
         if requested is None:
             print("kvcached demo: no plot (pip install matplotlib, or 'kvcached[plot]', to get one)")
             return None
-        raise InvalidArgumentError(f"--plot {requested!r} needs matplotlib: pip install matplotlib (or 'kvcached[plot]')")
+        raise InvalidArgumentError(
+            f"--plot {requested!r} needs matplotlib: pip install matplotlib (or 'kvcached[plot]')"
+        )
     return _output_path("--plot", requested or DEFAULT_PLOT_PATH)
 
 
@@ -95,16 +121,26 @@ def _checked_config(args: argparse.Namespace) -> Any:
         raise InvalidArgumentError(f"--device {args.device!r}: {error}") from None
     if not device.local:
         raise InvalidArgumentError(f"--device {args.device!r}: name the device as this process sees it, e.g. cuda:0")
-    config = DemoConfig(engines=args.engines, duration_s=args.duration, seed=args.seed, budget_bytes=budget_bytes,
-                        device=device.local, wait_timeout_s=args.wait_timeout)
+    config = DemoConfig(
+        engines=args.engines,
+        duration_s=args.duration,
+        seed=args.seed,
+        budget_bytes=budget_bytes,
+        device=device.local,
+        wait_timeout_s=args.wait_timeout,
+    )
     config.validate()
     _free_bytes, total_bytes = open_device(device.local).memory_info()
     if budget_bytes > total_bytes:
         capacity = " (KVCACHED_HOST_CAPACITY_BYTES sets it)" if device.local == "cpu" else ""
-        raise InvalidArgumentError(f"--budget {format_bytes(budget_bytes)} is more than {device.local} has: "
-                         f"{format_bytes(total_bytes)}{capacity}")
+        raise InvalidArgumentError(
+            f"--budget {format_bytes(budget_bytes)} is more than {device.local} has: "
+            f"{format_bytes(total_bytes)}{capacity}"
+        )
     if needs_torch(config.device) and not _installed("torch"):
-        raise InvalidArgumentError(f"--device {config.device}: the demo checks GPU blocks through torch: pip install torch")
+        raise InvalidArgumentError(
+            f"--device {config.device}: the demo checks GPU blocks through torch: pip install torch"
+        )
     return config
 
 
@@ -129,8 +165,11 @@ def run_command(args: argparse.Namespace) -> int:
                 raise ConfigurationError(str(error)) from None
             report_failure("kvcached demo", str(error), as_json=False)
             return EXIT_USAGE
-        print(f"kvcached demo: {config.engines} engines, {format_bytes(config.budget_bytes)} on {config.device}, "
-              f"two runs of {config.duration_s:g} s (elastic, then static); starting engines...", flush=True)
+        print(
+            f"kvcached demo: {config.engines} engines, {format_bytes(config.budget_bytes)} on {config.device}, "
+            f"two runs of {config.duration_s:g} s (elastic, then static); starting engines...",
+            flush=True,
+        )
         print(f"kvcached demo: to list its engines from another terminal: {setup.kvctl_command()}", flush=True)
         try:
             with make_view(not args.no_live, config.budget_bytes, config.duration_s, config.engines) as view:

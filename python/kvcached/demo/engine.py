@@ -131,8 +131,12 @@ class EngineScheduler:
         if state.blocks:
             failures = self.pattern.count_mismatches(state.blocks, state.pattern(0, len(state.blocks)))
             if failures:
-                logger.error("engine %d: request %d: %d block(s) failed the data check",
-                             self.engine, state.request.request_id, failures)
+                logger.error(
+                    "engine %d: request %d: %d block(s) failed the data check",
+                    self.engine,
+                    state.request.request_id,
+                    failures,
+                )
             self.data_check_failures += failures
             self.blocks_checked += len(state.blocks)
             self.pool.free(state.blocks)
@@ -238,8 +242,12 @@ class EngineScheduler:
             if done:
                 break
             if now_s > deadline_s:
-                logger.warning("engine %d: drain deadline passed with %d running, %d waiting",
-                               self.engine, len(self.running), len(self.waiting))
+                logger.warning(
+                    "engine %d: drain deadline passed with %d running, %d waiting",
+                    self.engine,
+                    len(self.running),
+                    len(self.waiting),
+                )
                 break
             self.tick += 1
             # Sleep to the next tick boundary, not a fixed time, so work does not stretch the clock.
@@ -257,8 +265,9 @@ class EngineScheduler:
                     "request_id": s.request.request_id,
                     "arrival_s": s.request.arrival_s,
                     "admitted_s": s.admitted_s,
-                    "outcome": "refused" if s.refused else ("at_once" if s.at_once else
-                                                            ("delayed" if s.admitted_s is not None else "unserved")),
+                    "outcome": "refused"
+                    if s.refused
+                    else ("at_once" if s.at_once else ("delayed" if s.admitted_s is not None else "unserved")),
                     "completed": s.completed,
                     "preemptions": s.preemptions,
                 }

@@ -55,8 +55,15 @@ class EngineFleet:
         self.processes = [
             context.Process(
                 target=engine_main,
-                args=(engine, engine_name(engine), shape, registry_dir, self.commands[engine], self.events,
-                      logging.getLogger().getEffectiveLevel()),
+                args=(
+                    engine,
+                    engine_name(engine),
+                    shape,
+                    registry_dir,
+                    self.commands[engine],
+                    self.events,
+                    logging.getLogger().getEffectiveLevel(),
+                ),
                 name=engine_name(engine),
                 daemon=True,
             )

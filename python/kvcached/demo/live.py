@@ -32,7 +32,7 @@ class _ViewBase:
         self.limit_bytes: Optional[int] = None
         self.profile: Optional[TrafficProfile] = None
 
-    def __enter__(self) -> "_ViewBase":
+    def __enter__(self) -> _ViewBase:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -98,7 +98,7 @@ class LiveTable(_ViewBase):
         self._last_draw = 0.0
         self._frame: Any = None
 
-    def __enter__(self) -> "LiveTable":
+    def __enter__(self) -> LiveTable:
         self.live.__enter__()
         return self
 
@@ -142,8 +142,14 @@ class LiveTable(_ViewBase):
         )
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
         for column, justify in (
-            ("ENGINE", "left"), ("USED", "right"), ("MAPPED", "right"), ("RUN", "right"),
-            ("QUEUE", "right"), ("AT ONCE", "right"), ("DELAYED", "right"), ("REFUSED", "right"),
+            ("ENGINE", "left"),
+            ("USED", "right"),
+            ("MAPPED", "right"),
+            ("RUN", "right"),
+            ("QUEUE", "right"),
+            ("AT ONCE", "right"),
+            ("DELAYED", "right"),
+            ("REFUSED", "right"),
         ):
             table.add_column(column, justify=justify, no_wrap=True)
         table.add_column("MEMORY (used, mapped, allowance)", no_wrap=True)
@@ -153,8 +159,9 @@ class LiveTable(_ViewBase):
             counts = counters[engine] if engine < len(counters) else {}
             mapped = mapped_bytes[engine] if engine < len(mapped_bytes) else 0
             used = min(counts.get("used_block_bytes", 0), mapped)
-            name = Text(engine_name(engine) + (" busy" if engine == busy else ""),
-                        style="bold" if engine == busy else "")
+            name = Text(
+                engine_name(engine) + (" busy" if engine == busy else ""), style="bold" if engine == busy else ""
+            )
             refused = counts.get("refused", 0)
             table.add_row(
                 name,

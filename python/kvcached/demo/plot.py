@@ -36,22 +36,37 @@ def plot_summary(summary: dict[str, Any], path: Union[str, Path]) -> Path:
         start = 0.0
         while start < traffic["duration_s"]:
             busy = int(round(start / phase_s)) % engines
-            axis.axvspan(start, min(start + phase_s, traffic["duration_s"]),
-                         color=colors[busy % len(colors)], alpha=PHASE_ALPHA, linewidth=0)
+            axis.axvspan(
+                start,
+                min(start + phase_s, traffic["duration_s"]),
+                color=colors[busy % len(colors)],
+                alpha=PHASE_ALPHA,
+                linewidth=0,
+            )
             start += phase_s
         for engine, stats in enumerate(run["engines"]):
             color = colors[engine % len(colors)]
             mapped = [value / MIB for value in samples["mapped_bytes"][engine]]
             used = [value / MIB for value in samples["used_bytes"][engine]]
             axis.fill_between(times, used, color=color, alpha=USED_ALPHA, linewidth=0)
-            axis.plot(times, mapped, color=color, linewidth=1.6,
-                      label=f"{stats['name']} (peak {stats['peak_mapped_bytes'] / MIB:.0f} MiB)")
+            axis.plot(
+                times,
+                mapped,
+                color=color,
+                linewidth=1.6,
+                label=f"{stats['name']} (peak {stats['peak_mapped_bytes'] / MIB:.0f} MiB)",
+            )
         total = [sum(values) / MIB for values in zip(*samples["mapped_bytes"])]
         axis.plot(times, total, color="black", linewidth=0.8, alpha=0.6, label="all instances")
         axis.axhline(budget_mib, color="red", linestyle="--", linewidth=1, label="device budget")
         if run["limit_bytes_per_instance"] is not None:
-            axis.axhline(run["limit_bytes_per_instance"] / MIB, color="gray", linestyle=":", linewidth=1.2,
-                         label="static cap per instance")
+            axis.axhline(
+                run["limit_bytes_per_instance"] / MIB,
+                color="gray",
+                linestyle=":",
+                linewidth=1.2,
+                label="static cap per instance",
+            )
         totals = run["totals"]
         if run["limit_bytes_per_instance"] is None:
             title = "elastic: every instance draws on one shared budget"

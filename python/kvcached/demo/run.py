@@ -72,11 +72,13 @@ class DemoConfig:
         if not 1 <= self.engines <= MAX_ENGINES:
             raise InvalidArgumentError(f"--engines must be between 1 and {MAX_ENGINES}, got {self.engines}")
         if not (math.isfinite(self.duration_s) and 0 < self.duration_s <= MAX_DURATION_S):
-            raise InvalidArgumentError(f"--duration must be a number of seconds in (0, {MAX_DURATION_S:g}], "
-                             f"got {self.duration_s}")
+            raise InvalidArgumentError(
+                f"--duration must be a number of seconds in (0, {MAX_DURATION_S:g}], got {self.duration_s}"
+            )
         if not (math.isfinite(self.wait_timeout_s) and 0 <= self.wait_timeout_s <= MAX_DURATION_S):
-            raise InvalidArgumentError(f"--wait-timeout must be a number of seconds in [0, {MAX_DURATION_S:g}], "
-                             f"got {self.wait_timeout_s}")
+            raise InvalidArgumentError(
+                f"--wait-timeout must be a number of seconds in [0, {MAX_DURATION_S:g}], got {self.wait_timeout_s}"
+            )
         if not 0 <= self.seed < 2**63:
             raise InvalidArgumentError(f"--seed must be a non-negative integer below 2**63, got {self.seed}")
         if self.budget_bytes <= 0:
@@ -139,8 +141,11 @@ def measure_geometry(config: DemoConfig) -> Geometry:
         )
     except (KvcachedError, ValueError) as error:
         # The demo's own geometry always fits: what does not is a KVCACHED_* setting (a page size).
-        settings = " ".join(f"{name}={value!r}" for name, value in sorted(os.environ.items())
-                            if name.startswith("KVCACHED_") and name != REGISTRY_DIR_ENV)
+        settings = " ".join(
+            f"{name}={value!r}"
+            for name, value in sorted(os.environ.items())
+            if name.startswith("KVCACHED_") and name != REGISTRY_DIR_ENV
+        )
         if not settings:
             raise
         raise ConfigurationError(f"{error} (with {settings})") from None
@@ -270,7 +275,7 @@ class DemoSetup:
         self.geometry: Optional[Geometry] = None
         self._previous_dir: Optional[str] = None
 
-    def __enter__(self) -> "DemoSetup":
+    def __enter__(self) -> DemoSetup:
         self._started = time.monotonic()
         self.registry_dir = tempfile.mkdtemp(prefix="kvcached-demo-")
         self._previous_dir = os.environ.get(REGISTRY_DIR_ENV)
@@ -332,5 +337,13 @@ def run_demo(config: DemoConfig, observer: Optional[Observer] = None) -> dict[st
         return setup.run(observer)
 
 
-__all__ = ["DemoConfig", "DemoSetup", "EngineFleet", "Geometry", "RunRecord", "engine_name", "measure_geometry",
-           "run_demo"]
+__all__ = [
+    "DemoConfig",
+    "DemoSetup",
+    "EngineFleet",
+    "Geometry",
+    "RunRecord",
+    "engine_name",
+    "measure_geometry",
+    "run_demo",
+]

@@ -46,8 +46,17 @@ def _run_summary(record: Any, limit_pages_bytes: Optional[int]) -> dict[str, Any
     ]
     totals: dict[str, Any] = {
         key: sum(engine[key] for engine in engines)
-        for key in ("requests", *OUTCOMES, "unserved", "completed", "preemptions", "blocks_checked",
-                    "data_check_failures", "used_blocks_at_end", "mapped_bytes_after_close")
+        for key in (
+            "requests",
+            *OUTCOMES,
+            "unserved",
+            "completed",
+            "preemptions",
+            "blocks_checked",
+            "data_check_failures",
+            "used_blocks_at_end",
+            "mapped_bytes_after_close",
+        )
     }
     delayed_waits = sum(engine["mean_wait_s"] * engine["delayed"] for engine in engines)
     totals["mean_wait_s"] = delayed_waits / totals["delayed"] if totals["delayed"] else 0.0
@@ -133,29 +142,42 @@ def format_summary(summary: dict[str, Any]) -> str:
     both("delayed", lambda r: _count_with_wait(r["totals"]))
     both("refused", lambda r: _percent(r["totals"]["refused"], r["totals"]["requests"]))
     both("preempted (recomputed)", lambda r: str(r["totals"]["preemptions"]))
-    both("data-check failures", lambda r: f"{r['totals']['data_check_failures']} of "
-                                          f"{r['totals']['blocks_checked']} blocks")
-    both("peak / mean device memory", lambda r: f"{format_bytes(r['peak_device_mapped_bytes'])} / "
-                                                f"{format_bytes(r['mean_device_mapped_bytes'])}")
-    both("registry after the run", lambda r: "0 B mapped, no entries" if not r["registry_mapped_after_bytes"]
-         and not r["registry_entries_after"] else
-         f"{format_bytes(r['registry_mapped_after_bytes'])} mapped, {r['registry_entries_after']} entries")
+    both(
+        "data-check failures",
+        lambda r: f"{r['totals']['data_check_failures']} of {r['totals']['blocks_checked']} blocks",
+    )
+    both(
+        "peak / mean device memory",
+        lambda r: f"{format_bytes(r['peak_device_mapped_bytes'])} / {format_bytes(r['mean_device_mapped_bytes'])}",
+    )
+    both(
+        "registry after the run",
+        lambda r: (
+            "0 B mapped, no entries"
+            if not r["registry_mapped_after_bytes"] and not r["registry_entries_after"]
+            else f"{format_bytes(r['registry_mapped_after_bytes'])} mapped, {r['registry_entries_after']} entries"
+        ),
+    )
     lines += _table(rows)
     lines.append("")
-    rows = [("per instance", "elastic peak / mean", "static peak / mean",
-             "elastic at once/delayed/refused", "static")]
+    rows = [("per instance", "elastic peak / mean", "static peak / mean", "elastic at once/delayed/refused", "static")]
     for mine, theirs in zip(elastic["engines"], static["engines"]):
-        rows.append((
-            mine["name"],
-            f"{format_bytes(mine['peak_mapped_bytes'])} / {format_bytes(mine['mean_mapped_bytes'])}",
-            f"{format_bytes(theirs['peak_mapped_bytes'])} / {format_bytes(theirs['mean_mapped_bytes'])}",
-            f"{mine['at_once']}/{mine['delayed']}/{mine['refused']}",
-            f"{theirs['at_once']}/{theirs['delayed']}/{theirs['refused']}",
-        ))
+        rows.append(
+            (
+                mine["name"],
+                f"{format_bytes(mine['peak_mapped_bytes'])} / {format_bytes(mine['mean_mapped_bytes'])}",
+                f"{format_bytes(theirs['peak_mapped_bytes'])} / {format_bytes(theirs['mean_mapped_bytes'])}",
+                f"{mine['at_once']}/{mine['delayed']}/{mine['refused']}",
+                f"{theirs['at_once']}/{theirs['delayed']}/{theirs['refused']}",
+            )
+        )
     lines += _table(rows)
     lines.append("(memory: bytes mapped by each instance's pool, sampled every 0.1 s from the device registry)")
-    verdict = "all data checks passed, every request accounted for, memory back to zero" if summary["ok"] else \
-        "PROBLEM: data-check failures, unaccounted requests or memory left mapped (see above)"
+    verdict = (
+        "all data checks passed, every request accounted for, memory back to zero"
+        if summary["ok"]
+        else "PROBLEM: data-check failures, unaccounted requests or memory left mapped (see above)"
+    )
     lines += ["", verdict, f"total time {summary['elapsed_s']:.1f} s"]
     return "\n".join(lines)
 

@@ -39,7 +39,10 @@ def _gemma3(sliding: bool = True) -> tuple[Any, Any]:
 
     first = "sliding_attention" if sliding else "full_attention"
     config = Gemma3TextConfig(
-        **_COMMON, num_hidden_layers=6, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=64,
+        **_COMMON,
+        num_hidden_layers=6,
+        sliding_window=SLIDING_WINDOW,
+        query_pre_attn_scalar=64,
         layer_types=[first] * 5 + ["full_attention"],
     )
     return config, Gemma3ForCausalLM
@@ -51,8 +54,13 @@ def _gpt_oss() -> tuple[Any, Any]:
 
     common = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
     config = GptOssConfig(
-        **common, intermediate_size=256, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+        **common,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
     )
     return config, GptOssForCausalLM
 
@@ -62,11 +70,18 @@ def _qwen3_next() -> tuple[Any, Any]:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        **{**_COMMON, "num_key_value_heads": 2}, num_hidden_layers=4,
+        **{**_COMMON, "num_key_value_heads": 2},
+        num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=2, linear_num_value_heads=2,
-        moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
     return config, Qwen3NextForCausalLM
 
@@ -76,10 +91,18 @@ def _granite_hybrid() -> tuple[Any, Any]:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     config = GraniteMoeHybridConfig(
-        **{k: v for k, v in _COMMON.items() if k != "head_dim"}, num_hidden_layers=4,
+        **{k: v for k, v in _COMMON.items() if k != "head_dim"},
+        num_hidden_layers=4,
         layer_types=["mamba", "mamba", "mamba", "attention"],
-        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
-        mamba_expand=2, mamba_chunk_size=64, num_local_experts=0, shared_intermediate_size=512,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        num_local_experts=0,
+        shared_intermediate_size=512,
         position_embedding_type="rope",
     )
     return config, GraniteMoeHybridForCausalLM
@@ -92,9 +115,19 @@ def _deepseek_v2() -> tuple[Any, Any]:
 
     common = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
     config = DeepseekV2Config(
-        **common, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=512, q_lora_rank=None,
-        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=512, first_k_dense_replace=2,
-        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=128, num_experts_per_tok=2,
+        **common,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=512,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=128,
+        num_experts_per_tok=2,
     )
     return config, DeepseekV2ForCausalLM
 

@@ -31,9 +31,7 @@ TINY_LLAMA = dict(
 )
 
 
-def make_tiny_llama(
-    path: str | os.PathLike, seed: int = 0, *, layers: int = 2, dtype: str = "float32"
-) -> str:
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0, *, layers: int = 2, dtype: str = "float32") -> str:
     """Writes a random-weight Llama checkpoint to ``path`` (once) and returns it.
 
     ``layers`` replaces :data:`TINY_LLAMA`'s layer count; ``dtype`` (a torch dtype
@@ -66,6 +64,5 @@ def prompt_ids(n: int, length: int, seed: int = 1, shared_prefix: int = 0) -> li
     rng = random.Random(seed)
     prefix = [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(shared_prefix)]
     return [
-        prefix + [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(length - shared_prefix)]
-        for _ in range(n)
+        prefix + [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(length - shared_prefix)] for _ in range(n)
     ]

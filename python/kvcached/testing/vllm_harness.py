@@ -24,8 +24,7 @@ from kvcached.testing.tiny_llama import TINY_LLAMA, make_tiny_llama, prompt_ids 
 
 def _kvcached_enabled() -> bool:
     return any(
-        os.environ.get(n, "").lower() in ("1", "true", "yes", "on")
-        for n in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
+        os.environ.get(n, "").lower() in ("1", "true", "yes", "on") for n in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
     )
 
 
@@ -149,10 +148,7 @@ def run(spec: dict) -> dict:
                     _probe(llm, f"phase{i}_running", probes)
             result = [done[f"p{i}-{j}"] for j in range(len(prompts))]
         else:
-            result = [
-                list(o.outputs[0].token_ids)
-                for o in llm.generate(prompts, params, use_tqdm=False)
-            ]
+            result = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         outputs.append(result)
         time.sleep(phase.get("settle_s", 0.5))  # let the idle flush reach the worker
         _probe(llm, f"phase{i}_done", probes)

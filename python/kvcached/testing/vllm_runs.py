@@ -57,7 +57,10 @@ def start(workdir: Path, label: str, spec: dict, env: dict) -> tuple[subprocess.
     log = open(workdir / f"{label}.log", "w")
     proc = subprocess.Popen(
         [sys.executable, str(HARNESS), str(spec_path), str(out_path)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
     )
     return proc, out_path
 

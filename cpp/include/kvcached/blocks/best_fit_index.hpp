@@ -37,8 +37,8 @@ class KVCACHED_EXPORT BestFitIndex {
   // Totals over the pages in the index.
   std::size_t pages() const noexcept { return pages_; }
   std::size_t free_blocks() const noexcept { return free_total_; }
-  std::size_t empty_pages() const noexcept { return empty_pages_; }   // entirely free
-  std::size_t empty_blocks() const noexcept { return empty_blocks_; } // their blocks
+  std::size_t empty_pages() const noexcept { return empty_pages_; }    // entirely free
+  std::size_t empty_blocks() const noexcept { return empty_blocks_; }  // their blocks
 
   // The page the next blocks of an alloc come from, with `remaining` blocks
   // still to place (see Placement). `allow_empty`: whether an entirely free

@@ -22,10 +22,10 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <deque>
-#include <functional>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,8 +34,8 @@
 #include <vector>
 
 #include "kvcached/blocks/best_fit_index.hpp"
-#include "kvcached/blocks/free_slots.hpp"
 #include "kvcached/blocks/block_manager_options.hpp"
+#include "kvcached/blocks/free_slots.hpp"
 #include "kvcached/blocks/memory_budget.hpp"
 #include "kvcached/blocks/mirror_budgets.hpp"
 #include "kvcached/blocks/page_mapper.hpp"
@@ -48,32 +48,32 @@
 namespace kvcached {
 
 struct MirrorStats {
-  MirrorProgress progress;          // acknowledgements (device-less managers; defaults locally)
-  std::size_t page_bytes = 0;       // what one page id costs on this mirror
-  std::size_t charged_pages = 0;    // pages held on its budget
+  MirrorProgress progress;        // acknowledgements (device-less managers; defaults locally)
+  std::size_t page_bytes = 0;     // what one page id costs on this mirror
+  std::size_t charged_pages = 0;  // pages held on its budget
 };
 
 struct BlockManagerStats {
   std::size_t num_blocks, num_pages, blocks_per_page, page_id_bytes, block_id_bytes;
-  std::size_t used_blocks;          // handed out, reserved or the null block
-  std::size_t reserved_blocks;      // held by try_reserve for the next alloc
-  std::size_t free_mapped_blocks;   // free blocks on mapped pages
+  std::size_t used_blocks;         // handed out, reserved or the null block
+  std::size_t reserved_blocks;     // held by try_reserve for the next alloc
+  std::size_t free_mapped_blocks;  // free blocks on mapped pages
   // Where every page id is (they add up to num_pages):
-  std::size_t used_pages;           // mapped, some block in use
-  std::size_t free_pages;           // mapped, every block free (the reserve)
-  std::size_t mapping_pages;        // being mapped
-  std::size_t unmapping_pages;      // being unmapped here (allocatable: alloc waits for it)
-  std::size_t pending_pages;        // unmapped, awaiting the mirrors' acknowledgement
+  std::size_t used_pages;       // mapped, some block in use
+  std::size_t free_pages;       // mapped, every block free (the reserve)
+  std::size_t mapping_pages;    // being mapped
+  std::size_t unmapping_pages;  // being unmapped here (allocatable: alloc waits for it)
+  std::size_t pending_pages;    // unmapped, awaiting the mirrors' acknowledgement
   std::size_t unmapped_pages;
-  std::size_t mapped_pages;         // used_pages + free_pages
-  std::size_t spare_pages;          // pre-created allocations (the KV space's count)
-  std::size_t held_pages;           // pages charged to the budget (the most of any mirror)
+  std::size_t mapped_pages;  // used_pages + free_pages
+  std::size_t spare_pages;   // pre-created allocations (the KV space's count)
+  std::size_t held_pages;    // pages charged to the budget (the most of any mirror)
   std::size_t limit_pages;
   std::optional<std::size_t> limit_bytes;  // the limit in force (the pool's own or set from outside)
-  std::size_t slow_allocs;          // allocs that had to map pages themselves (reserve missed)
-  std::size_t worker_errors;        // maintenance rounds of the worker that failed
+  std::size_t slow_allocs;                 // allocs that had to map pages themselves (reserve missed)
+  std::size_t worker_errors;               // maintenance rounds of the worker that failed
   std::string last_worker_error;
-  std::uint64_t last_seq;           // last PageOps batch handed out (device-less managers)
+  std::uint64_t last_seq;  // last PageOps batch handed out (device-less managers)
   std::vector<MirrorStats> mirrors;
 };
 
@@ -264,11 +264,11 @@ class KVCACHED_EXPORT BlockManager {
   std::mutex map_mutex_;
   mutable std::mutex mutex_;
   std::vector<PageState> state_;
-  std::vector<FreeSlots> free_slots_;                    // per mapped page, lowest first
+  std::vector<FreeSlots> free_slots_;  // per mapped page, lowest first
   std::vector<std::uint8_t> block_state_;
-  BestFitIndex index_;                                   // mapped pages by free blocks
-  FreeSlots unmapped_;                                   // unmapped page ids, lowest first (a bitmap)
-  std::vector<std::int64_t> reserved_;                   // try_reserve, handed out first
+  BestFitIndex index_;                  // mapped pages by free blocks
+  FreeSlots unmapped_;                  // unmapped page ids, lowest first (a bitmap)
+  std::vector<std::int64_t> reserved_;  // try_reserve, handed out first
   std::size_t used_blocks_ = 0;
   std::size_t mapping_pages_ = 0, mapping_blocks_ = 0, unmapping_pages_ = 0, awaiting_ack_pages_ = 0;
   // The limit in force, the tighter of the options' limit and the budgets'
@@ -282,7 +282,7 @@ class KVCACHED_EXPORT BlockManager {
   MirrorBudgets budgets_;
   ReservePolicy reserve_;
   std::uint64_t allocs_ = 0, frees_ = 0;
-  std::deque<std::size_t> recent_grows_;                 // pages of the last grows (look-ahead)
+  std::deque<std::size_t> recent_grows_;  // pages of the last grows (look-ahead)
   std::size_t slow_allocs_ = 0, worker_errors_ = 0;
   std::string last_worker_error_;
   bool closed_ = false;

@@ -26,10 +26,10 @@ Placement parse_placement(const std::string& name);
 std::string placement_name(Placement placement);
 
 struct ReserveTargets {
-  std::size_t min_free_pages = 0;  // mapped pages with no block in use, kept ready
-  std::size_t max_free_pages = 0;  // beyond this, free pages are unmapped
-  std::size_t min_spare_pages = 0; // pre-created, unmapped allocations kept ready
-  std::size_t max_spare_pages = 0; // beyond this, spares are released
+  std::size_t min_free_pages = 0;   // mapped pages with no block in use, kept ready
+  std::size_t max_free_pages = 0;   // beyond this, free pages are unmapped
+  std::size_t min_spare_pages = 0;  // pre-created, unmapped allocations kept ready
+  std::size_t max_spare_pages = 0;  // beyond this, spares are released
   void validate() const;
 };
 
@@ -37,7 +37,7 @@ struct BlockManagerOptions {
   bool null_block = false;                 // block 0 reserved (engines point padding at it)
   std::optional<std::size_t> limit_bytes;  // physical bytes this pool may hold (nullopt: none)
   ReserveTargets reserve;
-  bool background_worker = false;          // keep `reserve` with a thread
+  bool background_worker = false;  // keep `reserve` with a thread
   Placement placement = Placement::kFewestPages;
   void validate() const { reserve.validate(); }
 };

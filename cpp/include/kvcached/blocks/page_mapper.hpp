@@ -30,9 +30,15 @@ class KVCACHED_EXPORT PageMapper {
   // without waiting: the count is published atomically by the space).
   virtual std::size_t spare_pages() const noexcept { return 0; }
   // Pre-create up to `count` spares; returns how many were made.
-  virtual std::size_t add_spares(std::size_t count) { (void)count; return 0; }
+  virtual std::size_t add_spares(std::size_t count) {
+    (void)count;
+    return 0;
+  }
   // Release spares beyond `keep`; returns how many were released.
-  virtual std::size_t trim_spares(std::size_t keep) { (void)keep; return 0; }
+  virtual std::size_t trim_spares(std::size_t keep) {
+    (void)keep;
+    return 0;
+  }
   // How many unmapped allocations an unmap may keep as spares.
   virtual void set_max_spare_pages(std::size_t count) { (void)count; }
   // Get these unmapped pages ready to be mapped quickly (best effort).

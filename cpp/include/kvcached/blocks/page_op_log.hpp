@@ -29,8 +29,8 @@ namespace kvcached {
 struct MirrorProgress {
   bool alive = true;
   std::uint64_t acked_seq = 0;
-  std::size_t unacked_batches = 0;   // handed out, not yet acknowledged by this mirror
-  double oldest_unacked_age_s = 0;   // since the oldest of those was handed out (0: none)
+  std::size_t unacked_batches = 0;  // handed out, not yet acknowledged by this mirror
+  double oldest_unacked_age_s = 0;  // since the oldest of those was handed out (0: none)
 };
 
 class KVCACHED_EXPORT PageOpLog final : public PageMapper {
@@ -60,8 +60,8 @@ class KVCACHED_EXPORT PageOpLog final : public PageMapper {
   std::size_t num_mirrors() const noexcept { return acked_.size(); }
   bool alive(std::size_t mirror) const;
   MirrorProgress progress(std::size_t mirror) const;
-  std::uint64_t last_seq() const;                // the last batch handed out (0: none)
-  std::size_t pages_awaiting_ack() const;        // unmapped, not yet reusable
+  std::uint64_t last_seq() const;          // the last batch handed out (0: none)
+  std::size_t pages_awaiting_ack() const;  // unmapped, not yet reusable
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -78,7 +78,7 @@ class KVCACHED_EXPORT PageOpLog final : public PageMapper {
   mutable std::mutex mutex_;  // a leaf: nothing is called while it is held
   PageOps open_;              // not yet taken
   std::uint64_t next_seq_ = 1;
-  std::deque<Batch> batches_; // handed out, not acknowledged by every live mirror
+  std::deque<Batch> batches_;  // handed out, not acknowledged by every live mirror
   std::vector<std::uint64_t> acked_;
   std::vector<std::uint8_t> alive_;
   std::size_t awaiting_ack_ = 0;

@@ -155,8 +155,8 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   void set_access_locked(VirtualAddress address, std::size_t size_bytes);
   void check_aligned(const char* what, std::size_t value) const;
   // Returns the reservation containing [address, address+size) or end().
-  std::map<VirtualAddress, std::size_t>::const_iterator find_reservation(
-      VirtualAddress address, std::size_t size_bytes) const;
+  std::map<VirtualAddress, std::size_t>::const_iterator find_reservation(VirtualAddress address,
+                                                                         std::size_t size_bytes) const;
   void unmap_locked(VirtualAddress address, std::size_t size_bytes);
 
   std::shared_ptr<VmmBackend> backend_;
@@ -165,10 +165,10 @@ class KVCACHED_EXPORT Device : public std::enable_shared_from_this<Device> {
   // Free bytes as of the last query, adjusted by every create and release
   // since; may go negative when others freed memory we then created.
   mutable std::atomic<std::int64_t> free_estimate_bytes_{0};
-  mutable std::mutex mutex_;  // guards the records below and serialises driver calls
-  std::map<VirtualAddress, std::size_t> reservations_;           // base -> size
+  mutable std::mutex mutex_;                            // guards the records below and serialises driver calls
+  std::map<VirtualAddress, std::size_t> reservations_;  // base -> size
   std::unordered_map<PhysicalHandle, AllocationRecord> allocations_;
-  std::map<VirtualAddress, MappingRecord> mappings_;             // address -> mapping
+  std::map<VirtualAddress, MappingRecord> mappings_;  // address -> mapping
   DeviceCounters counters_;
 };
 

@@ -64,10 +64,10 @@ struct RegistryEntryInfo {
   std::string local_device;            // the device as that process sees it ("cuda:1"), or ""
   bool alive = false;
   std::optional<std::size_t> limit_bytes;
-  std::size_t mapped_bytes = 0;    // taken from the budget (every mapped page)
-  std::size_t used_bytes = 0;      // pages holding blocks in use, as the pool reports
-  std::size_t reserved_bytes = 0;  // mapped but free (background reserve), as reported
-  std::size_t wanted_bytes = 0;    // last refused request, while recent (see pressure)
+  std::size_t mapped_bytes = 0;     // taken from the budget (every mapped page)
+  std::size_t used_bytes = 0;       // pages holding blocks in use, as the pool reports
+  std::size_t reserved_bytes = 0;   // mapped but free (background reserve), as reported
+  std::size_t wanted_bytes = 0;     // last refused request, while recent (see pressure)
   std::uint64_t worker_errors = 0;  // background worker failures, as the pool reports
 };
 
@@ -80,8 +80,7 @@ class KVCACHED_EXPORT DeviceRegistry {
   // decides; later users keep the existing budget). Without a budget a missing
   // registry is RegistryNotFound. `local_device` ("cuda:1") is what
   // register_instance records by default as the device its process sees.
-  static std::shared_ptr<DeviceRegistry> open(const std::string& device,
-                                              std::optional<std::size_t> budget_bytes,
+  static std::shared_ptr<DeviceRegistry> open(const std::string& device, std::optional<std::size_t> budget_bytes,
                                               const std::string& local_device = "");
   // Where the registry of `device` lives (honours KVCACHED_REGISTRY_DIR).
   static std::string segment_path(const std::string& device);
@@ -113,18 +112,17 @@ class KVCACHED_EXPORT DeviceRegistry {
   // open). Stale entries are reclaimed first, so a restarted engine finds its
   // predecessor's memory free. A GPU instance is refused while a registry
   // keyed another way has live instances (registry_directory.hpp).
-  std::shared_ptr<RegistryBudget> register_instance(
-      const std::string& name, std::optional<std::int64_t> pid = std::nullopt,
-      std::optional<std::size_t> limit_bytes = std::nullopt,
-      std::optional<std::string> local_device = std::nullopt);
+  std::shared_ptr<RegistryBudget> register_instance(const std::string& name,
+                                                    std::optional<std::int64_t> pid = std::nullopt,
+                                                    std::optional<std::size_t> limit_bytes = std::nullopt,
+                                                    std::optional<std::string> local_device = std::nullopt);
 
   // Test hook: takes the registry lock and returns without releasing it, so a
   // test can kill the process while it holds the lock. Never use otherwise.
   void hold_lock_for_test();
 
  private:
-  DeviceRegistry(std::string device, std::string local_device,
-                 std::shared_ptr<registry_detail::Segment> segment);
+  DeviceRegistry(std::string device, std::string local_device, std::shared_ptr<registry_detail::Segment> segment);
   std::string device_;
   std::string local_device_;
   std::shared_ptr<registry_detail::Segment> segment_;
@@ -134,8 +132,8 @@ class KVCACHED_EXPORT DeviceRegistry {
 // so a pool takes its pages from the shared budget; unregisters on destruction.
 class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
  public:
-  RegistryBudget(std::shared_ptr<registry_detail::Segment> segment, std::size_t slot,
-                 std::uint64_t instance_id, std::string name);
+  RegistryBudget(std::shared_ptr<registry_detail::Segment> segment, std::size_t slot, std::uint64_t instance_id,
+                 std::string name);
   ~RegistryBudget() override;
   RegistryBudget(const RegistryBudget&) = delete;
   RegistryBudget& operator=(const RegistryBudget&) = delete;

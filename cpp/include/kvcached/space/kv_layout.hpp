@@ -33,10 +33,10 @@ std::string layout_name(KVLayoutKind kind);
 
 struct KVLayoutConfig {
   std::size_t num_layers = 0;
-  std::size_t num_buffers = 2;   // 2: K and V; 1: MLA or a K||V cell
-  std::size_t block_bytes = 0;   // one block of one layer and one buffer
-  std::size_t page_bytes = 0;    // per region; multiple of the device granularity
-  std::size_t num_blocks = 0;    // block ids the cache addresses: [0, num_blocks)
+  std::size_t num_buffers = 2;  // 2: K and V; 1: MLA or a K||V cell
+  std::size_t block_bytes = 0;  // one block of one layer and one buffer
+  std::size_t page_bytes = 0;   // per region; multiple of the device granularity
+  std::size_t num_blocks = 0;   // block ids the cache addresses: [0, num_blocks)
   KVLayoutKind kind = KVLayoutKind::kPerLayer;
 };
 

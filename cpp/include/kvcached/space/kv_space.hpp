@@ -32,7 +32,7 @@ struct KVCACHED_EXPORT KVMemory {
 struct KVSpaceOptions {
   bool zero_backing = true;
   std::size_t zero_chunk_bytes = 256u << 20;  // largest shared zero allocation on GPUs
-  std::size_t max_spare_pages = 0;           // unmapped allocations kept for reuse
+  std::size_t max_spare_pages = 0;            // unmapped allocations kept for reuse
   // Unmapped page ids kept split ahead of use (GPU zero backing): set-up
   // splits the first ones (at most kSetupPrepareAllocations allocations'
   // worth) and a block manager's worker keeps at least this many ready.
@@ -137,7 +137,7 @@ class KVCACHED_EXPORT KVSpace {
   std::shared_ptr<KVMemory> memory_;
   VirtualAddress base_;
   mutable std::mutex mutex_;
-  std::vector<PageBacking> mapped_;  // by page id; empty when unmapped
+  std::vector<PageBacking> mapped_;     // by page id; empty when unmapped
   std::vector<std::uint8_t> prepared_;  // by page id: zero chunks already split
   std::vector<PageBacking> spares_;
   std::atomic<std::size_t> spare_count_{0};  // spares_.size(), for lock-free readers

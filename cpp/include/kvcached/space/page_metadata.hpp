@@ -26,8 +26,7 @@ struct PageMetadataCost {
 };
 
 // The bookkeeping `cost` comes to for `layout` (saturating at SIZE_MAX).
-KVCACHED_EXPORT std::size_t page_metadata_bytes(const KVLayout& layout,
-                                                const PageMetadataCost& cost) noexcept;
+KVCACHED_EXPORT std::size_t page_metadata_bytes(const KVLayout& layout, const PageMetadataCost& cost) noexcept;
 
 // The most bookkeeping one pool may keep: 4 GiB, or a quarter of the host's
 // physical memory if that is less.
@@ -39,8 +38,7 @@ KVCACHED_EXPORT void check_page_metadata(const KVLayout& layout, const PageMetad
                                          const std::string& owner);
 
 // The error for a std::bad_alloc while `owner` sized its bookkeeping for `layout`.
-[[noreturn]] KVCACHED_EXPORT void throw_page_metadata_exhausted(const KVLayout& layout,
-                                                                const PageMetadataCost& cost,
+[[noreturn]] KVCACHED_EXPORT void throw_page_metadata_exhausted(const KVLayout& layout, const PageMetadataCost& cost,
                                                                 const std::string& owner);
 
 }  // namespace kvcached

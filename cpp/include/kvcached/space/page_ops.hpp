@@ -9,7 +9,7 @@
 namespace kvcached {
 
 struct PageOps {
-  std::uint64_t seq = 0;                 // 1, 2, 3, ... per batch; 0: an empty batch (nothing to apply)
+  std::uint64_t seq = 0;  // 1, 2, 3, ... per batch; 0: an empty batch (nothing to apply)
   std::vector<std::int64_t> map_pages;
   std::vector<std::int64_t> unmap_pages;
   bool empty() const noexcept { return map_pages.empty() && unmap_pages.empty(); }

@@ -16,8 +16,10 @@ namespace {
 std::shared_ptr<PageMapper> local_mapper(const std::shared_ptr<KVSpace>& space, const KVLayout& layout) {
   if (!space) throw InvalidArgument("BlockManager needs a KV space (or mirrors)");
   if (space->layout() != layout) {
-    throw InvalidArgument("the KV space's layout (" + space->layout().describe() + ") differs from the block "
-                          "manager's (" + layout.describe() + ")");
+    throw InvalidArgument("the KV space's layout (" + space->layout().describe() +
+                          ") differs from the block "
+                          "manager's (" +
+                          layout.describe() + ")");
   }
   return std::make_shared<LocalPageMapper>(space);
 }
@@ -53,20 +55,16 @@ PageMetadataCost BlockManager::page_metadata_cost(const KVLayout& layout) noexce
   // state_, free_slots_ (its bitmap while mapped), the best-fit index's free
   // count and bucket links, unmapped_'s bit (a byte, rounded up); block_state_ per block.
   const std::size_t bitmap_bytes = (layout.blocks_per_page() + 63) / 64 * sizeof(std::uint64_t);
-  const std::size_t per_page =
-      sizeof(PageState) + sizeof(FreeSlots) + bitmap_bytes + 3 * sizeof(std::uint32_t) + 1;
+  const std::size_t per_page = sizeof(PageState) + sizeof(FreeSlots) + bitmap_bytes + 3 * sizeof(std::uint32_t) + 1;
   return {per_page, sizeof(std::uint8_t)};
 }
 
-BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options,
-                           std::shared_ptr<KVSpace> space, std::shared_ptr<MemoryBudget> budget)
+BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::shared_ptr<KVSpace> space,
+                           std::shared_ptr<MemoryBudget> budget)
     : BlockManager(layout, options, local_mapper(space, layout), {MirrorSpec{std::move(budget), std::nullopt}}) {}
 
-
-BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options,
-                           std::vector<MirrorSpec> mirrors)
-    : BlockManager(layout, options, std::make_shared<PageOpLog>(mirrors.size()),
-                   checked_mirrors(mirrors, layout)) {}
+BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options, std::vector<MirrorSpec> mirrors)
+    : BlockManager(layout, options, std::make_shared<PageOpLog>(mirrors.size()), checked_mirrors(mirrors, layout)) {}
 
 BlockManager::BlockManager(const KVLayout& layout, const BlockManagerOptions& options,
                            std::shared_ptr<PageMapper> mapper, std::vector<MirrorSpec> mirrors) try
@@ -262,8 +260,8 @@ void BlockManager::free(const std::int64_t* ids, std::size_t count) {
     }
     give_blocks_locked(ids, count);
     ++frees_;
-    wake = options_.background_worker && (index_.empty_pages() > reserve_.targets().max_free_pages ||
-                                           index_.pages() + mapping_pages_ > limit_pages_);
+    wake = options_.background_worker &&
+           (index_.empty_pages() > reserve_.targets().max_free_pages || index_.pages() + mapping_pages_ > limit_pages_);
   }
   if (wake) wake_worker();
 }

@@ -28,7 +28,8 @@ std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
     // Pages already charged but not mapped (being unmapped, spares, unmaps the
     // mirror has not acknowledged) count: a new page reuses their charge.
     const auto slack = static_cast<std::int64_t>(budgets_.charged_pages(i)) - static_cast<std::int64_t>(committed);
-    const auto budget_pages = static_cast<std::int64_t>(std::min<std::size_t>(budgets_.room_pages(i), KVLayout::kMaxPages));
+    const auto budget_pages =
+        static_cast<std::int64_t>(std::min<std::size_t>(budgets_.room_pages(i), KVLayout::kMaxPages));
     bound(static_cast<std::size_t>(std::max<std::int64_t>(budget_pages + slack, 0)),
           budgets_.size() > 1 ? "the memory budget of mirror " + std::to_string(i) : "the memory budget");
   }
@@ -65,8 +66,7 @@ std::size_t BlockManager::growth_blocks_locked(std::size_t pages) const noexcept
   // Pages grow lowest id first; only the last page can be short, and it is the highest id.
   const std::size_t ids = unmapped_.size() + unmapping_pages_;
   const std::uint32_t last = static_cast<std::uint32_t>(layout_.num_pages() - 1);
-  const bool short_last_candidate =
-      state_[last] == PageState::kUnmapped || state_[last] == PageState::kUnmapping;
+  const bool short_last_candidate = state_[last] == PageState::kUnmapped || state_[last] == PageState::kUnmapping;
   std::size_t blocks = pages * blocks_per_page_;
   if (pages >= ids && short_last_candidate) blocks -= blocks_per_page_ - index_.capacity(last);
   return blocks;

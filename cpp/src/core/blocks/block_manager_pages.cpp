@@ -21,7 +21,6 @@ constexpr std::size_t kRecentGrows = 16;
 
 }  // namespace
 
-
 // ---- mapping and unmapping (map_mutex_ held) ----------------------------------------
 
 void BlockManager::with_mapper(Lock& lock, const std::function<void()>& call) {

@@ -23,7 +23,8 @@ constexpr auto kPressureRenewal = std::chrono::milliseconds(200);
 
 }  // namespace
 
-std::size_t BlockManager::budget_room_pages_unlocked_poll(const std::vector<std::pair<MemoryBudget*, std::size_t>>& budgets) {
+std::size_t BlockManager::budget_room_pages_unlocked_poll(
+    const std::vector<std::pair<MemoryBudget*, std::size_t>>& budgets) {
   std::size_t room = 0;
   for (const auto& [budget, page_bytes] : budgets) room += budget->available_bytes() / page_bytes;
   return room;
@@ -32,7 +33,8 @@ std::size_t BlockManager::budget_room_pages_unlocked_poll(const std::vector<std:
 void BlockManager::wait_for_budget_locked(Lock& lock, std::size_t room_before, Clock::time_point deadline) {
   std::vector<std::pair<MemoryBudget*, std::size_t>> budgets;  // stable while map_mutex_ is held
   for (std::size_t i = 0; i < budgets_.size(); ++i) {
-    if (budgets_.alive(i) && budgets_.budget(i) != nullptr) budgets.emplace_back(budgets_.budget(i), budgets_.page_bytes(i));
+    if (budgets_.alive(i) && budgets_.budget(i) != nullptr)
+      budgets.emplace_back(budgets_.budget(i), budgets_.page_bytes(i));
   }
   lock.unlock();  // frees and fast-path allocs go on meanwhile
   const Clock::time_point yield_until = Clock::now() + kPollYield;
@@ -93,7 +95,7 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
           }
         }
         if (budget_room < plan.pages) {  // others' memory it is (not the device's): worth waiting for
-          budgets_.check_usable();  // a budget gone bad never gives memory back: no wait
+          budgets_.check_usable();       // a budget gone bad never gives memory back: no wait
           // Recorded before every wait: the holders decide each round whether anyone waits.
           probe_budget_for_pressure(lock, plan.pages);
           wait_for_budget_locked(lock, budget_room, deadline);  // at once if memory came back meanwhile
@@ -113,8 +115,8 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         probe_budget_for_pressure(lock, plan.pages);
         throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: " + std::to_string(can) +
                               " are available (bound by " + bound_by + "; pages of " +
-                              std::to_string(layout_.page_id_bytes()) + " bytes, " +
-                              std::to_string(index_.pages()) + " mapped)");
+                              std::to_string(layout_.page_id_bytes()) + " bytes, " + std::to_string(index_.pages()) +
+                              " mapped)");
       }
       std::vector<std::int64_t> pages_grown = grow_locked(lock, plan.pages, nullptr);
       grown.insert(grown.end(), pages_grown.begin(), pages_grown.end());
@@ -173,8 +175,8 @@ void BlockManager::alloc_ids(const std::vector<std::int64_t>& ids) {
     std::string bound_by;
     if (growth_room_locked(&bound_by) < to_map.size()) {
       budgets_.check_usable();
-      throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) + " more page(s) for these blocks: " +
-                            "bound by " + bound_by);
+      throw BudgetExhausted("cannot map " + std::to_string(to_map.size()) +
+                            " more page(s) for these blocks: " + "bound by " + bound_by);
     }
     grow_locked(lock, to_map.size(), &to_map);
     std::vector<std::int64_t> again;

@@ -69,8 +69,8 @@ std::vector<std::int64_t> PageOpLog::acknowledge(std::size_t mirror, std::uint64
   std::lock_guard<std::mutex> lock(mutex_);
   check_mirror(mirror);
   if (seq >= next_seq_) {
-    throw InvalidArgument("acknowledged seq " + std::to_string(seq) + " was never handed out (last: " +
-                          std::to_string(next_seq_ - 1) + ")");
+    throw InvalidArgument("acknowledged seq " + std::to_string(seq) +
+                          " was never handed out (last: " + std::to_string(next_seq_ - 1) + ")");
   }
   if (!alive_[mirror]) return {};
   acked_[mirror] = std::max(acked_[mirror], seq);

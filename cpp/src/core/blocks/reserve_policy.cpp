@@ -29,8 +29,8 @@ ReserveGoal ReservePolicy::round(std::uint64_t allocs, std::uint64_t frees, bool
   goal.release_now = true;
   if (trimmed_) return goal;  // give everything back and keep it so
   goal.min_free_pages = targets_.min_free_pages;
-  goal.max_free_pages = (idle_rounds_ >= kIdleRounds || others_waiting) ? targets_.min_free_pages
-                                                                        : targets_.max_free_pages;
+  goal.max_free_pages =
+      (idle_rounds_ >= kIdleRounds || others_waiting) ? targets_.min_free_pages : targets_.max_free_pages;
   if (others_waiting) return goal;  // spares are memory others wait for
   goal.release_now = false;
   goal.min_spare_pages = targets_.min_spare_pages;

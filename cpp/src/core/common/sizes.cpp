@@ -20,12 +20,28 @@ constexpr std::uint64_t kKB = 1000;
 
 // Every spelling a unit may take; compared without regard to case.
 constexpr Unit kUnits[] = {
-    {"", 1},           {"b", 1},
-    {"k", kKiB},       {"ki", kKiB},         {"kib", kKiB},         {"kb", kKB},
-    {"m", kKiB << 10}, {"mi", kKiB << 10},   {"mib", kKiB << 10},   {"mb", kKB * kKB},
-    {"g", kKiB << 20}, {"gi", kKiB << 20},   {"gib", kKiB << 20},   {"gb", kKB * kKB * kKB},
-    {"t", kKiB << 30}, {"ti", kKiB << 30},   {"tib", kKiB << 30},   {"tb", kKB * kKB * kKB * kKB},
-    {"p", kKiB << 40}, {"pi", kKiB << 40},   {"pib", kKiB << 40},   {"pb", kKB * kKB * kKB * kKB * kKB},
+    {"", 1},
+    {"b", 1},
+    {"k", kKiB},
+    {"ki", kKiB},
+    {"kib", kKiB},
+    {"kb", kKB},
+    {"m", kKiB << 10},
+    {"mi", kKiB << 10},
+    {"mib", kKiB << 10},
+    {"mb", kKB * kKB},
+    {"g", kKiB << 20},
+    {"gi", kKiB << 20},
+    {"gib", kKiB << 20},
+    {"gb", kKB * kKB * kKB},
+    {"t", kKiB << 30},
+    {"ti", kKiB << 30},
+    {"tib", kKiB << 30},
+    {"tb", kKB * kKB * kKB * kKB},
+    {"p", kKiB << 40},
+    {"pi", kKiB << 40},
+    {"pib", kKiB << 40},
+    {"pb", kKB * kKB * kKB * kKB * kKB},
 };
 
 // Bounds that keep every intermediate below 2^128: the numerator stays under
@@ -45,8 +61,7 @@ std::string lower(std::string text) {
 std::uint64_t parse_size_bytes(const std::string& text, const std::string& what) {
   const auto refuse = [&](const std::string& why) -> std::uint64_t {
     const std::string quoted = "'" + text + "'";
-    throw InvalidArgument((what.empty() ? quoted : what + "=" + quoted) + " is not a size: " +
-                          why);
+    throw InvalidArgument((what.empty() ? quoted : what + "=" + quoted) + " is not a size: " + why);
   };
   const std::string examples = "write e.g. 4096, 512MiB, 8G or 2GB";
   std::size_t at = 0;
@@ -74,16 +89,15 @@ std::uint64_t parse_size_bytes(const std::string& text, const std::string& what)
       }
     } else if (c == '.' && !seen_point) {
       seen_point = true;
-      const bool digit_follows =
-          at + 1 < text.size() && std::isdigit(static_cast<unsigned char>(text[at + 1]));
+      const bool digit_follows = at + 1 < text.size() && std::isdigit(static_cast<unsigned char>(text[at + 1]));
       if (!digit_follows) return refuse("a decimal point must be followed by digits");
     } else {
       break;
     }
   }
-  const bool exponent = at + 1 < text.size() && (text[at] == 'e' || text[at] == 'E') &&
-                        (std::isdigit(static_cast<unsigned char>(text[at + 1])) ||
-                         text[at + 1] == '+' || text[at + 1] == '-');
+  const bool exponent =
+      at + 1 < text.size() && (text[at] == 'e' || text[at] == 'E') &&
+      (std::isdigit(static_cast<unsigned char>(text[at + 1])) || text[at + 1] == '+' || text[at + 1] == '-');
   if (exponent) return refuse("exponents are not accepted (" + examples + ")");
   while (at < text.size() && is_space(text[at])) ++at;
   std::size_t unit_end = at;
@@ -94,8 +108,7 @@ std::uint64_t parse_size_bytes(const std::string& text, const std::string& what)
   at = unit_end;
   while (at < text.size() && is_space(text[at])) ++at;
   if (at != text.size()) {
-    return refuse("unexpected '" + text.substr(at) + "' (" + examples +
-                  "; no signs, exponents or separators)");
+    return refuse("unexpected '" + text.substr(at) + "' (" + examples + "; no signs, exponents or separators)");
   }
   const std::string unit = lower(unit_text);
   const Unit* found = nullptr;

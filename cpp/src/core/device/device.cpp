@@ -58,8 +58,7 @@ void Reservation::free() {
 
 // ---- PhysicalAllocation -----------------------------------------------------
 
-PhysicalAllocation::PhysicalAllocation(std::shared_ptr<Device> device, PhysicalHandle handle,
-                                       std::size_t size_bytes)
+PhysicalAllocation::PhysicalAllocation(std::shared_ptr<Device> device, PhysicalHandle handle, std::size_t size_bytes)
     : device_(std::move(device)), handle_(handle), size_bytes_(size_bytes) {}
 
 PhysicalAllocation::PhysicalAllocation(PhysicalAllocation&& other) noexcept
@@ -136,9 +135,8 @@ DeviceCounters Device::counters() const {
 
 void Device::check_aligned(const char* what, std::size_t value) const {
   if (value == 0 || value % granularity_.minimum_bytes != 0) {
-    throw InvalidArgument(std::string(what) + " must be a positive multiple of the " +
-                          backend_->name() + " granularity (" +
-                          std::to_string(granularity_.minimum_bytes) + " bytes), got " +
+    throw InvalidArgument(std::string(what) + " must be a positive multiple of the " + backend_->name() +
+                          " granularity (" + std::to_string(granularity_.minimum_bytes) + " bytes), got " +
                           std::to_string(value));
   }
 }
@@ -176,8 +174,8 @@ PhysicalAllocation Device::create(std::size_t size_bytes) {
   return PhysicalAllocation(shared_from_this(), handle, size_bytes);
 }
 
-std::map<VirtualAddress, std::size_t>::const_iterator Device::find_reservation(
-    VirtualAddress address, std::size_t size_bytes) const {
+std::map<VirtualAddress, std::size_t>::const_iterator Device::find_reservation(VirtualAddress address,
+                                                                               std::size_t size_bytes) const {
   auto it = reservations_.upper_bound(address);
   if (it == reservations_.begin()) return reservations_.end();
   --it;
@@ -246,8 +244,8 @@ void Device::unmap_locked(VirtualAddress address, std::size_t size_bytes) {
     ++it;
   }
   if (cursor != address + size_bytes) {
-    throw InvalidArgument("unmap: " + std::to_string(size_bytes) +
-                          " bytes would split the mapping ending at " + hex(cursor));
+    throw InvalidArgument("unmap: " + std::to_string(size_bytes) + " bytes would split the mapping ending at " +
+                          hex(cursor));
   }
   backend_->unmap(address, size_bytes);
   for (auto m = first; m != it;) {
@@ -268,8 +266,7 @@ void Device::set_access_locked(VirtualAddress address, std::size_t size_bytes) {
   auto it = mappings_.upper_bound(address);
   if (it != mappings_.begin()) --it;
   while (cursor < address + size_bytes) {
-    if (it == mappings_.end() || it->first > cursor ||
-        it->first + it->second.size_bytes <= cursor) {
+    if (it == mappings_.end() || it->first > cursor || it->first + it->second.size_bytes <= cursor) {
       throw InvalidArgument("set_access: " + hex(cursor) + " is not mapped");
     }
     cursor = it->first + it->second.size_bytes;
@@ -325,8 +322,7 @@ void Device::free_range(VirtualAddress base, std::size_t size_bytes, bool tolera
   }
   // Unmap what is still mapped inside, one mapping at a time.
   try {
-    for (auto it = mappings_.lower_bound(base);
-         it != mappings_.end() && it->first < base + size_bytes;
+    for (auto it = mappings_.lower_bound(base); it != mappings_.end() && it->first < base + size_bytes;
          it = mappings_.lower_bound(base)) {
       unmap_locked(it->first, it->second.size_bytes);
     }
@@ -348,8 +344,7 @@ void Device::release_allocation(PhysicalHandle handle, bool force) {
   }
   if (found->second.mapping_count > 0) {
     if (!force) {
-      throw InvalidArgument("release: the allocation is still mapped " +
-                            std::to_string(found->second.mapping_count) +
+      throw InvalidArgument("release: the allocation is still mapped " + std::to_string(found->second.mapping_count) +
                             " time(s); unmap it first");
     }
     // Destructor path: unmap every mapping of this allocation, never throw.

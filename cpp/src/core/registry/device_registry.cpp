@@ -31,8 +31,7 @@ std::string DeviceRegistry::segment_path(const std::string& device) {
   return registry_detail::registry_path(device);
 }
 
-std::shared_ptr<DeviceRegistry> DeviceRegistry::open(const std::string& device,
-                                                     std::optional<std::size_t> budget_bytes,
+std::shared_ptr<DeviceRegistry> DeviceRegistry::open(const std::string& device, std::optional<std::size_t> budget_bytes,
                                                      const std::string& local_device) {
   registry_device_kind(device);
   validate_local_device(local_device);
@@ -41,8 +40,7 @@ std::shared_ptr<DeviceRegistry> DeviceRegistry::open(const std::string& device,
   return std::shared_ptr<DeviceRegistry>(new DeviceRegistry(device, local_device, std::move(segment)));
 }
 
-DeviceRegistry::DeviceRegistry(std::string device, std::string local_device,
-                               std::shared_ptr<Segment> segment)
+DeviceRegistry::DeviceRegistry(std::string device, std::string local_device, std::shared_ptr<Segment> segment)
     : device_(std::move(device)), local_device_(std::move(local_device)), segment_(std::move(segment)) {}
 
 const std::string& DeviceRegistry::path() const noexcept { return segment_->path(); }
@@ -100,13 +98,12 @@ std::size_t DeviceRegistry::set_limit(const std::variant<std::int64_t, std::stri
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
     EntryRecord& entry = segment_->entry(slot);
     if (!registry_detail::slot_active(entry)) continue;
-    const bool matches = std::holds_alternative<std::int64_t>(name_or_pid)
-                             ? entry.pid.load() == std::get<std::int64_t>(name_or_pid)
-                             : std::get<std::string>(name_or_pid) ==
-                                   std::string(entry.name, strnlen(entry.name, sizeof entry.name));
+    const bool matches =
+        std::holds_alternative<std::int64_t>(name_or_pid)
+            ? entry.pid.load() == std::get<std::int64_t>(name_or_pid)
+            : std::get<std::string>(name_or_pid) == std::string(entry.name, strnlen(entry.name, sizeof entry.name));
     if (!matches) continue;
-    entry.limit_bytes.store(limit_bytes ? *limit_bytes : registry_detail::kNoLimit,
-                            std::memory_order_relaxed);
+    entry.limit_bytes.store(limit_bytes ? *limit_bytes : registry_detail::kNoLimit, std::memory_order_relaxed);
     ++changed;
   }
   lock.confirm();
@@ -120,9 +117,10 @@ std::size_t DeviceRegistry::clean_stale() {
   return freed;
 }
 
-std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(
-    const std::string& name, std::optional<std::int64_t> pid, std::optional<std::size_t> limit_bytes,
-    std::optional<std::string> local_device) {
+std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::string& name,
+                                                                  std::optional<std::int64_t> pid,
+                                                                  std::optional<std::size_t> limit_bytes,
+                                                                  std::optional<std::string> local_device) {
   if (limit_bytes && *limit_bytes >= registry_detail::kNoLimit) {
     throw InvalidArgument("limit is too large");
   }
@@ -141,13 +139,12 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(
     EntryRecord& entry = segment_->entry(slot);
     if (registry_detail::slot_active(entry)) continue;
     const std::uint64_t instance_id = segment_->header().next_instance_id.fetch_add(1) + 1;
-    registry_detail::fill_entry(entry, {instance_id, owner_pid, *start_ticks, geteuid(),
-                                        limit_bytes, name, seen_as});
+    registry_detail::fill_entry(entry, {instance_id, owner_pid, *start_ticks, geteuid(), limit_bytes, name, seen_as});
     lock.confirm();
     return std::make_shared<RegistryBudget>(segment_, slot, instance_id, name);
   }
-  throw RegistryError("registry " + segment_->path() + " is full (" +
-                      std::to_string(kRegistryCapacity) + " live instances)");
+  throw RegistryError("registry " + segment_->path() + " is full (" + std::to_string(kRegistryCapacity) +
+                      " live instances)");
 }
 
 void DeviceRegistry::hold_lock_for_test() {

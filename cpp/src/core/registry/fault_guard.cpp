@@ -46,7 +46,7 @@ void chain_to_previous(int signal_number, siginfo_t* info, void* context) {
   // Default action (an ignored hardware fault would only repeat): restore it.
   // A fault then happens again on return and ends the process as it would have
   // without kvcached; a signal sent by kill() is sent again.
-  struct sigaction default_action {};
+  struct sigaction default_action{};
   default_action.sa_handler = SIG_DFL;
   sigemptyset(&default_action.sa_mask);
   sigaction(signal_number, &default_action, nullptr);
@@ -79,21 +79,21 @@ void on_sigbus(int signal_number, siginfo_t* info, void* context) {
 // Once per process, and never again: re-installing on top of a later handler
 // that chains back to us could bounce a fault between the two forever.
 void install_handler() {
-  struct sigaction ours {};
+  struct sigaction ours{};
   ours.sa_sigaction = on_sigbus;
   ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
   sigemptyset(&ours.sa_mask);
   if (sigaction(SIGBUS, nullptr, &g_previous_action) != 0 || sigaction(SIGBUS, &ours, nullptr) != 0) {
-    throw RegistryError("registry: cannot install the SIGBUS handler that protects engines from a "
-                        "truncated registry file");
+    throw RegistryError(
+        "registry: cannot install the SIGBUS handler that protects engines from a "
+        "truncated registry file");
   }
 }
 
 }  // namespace
 
 bool replace_with_private_pages(void* address, std::size_t length) noexcept {
-  void* replaced = mmap(address, length, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  void* replaced = mmap(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   return replaced != MAP_FAILED;
 }
 

@@ -29,8 +29,8 @@ std::string group_hint(const AccessPolicy& policy) {
 }
 
 std::string describe_file(const struct stat& info) {
-  return "owner " + describe_user(info.st_uid) + ", group " + describe_group(info.st_gid) +
-         ", mode " + octal_mode(info.st_mode);
+  return "owner " + describe_user(info.st_uid) + ", group " + describe_group(info.st_gid) + ", mode " +
+         octal_mode(info.st_mode);
 }
 
 // Largest gid a setting may name: (gid_t)-1 tells chown() to leave the group alone.
@@ -49,7 +49,7 @@ bool trusted_owner(uid_t owner) { return owner == geteuid() || owner == 0; }
 
 void check_parent(const std::string& parent, uid_t directory_owner, const AccessPolicy& policy,
                   const std::string& setting) {
-  struct stat info {};
+  struct stat info{};
   if (lstat(parent.c_str(), &info) != 0) {
     if (errno == ENOENT) return;  // creating the directory says so, naming the missing parent
     throw_os_error("lstat(" + parent + ")", errno);
@@ -63,20 +63,21 @@ void check_parent(const std::string& parent, uid_t directory_owner, const Access
     throw RegistryAccessDenied(where + " has " + describe_file(info) +
                                ": its owner could move the registry directory away or replace "
                                "it. Use a registry directory whose parents belong to root or "
-                               "to you" + kSecurityDoc);
+                               "to you" +
+                               kSecurityDoc);
   }
   if ((info.st_mode & S_IWOTH) && !sticky) {
     throw RegistryAccessDenied(where + " is writable by every user without the sticky bit (mode " +
                                octal_mode(info.st_mode) +
-                               "): anyone could rename the registry directory or replace it" +
-                               kSecurityDoc);
+                               "): anyone could rename the registry directory or replace it" + kSecurityDoc);
   }
   const bool group_trusted = policy.group && info.st_gid == *policy.group;
   if ((info.st_mode & S_IWGRP) && !sticky && !group_trusted) {
     throw RegistryAccessDenied(where + " is writable by group " + describe_group(info.st_gid) +
                                " without the sticky bit, and " + group_hint(policy) +
                                " does not name that group: its members could rename the registry "
-                               "directory or replace it" + kSecurityDoc);
+                               "directory or replace it" +
+                               kSecurityDoc);
   }
 }
 
@@ -123,7 +124,7 @@ std::string registry_directory() {
 
 void prepare_directory(const std::string& directory, const AccessPolicy& policy, bool create) {
   const std::string setting = std::string(kRegistryDirEnv) + "=" + directory;
-  struct stat info {};
+  struct stat info{};
   const bool exists = stat(directory.c_str(), &info) == 0;
   if (!exists && errno != ENOENT) throw_os_error("stat(" + directory + ")", errno);
   // Before anything is created in them; a directory about to be made is the caller's.
@@ -132,16 +133,14 @@ void prepare_directory(const std::string& directory, const AccessPolicy& policy,
     const std::size_t slash = directory.rfind('/');
     const std::string parent = slash == 0 ? "/" : directory.substr(0, slash);
     if (!create) {
-      throw RegistryNotFound("no kvcached registry in " + directory +
-                             ": the directory does not exist (" + setting +
+      throw RegistryNotFound("no kvcached registry in " + directory + ": the directory does not exist (" + setting +
                              "; it is created when the first engine registers)");
     }
     if (mkdir(directory.c_str(), policy.directory_mode()) != 0 && errno != EEXIST) {
       const int mkdir_error = errno;
       if (mkdir_error == ENOENT) {
-        throw RegistryNotFound("cannot create the registry directory " + directory + " (" + setting +
-                               "): its parent " + parent +
-                               " does not exist; create it or choose another directory");
+        throw RegistryNotFound("cannot create the registry directory " + directory + " (" + setting + "): its parent " +
+                               parent + " does not exist; create it or choose another directory");
       }
       throw_os_error("mkdir(" + directory + ") for " + setting, mkdir_error);
     }
@@ -161,25 +160,23 @@ void prepare_directory(const std::string& directory, const AccessPolicy& policy,
   }
   const bool group_trusted = policy.group && info.st_gid == *policy.group;
   if (!trusted_owner(info.st_uid) && !group_trusted) {
-    throw RegistryAccessDenied("registry directory " + directory + " (" + setting + ") has " +
-                               describe_file(info) +
+    throw RegistryAccessDenied("registry directory " + directory + " (" + setting + ") has " + describe_file(info) +
                                ": its owner could replace the registries in it. Use a directory "
-                               "of your own, root's, or one of the group in " + group_hint(policy) +
-                               kSecurityDoc);
+                               "of your own, root's, or one of the group in " +
+                               group_hint(policy) + kSecurityDoc);
   }
   const bool sticky = info.st_mode & S_ISVTX;
   if ((info.st_mode & S_IWOTH) && !sticky) {
     throw RegistryAccessDenied("registry directory " + directory + " (" + setting +
-                               ") is writable by every user without the sticky bit (mode " +
-                               octal_mode(info.st_mode) +
+                               ") is writable by every user without the sticky bit (mode " + octal_mode(info.st_mode) +
                                "): anyone could replace the registries in it" + kSecurityDoc);
   }
   if ((info.st_mode & S_IWGRP) && !sticky && !group_trusted) {
-    throw RegistryAccessDenied("registry directory " + directory + " (" + setting +
-                               ") is writable by group " + describe_group(info.st_gid) +
-                               " without the sticky bit, and " + group_hint(policy) +
+    throw RegistryAccessDenied("registry directory " + directory + " (" + setting + ") is writable by group " +
+                               describe_group(info.st_gid) + " without the sticky bit, and " + group_hint(policy) +
                                " does not name that group: its members could replace the "
-                               "registries in it" + kSecurityDoc);
+                               "registries in it" +
+                               kSecurityDoc);
   }
 }
 
@@ -193,60 +190,55 @@ void check_file(const struct stat& info, const std::string& path, const AccessPo
         "registry " + path + " is open to every user (" + describe_file(info) +
         "): anyone could change its budgets or damage it, so kvcached does not use it. Remove it "
         "once no engine uses it; kvcached then creates it private to its user (mode 0600), or "
-        "shared with the group in " + std::string(kRegistryGroupEnv) + " (mode 0660)" + kSecurityDoc);
+        "shared with the group in " +
+        std::string(kRegistryGroupEnv) + " (mode 0660)" + kSecurityDoc);
   }
   if (!policy.group) {
     if (mode & 0070) {
-      throw RegistryAccessDenied("registry " + path + " is shared with group " +
-                                 describe_group(info.st_gid) + " (" + describe_file(info) + ") but " +
-                                 kRegistryGroupEnv + " is not set here: set " + kRegistryGroupEnv +
-                                 "=" + group_name(info.st_gid) + " to use it" + kSecurityDoc);
+      throw RegistryAccessDenied("registry " + path + " is shared with group " + describe_group(info.st_gid) + " (" +
+                                 describe_file(info) + ") but " + kRegistryGroupEnv + " is not set here: set " +
+                                 kRegistryGroupEnv + "=" + group_name(info.st_gid) + " to use it" + kSecurityDoc);
     }
     if (info.st_uid != geteuid()) {
-      throw RegistryAccessDenied("registry " + path + " is private to " + describe_user(info.st_uid) +
-                                 " (" + describe_file(info) +
-                                 "); only its owner may use it. To share a device between users, "
-                                 "set " + kRegistryGroupEnv +
-                                 " to a group all of them belong to, for every engine and tool" +
-                                 kSecurityDoc);
+      throw RegistryAccessDenied(
+          "registry " + path + " is private to " + describe_user(info.st_uid) + " (" + describe_file(info) +
+          "); only its owner may use it. To share a device between users, "
+          "set " +
+          kRegistryGroupEnv + " to a group all of them belong to, for every engine and tool" + kSecurityDoc);
     }
     return;
   }
   if (info.st_gid != *policy.group || (mode & 0060) != 0060) {
-    throw RegistryAccessDenied("registry " + path + " (" + describe_file(info) +
-                               ") is not shared with the group in " + group_hint(policy) +
-                               " (expected that group and mode 0660). It was created with another "
-                               "setting: use the same " + kRegistryGroupEnv +
-                               " everywhere, or remove the file once no engine uses it" +
-                               kSecurityDoc);
+    throw RegistryAccessDenied(
+        "registry " + path + " (" + describe_file(info) + ") is not shared with the group in " + group_hint(policy) +
+        " (expected that group and mode 0660). It was created with another "
+        "setting: use the same " +
+        kRegistryGroupEnv + " everywhere, or remove the file once no engine uses it" + kSecurityDoc);
   }
 }
 
 void throw_open_denied(const std::string& path, const AccessPolicy& policy) {
-  struct stat info {};
+  struct stat info{};
   if (lstat(path.c_str(), &info) != 0) {
-    throw RegistryAccessDenied("registry " + path + " cannot be opened: permission denied (" +
-                               group_hint(policy) + ")" + kSecurityDoc);
+    throw RegistryAccessDenied("registry " + path + " cannot be opened: permission denied (" + group_hint(policy) +
+                               ")" + kSecurityDoc);
   }
   std::string why;
   if (info.st_mode & 0070) {
-    why = "it is shared with group " + describe_group(info.st_gid) +
-          " and you are not a member of it";
+    why = "it is shared with group " + describe_group(info.st_gid) + " and you are not a member of it";
   } else {
-    why = "it is private to " + describe_user(info.st_uid) +
-          "; to share a device between users, set " + std::string(kRegistryGroupEnv) +
-          " to a group all of them belong to, for every engine and tool";
+    why = "it is private to " + describe_user(info.st_uid) + "; to share a device between users, set " +
+          std::string(kRegistryGroupEnv) + " to a group all of them belong to, for every engine and tool";
   }
-  throw RegistryAccessDenied("registry " + path + " (" + describe_file(info) +
-                             ") cannot be opened by " + describe_user(geteuid()) + ": " + why +
-                             " (here " + group_hint(policy) + ")" + kSecurityDoc);
+  throw RegistryAccessDenied("registry " + path + " (" + describe_file(info) + ") cannot be opened by " +
+                             describe_user(geteuid()) + ": " + why + " (here " + group_hint(policy) + ")" +
+                             kSecurityDoc);
 }
 
 void apply_policy(int fd, const std::string& path, const AccessPolicy& policy) {
   if (policy.group && fchown(fd, static_cast<uid_t>(-1), *policy.group) != 0) {
-    throw RegistryAccessDenied("cannot give registry " + path + " to group " +
-                               describe_group(*policy.group) + " (" + group_hint(policy) +
-                               "): you are not a member of it" + kSecurityDoc);
+    throw RegistryAccessDenied("cannot give registry " + path + " to group " + describe_group(*policy.group) + " (" +
+                               group_hint(policy) + "): you are not a member of it" + kSecurityDoc);
   }
   if (fchmod(fd, policy.file_mode()) != 0) throw_os_error("fchmod(" + path + ")", errno);
 }
@@ -281,8 +273,7 @@ gid_t resolve_registry_group(const std::string& text) {
 void configure_registry(const RegistrySettings& settings) {
   if (settings.directory.empty() || settings.directory.front() != '/') {
     // Processes started from different working directories would disagree.
-    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + settings.directory +
-                          "' must be an absolute path");
+    throw InvalidArgument(std::string(kRegistryDirEnv) + "='" + settings.directory + "' must be an absolute path");
   }
   if (!settings.group.empty()) resolve_registry_group(settings.group);
   std::lock_guard<std::mutex> lock(settings_mutex);
@@ -292,8 +283,9 @@ void configure_registry(const RegistrySettings& settings) {
 RegistrySettings registry_settings() {
   std::lock_guard<std::mutex> lock(settings_mutex);
   if (!configured_settings) {
-    throw InvalidArgument("the registry's directory and group are not configured: call "
-                          "configure_registry() first (Python does so from kvcached.config)");
+    throw InvalidArgument(
+        "the registry's directory and group are not configured: call "
+        "configure_registry() first (Python does so from kvcached.config)");
   }
   return *configured_settings;
 }

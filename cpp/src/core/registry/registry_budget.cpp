@@ -16,8 +16,8 @@ using registry_detail::RegistryLock;
 using registry_detail::saturating_sub;
 using registry_detail::Segment;
 
-RegistryBudget::RegistryBudget(std::shared_ptr<Segment> segment, std::size_t slot,
-                               std::uint64_t instance_id, std::string name)
+RegistryBudget::RegistryBudget(std::shared_ptr<Segment> segment, std::size_t slot, std::uint64_t instance_id,
+                               std::string name)
     : segment_(std::move(segment)),
       slot_(slot),
       instance_id_(instance_id),
@@ -64,8 +64,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
   if (!granted) {
     const std::int64_t now = registry_detail::monotonic_now_ns();
     const std::int64_t last_scan = layout.header.last_stale_scan_ns.load();
-    if (now - last_scan >= registry_detail::kStaleScanIntervalNs &&
-        registry_detail::clean_stale_locked(layout) > 0) {
+    if (now - last_scan >= registry_detail::kStaleScanIntervalNs && registry_detail::clean_stale_locked(layout) > 0) {
       granted = device_has_room();
     }
   }
@@ -110,8 +109,7 @@ std::size_t RegistryBudget::available_bytes() const {
       registry_detail::plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
   std::size_t available = saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
   if (const auto limit = registry_detail::limit_of(*entry)) {
-    available = std::min(available,
-                         saturating_sub(*limit, entry->mapped_bytes.load(std::memory_order_relaxed)));
+    available = std::min(available, saturating_sub(*limit, entry->mapped_bytes.load(std::memory_order_relaxed)));
   }
   return available;
 }
@@ -146,8 +144,7 @@ void RegistryBudget::report_usage(std::size_t used_bytes, std::size_t mapped_byt
   if (entry == nullptr) return;
   // Display-only fields, each written by its owner alone: no lock needed.
   entry->used_bytes.store(registry_detail::plausible_bytes(used_bytes), std::memory_order_relaxed);
-  entry->reported_mapped_bytes.store(registry_detail::plausible_bytes(mapped_bytes),
-                                     std::memory_order_relaxed);
+  entry->reported_mapped_bytes.store(registry_detail::plausible_bytes(mapped_bytes), std::memory_order_relaxed);
 }
 
 void RegistryBudget::report_worker_errors(std::uint64_t worker_errors) noexcept {

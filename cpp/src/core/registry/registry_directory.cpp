@@ -33,12 +33,10 @@ std::int64_t creator_pid(const std::string& file_name) {
   return std::strtoll(file_name.c_str() + at + std::string(kUnfinishedMarker).size(), nullptr, 10);
 }
 
-bool creator_alive(std::int64_t pid) {
-  return pid > 0 && live_process_start_ticks(pid).has_value();
-}
+bool creator_alive(std::int64_t pid) { return pid > 0 && live_process_start_ticks(pid).has_value(); }
 
-RegistryFileInfo inspect(const std::string& directory, const std::string& file_name,
-                         const AccessPolicy& policy, struct stat& seen) {
+RegistryFileInfo inspect(const std::string& directory, const std::string& file_name, const AccessPolicy& policy,
+                         struct stat& seen) {
   RegistryFileInfo info;
   info.file_name = file_name;
   info.path = directory + "/" + file_name;
@@ -51,8 +49,8 @@ RegistryFileInfo inspect(const std::string& directory, const std::string& file_n
     info.status = Status::unfinished;
     const std::int64_t pid = creator_pid(file_name);
     info.removable = !creator_alive(pid) && seen.st_uid == geteuid();
-    info.detail = info.removable ? "left by a creation that did not finish (its process is gone)"
-                                 : "a registry being created";
+    info.detail =
+        info.removable ? "left by a creation that did not finish (its process is gone)" : "a registry being created";
     return info;
   }
   if (S_ISLNK(seen.st_mode)) {
@@ -67,7 +65,7 @@ RegistryFileInfo inspect(const std::string& directory, const std::string& file_n
     info.detail = "cannot be opened by this user (" + describe_user(geteuid()) + ")";
     return info;
   }
-  struct stat opened {};
+  struct stat opened{};
   const bool same_file = fstat(fd, &opened) == 0 && opened.st_ino == seen.st_ino;
   const FileVerdict verdict = same_file ? inspect_registry_file(fd, opened) : FileVerdict{};
   close(fd);
@@ -102,8 +100,8 @@ RegistryFileInfo inspect(const std::string& directory, const std::string& file_n
       } else if (info.removable) {
         info.detail += "; no live process uses it";
       } else if (verdict.table_readable) {
-        info.detail += "; still used by " + describe_pids(verdict.live_pids) +
-                       ": stop those engines, then kvctl clean removes it";
+        info.detail +=
+            "; still used by " + describe_pids(verdict.live_pids) + ": stop those engines, then kvctl clean removes it";
       } else {
         info.detail += "; its table cannot be read: remove it once no engine uses it";
       }
@@ -142,7 +140,7 @@ void for_each_registry_file(Visit visit) {
   closedir(listing);
   std::sort(names.begin(), names.end());
   for (const std::string& name : names) {
-    struct stat seen {};
+    struct stat seen{};
     const RegistryFileInfo info = inspect(directory, name, policy, seen);
     visit(info, seen, directory);
   }
@@ -213,16 +211,14 @@ const char* status_name(Status status) noexcept {
 
 std::vector<RegistryFileInfo> scan_registry_directory() {
   std::vector<RegistryFileInfo> files;
-  for_each_registry_file([&](const RegistryFileInfo& info, const struct stat&, const std::string&) {
-    files.push_back(info);
-  });
+  for_each_registry_file(
+      [&](const RegistryFileInfo& info, const struct stat&, const std::string&) { files.push_back(info); });
   return files;
 }
 
 std::vector<RegistryFileInfo> clean_registry_directory() {
   std::vector<RegistryFileInfo> removed;
-  for_each_registry_file([&](const RegistryFileInfo& info, const struct stat& seen,
-                             const std::string& directory) {
+  for_each_registry_file([&](const RegistryFileInfo& info, const struct stat& seen, const std::string& directory) {
     if (info.removable && remove_if_unchanged(directory, info.path, seen)) removed.push_back(info);
   });
   return removed;
@@ -232,21 +228,19 @@ void check_registry_keying(const std::string& device) {
   const RegistryDeviceKind kind = registry_device_kind(device);
   if (kind == RegistryDeviceKind::host) return;
   const Keying mine = kind == RegistryDeviceKind::gpu_identity ? Keying::identity : Keying::index;
-  for_each_registry_file([&](const RegistryFileInfo& info, const struct stat& seen,
-                             const std::string& directory) {
+  for_each_registry_file([&](const RegistryFileInfo& info, const struct stat& seen, const std::string& directory) {
     const Keying theirs = keying_of(info);
     if (theirs == Keying::none || theirs == mine) return;
     if (info.live_pids.empty()) {
       if (info.removable) remove_if_unchanged(directory, info.path, seen);
       return;
     }
-    throw RegistryUnusable(
-        "registry " + info.path + " keys a GPU " + describe_keying(theirs) + " and is used by " +
-        describe_pids(info.live_pids) + ", while this process keys its GPU " +
-        describe_keying(mine) + " (" + device +
-        "): the two could be one GPU with two independent budgets. Run one kvcached version "
-        "with the same GPU backend for every engine on this machine; once those processes are "
-        "gone, kvctl clean (or the next registration) removes an old-style file");
+    throw RegistryUnusable("registry " + info.path + " keys a GPU " + describe_keying(theirs) + " and is used by " +
+                           describe_pids(info.live_pids) + ", while this process keys its GPU " +
+                           describe_keying(mine) + " (" + device +
+                           "): the two could be one GPU with two independent budgets. Run one kvcached version "
+                           "with the same GPU backend for every engine on this machine; once those processes are "
+                           "gone, kvctl clean (or the next registration) removes an old-style file");
   });
 }
 

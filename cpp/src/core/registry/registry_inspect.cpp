@@ -53,8 +53,7 @@ std::unique_ptr<void, AlignedFree> read_start(int fd, std::size_t bytes) {
   std::memset(memory.get(), 0, bytes);
   std::size_t done = 0;
   while (done < bytes) {
-    const ssize_t got = pread(fd, static_cast<char*>(memory.get()) + done, bytes - done,
-                              static_cast<off_t>(done));
+    const ssize_t got = pread(fd, static_cast<char*>(memory.get()) + done, bytes - done, static_cast<off_t>(done));
     if (got <= 0) return nullptr;
     done += static_cast<std::size_t>(got);
   }
@@ -80,9 +79,9 @@ FileVerdict inspect_registry_file(int fd, const struct stat& info) {
   HeaderPrefix prefix{};
   const ssize_t got = pread(fd, &prefix, sizeof prefix, 0);
   if (got != static_cast<ssize_t>(sizeof prefix) || prefix.magic != kRegistryMagic) {
-    const bool all_zero = got >= 0 && std::all_of(reinterpret_cast<const char*>(&prefix),
-                                                  reinterpret_cast<const char*>(&prefix) + got,
-                                                  [](char c) { return c == 0; });
+    const bool all_zero =
+        got >= 0 && std::all_of(reinterpret_cast<const char*>(&prefix), reinterpret_cast<const char*>(&prefix) + got,
+                                [](char c) { return c == 0; });
     if (size == 0 || (all_zero && got > 0)) {
       verdict.kind = FileVerdict::damaged;
       verdict.why = size == 0 ? "is empty (truncated)" : "starts with zeros (truncated or wiped)";

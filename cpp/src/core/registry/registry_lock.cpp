@@ -41,8 +41,8 @@ RegistryLock::RegistryLock(Segment& segment, LockCheck check) : segment_(segment
     if (rc == ENOTRECOVERABLE || rc == EINVAL) {
       // Not a lock any more: an owner died and recovery failed, or its bytes were overwritten.
       segment.detach(kOverwritten);
-      throw RegistryUnusable("registry lock of " + segment.path() + " is damaged (" +
-                             std::strerror(rc) + "); this process takes no more memory through "
+      throw RegistryUnusable("registry lock of " + segment.path() + " is damaged (" + std::strerror(rc) +
+                             "); this process takes no more memory through "
                              "it. Remove the file once no engine uses it, then restart the engines");
     }
     if (rc != EBUSY) throw_os_error("pthread_mutex_trylock(" + segment.path() + ")", rc);

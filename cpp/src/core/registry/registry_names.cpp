@@ -43,9 +43,8 @@ bool is_pci_bus_id(const std::string& text) {
   if (domain_digits != 4 && domain_digits != 8) return false;
   const std::string rest = text.substr(domain_digits);  // ":bb:dd.f"
   return rest.size() == 8 && rest[0] == ':' && rest[3] == ':' && rest[6] == '.' &&
-         std::all_of(text.begin(), text.begin() + domain_digits, lower_hex) &&
-         lower_hex(rest[1]) && lower_hex(rest[2]) && lower_hex(rest[4]) && lower_hex(rest[5]) &&
-         rest[7] >= '0' && rest[7] <= '7';
+         std::all_of(text.begin(), text.begin() + domain_digits, lower_hex) && lower_hex(rest[1]) &&
+         lower_hex(rest[2]) && lower_hex(rest[4]) && lower_hex(rest[5]) && rest[7] >= '0' && rest[7] <= '7';
 }
 
 // A decimal index without leading zeros, at most 4 digits.
@@ -90,8 +89,7 @@ std::int32_t next_code_point(const std::string& text, std::size_t& at) {
 RegistryDeviceKind registry_device_kind(const std::string& device) {
   if (device == "cpu") return RegistryDeviceKind::host;
   if (device.size() <= kRegistryDeviceMaxBytes) {
-    if ((starts_with(device, "cuda-GPU-") || starts_with(device, "cuda-MIG-")) &&
-        is_uuid(device.substr(9))) {
+    if ((starts_with(device, "cuda-GPU-") || starts_with(device, "cuda-MIG-")) && is_uuid(device.substr(9))) {
       return RegistryDeviceKind::gpu_identity;
     }
     if (starts_with(device, "hip-GPU-") && is_hex_id(device.substr(8))) {
@@ -109,11 +107,10 @@ RegistryDeviceKind registry_device_kind(const std::string& device) {
   for (const char c : device.substr(0, 80)) {
     shown += std::isprint(static_cast<unsigned char>(c)) ? std::string(1, c) : std::string("?");
   }
-  throw InvalidArgument(
-      "device name '" + shown +
-      "' is not a registry device name: expected 'cpu', 'cuda-GPU-<uuid>', 'cuda-MIG-<uuid>', "
-      "'hip-GPU-<id>', 'hip-pci-<dddd:bb:dd.f>', 'cuda-index-<N>' or 'hip-index-<N>' (a device as "
-      "a process sees it, such as 'cuda:0', is resolved to one of these by kvcached.registry)");
+  throw InvalidArgument("device name '" + shown +
+                        "' is not a registry device name: expected 'cpu', 'cuda-GPU-<uuid>', 'cuda-MIG-<uuid>', "
+                        "'hip-GPU-<id>', 'hip-pci-<dddd:bb:dd.f>', 'cuda-index-<N>' or 'hip-index-<N>' (a device as "
+                        "a process sees it, such as 'cuda:0', is resolved to one of these by kvcached.registry)");
 }
 
 bool is_legacy_device_name(const std::string& device) {
@@ -149,12 +146,10 @@ void validate_instance_name(const std::string& name) {
 void validate_local_device(const std::string& local_device) {
   const bool ok = local_device.size() <= kRegistryLocalDeviceMaxBytes &&
                   std::all_of(local_device.begin(), local_device.end(), [](char c) {
-                    return (c >= 'a' && c <= 'z') || digit(c) || c == ':' || c == '.' ||
-                           c == '_' || c == '-';
+                    return (c >= 'a' && c <= 'z') || digit(c) || c == ':' || c == '.' || c == '_' || c == '-';
                   });
   if (!ok) {
-    throw InvalidArgument("local device name must be at most " +
-                          std::to_string(kRegistryLocalDeviceMaxBytes) +
+    throw InvalidArgument("local device name must be at most " + std::to_string(kRegistryLocalDeviceMaxBytes) +
                           " characters of [a-z0-9:._-], such as 'cuda:1'");
   }
 }

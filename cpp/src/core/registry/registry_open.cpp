@@ -22,8 +22,7 @@ namespace {
 constexpr int kOpenAttempts = 4;
 constexpr std::int64_t kDirectoryLockTimeoutNs = 5'000'000'000;
 constexpr std::int64_t kDirectoryLockPollNs = 1'000'000;
-constexpr const char* kReplaceHint =
-    "kvctl clean removes it; an engine registering on this device replaces it";
+constexpr const char* kReplaceHint = "kvctl clean removes it; an engine registering on this device replaces it";
 
 struct Opened {
   std::shared_ptr<Segment> segment;  // the registry, or
@@ -36,7 +35,7 @@ struct Opened {
   char target[4096] = {};
   const ssize_t length = readlink(path.c_str(), target, sizeof target - 1);
   const std::string to = length > 0 ? std::string(target, static_cast<std::size_t>(length)) : "?";
-  struct stat info {};
+  struct stat info{};
   const bool dangling = stat(path.c_str(), &info) != 0;
   throw RegistryUnusable("registry path " + path + " is a symbolic link (to " + to +
                          (dangling ? ", which does not exist" : "") +
@@ -63,7 +62,7 @@ Opened open_existing(const std::string& path, const std::string& device, const A
     }
     throw_os_error("open(" + path + ")", error);
   }
-  struct stat info {};
+  struct stat info{};
   if (fstat(fd, &info) != 0) {
     const int error = errno;
     close(fd);
@@ -85,16 +84,14 @@ Opened open_existing(const std::string& path, const std::string& device, const A
         return Opened{nullptr, false, info, verdict.why};
       case FileVerdict::old_style:
         if (!verdict.table_readable || !verdict.live_pids.empty() || !ours) {
-          const std::string users = !verdict.table_readable
-                                        ? "has a table this kvcached cannot read"
+          const std::string users = !verdict.table_readable ? "has a table this kvcached cannot read"
                                     : !verdict.live_pids.empty()
                                         ? "is still used by " + describe_pids(verdict.live_pids)
                                         : "belongs to " + describe_user(info.st_uid);
-          throw RegistryUnusable(
-              "registry " + path + " " + verdict.why + " and " + users +
-              "; this kvcached cannot share a budget with it. Stop those engines (or run one "
-              "kvcached version on this machine) and retry: an old-style file of yours that no "
-              "live process uses is replaced automatically (or by kvctl clean)");
+          throw RegistryUnusable("registry " + path + " " + verdict.why + " and " + users +
+                                 "; this kvcached cannot share a budget with it. Stop those engines (or run one "
+                                 "kvcached version on this machine) and retry: an old-style file of yours that no "
+                                 "live process uses is replaced automatically (or by kvctl clean)");
         }
         close(fd);
         return Opened{nullptr, false, info, verdict.why + " and no live process uses it"};
@@ -105,8 +102,8 @@ Opened open_existing(const std::string& path, const std::string& device, const A
                                "or point KVCACHED_REGISTRY_DIR elsewhere");
     }
     if (verdict.device != device) {
-      throw RegistryUnusable("registry " + path + " belongs to device '" + verdict.device +
-                             "', not '" + device + "'; remove it once no engine uses it");
+      throw RegistryUnusable("registry " + path + " belongs to device '" + verdict.device + "', not '" + device +
+                             "'; remove it once no engine uses it");
     }
   } catch (...) {
     close(fd);
@@ -129,13 +126,11 @@ Opened open_existing(const std::string& path, const std::string& device, const A
 // Builds a complete registry under a private name, then link()s it into place:
 // link fails with EEXIST if someone else won the race, so exactly one file is
 // ever published and it is never seen half-initialised. Null when lost.
-std::shared_ptr<Segment> create_segment(const std::string& path, const std::string& device,
-                                        std::size_t budget_bytes, const AccessPolicy& policy) {
+std::shared_ptr<Segment> create_segment(const std::string& path, const std::string& device, std::size_t budget_bytes,
+                                        const AccessPolicy& policy) {
   std::random_device entropy;
-  const std::string temp_path =
-      path + ".init." + std::to_string(getpid()) + "." + std::to_string(entropy());
-  const int fd = open(temp_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                      policy.file_mode());
+  const std::string temp_path = path + ".init." + std::to_string(getpid()) + "." + std::to_string(entropy());
+  const int fd = open(temp_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, policy.file_mode());
   if (fd < 0) throw_os_error("open(" + temp_path + ")", errno);
   Layout* layout = nullptr;
   try {
@@ -165,12 +160,9 @@ std::shared_ptr<Segment> create_segment(const std::string& path, const std::stri
 
 }  // namespace
 
-std::string registry_path(const std::string& device) {
-  return registry_directory() + "/" + kSegmentPrefix + device;
-}
+std::string registry_path(const std::string& device) { return registry_directory() + "/" + kSegmentPrefix + device; }
 
-std::shared_ptr<Segment> open_or_create_segment(const std::string& device,
-                                                std::optional<std::size_t> budget_bytes) {
+std::shared_ptr<Segment> open_or_create_segment(const std::string& device, std::optional<std::size_t> budget_bytes) {
   const AccessPolicy policy = AccessPolicy::configured();
   const std::string directory = registry_directory();
   const std::string path = directory + "/" + kSegmentPrefix + device;
@@ -191,8 +183,7 @@ std::shared_ptr<Segment> open_or_create_segment(const std::string& device,
     }
     if (auto segment = create_segment(path, device, *budget_bytes, policy)) return segment;
   }
-  throw RegistryUnusable("registry " + path +
-                         " kept appearing, vanishing or changing while opening it; retry");
+  throw RegistryUnusable("registry " + path + " kept appearing, vanishing or changing while opening it; retry");
 }
 
 DirectoryLock::DirectoryLock(const std::string& directory)
@@ -220,7 +211,7 @@ DirectoryLock::~DirectoryLock() { close(fd_); }  // closing releases the flock
 
 bool remove_if_unchanged(const std::string& directory, const std::string& path, const struct stat& seen) {
   DirectoryLock lock(directory);
-  struct stat now {};
+  struct stat now{};
   if (lstat(path.c_str(), &now) != 0) return false;
   if (now.st_dev != seen.st_dev || now.st_ino != seen.st_ino) return false;
   if (unlink(path.c_str()) != 0) throw_os_error("unlink(" + path + ")", errno);

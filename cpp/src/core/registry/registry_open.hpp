@@ -21,8 +21,7 @@ std::string registry_path(const std::string& device);
 // without following symbolic links; the file and directory must pass the
 // access policy. A damaged file, or an old-style one no live process uses, is
 // replaced when creating and reported (RegistryUnusable) otherwise.
-std::shared_ptr<Segment> open_or_create_segment(const std::string& device,
-                                                std::optional<std::size_t> budget_bytes);
+std::shared_ptr<Segment> open_or_create_segment(const std::string& device, std::optional<std::size_t> budget_bytes);
 
 // Exclusive lock on a directory (flock), so that removing a stale file cannot
 // race with another remover putting a fresh one in its place.

@@ -73,8 +73,7 @@ ProcState read_proc_stat(std::int64_t pid, std::uint64_t& start_ticks) {
 
 std::optional<std::uint64_t> live_process_start_ticks(std::int64_t pid) {
   std::uint64_t start_ticks = 0;
-  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max() ||
-      read_proc_stat(pid, start_ticks) != ProcState::running) {
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max() || read_proc_stat(pid, start_ticks) != ProcState::running) {
     return std::nullopt;
   }
   return start_ticks;

@@ -14,7 +14,7 @@ namespace kvcached::registry_detail {
 
 Segment::Segment(std::string path, std::string device, int fd, Layout* layout)
     : path_(std::move(path)), device_(std::move(device)), fd_(fd), layout_(layout) {
-  struct stat info {};
+  struct stat info{};
   if (fstat(fd_, &info) == 0) {
     file_device_ = info.st_dev;
     file_inode_ = info.st_ino;
@@ -48,7 +48,7 @@ void Segment::check_attached() const {
 
 void Segment::check_intact(bool check_path) {
   check_attached();
-  struct stat info {};
+  struct stat info{};
   if (fstat(fd_, &info) != 0) throw_os_error("fstat(" + path_ + ")", errno);
   if (static_cast<std::size_t>(info.st_size) < kLayoutBytes) {
     // Accesses would now raise SIGBUS; make them harmless before anyone tries.
@@ -66,7 +66,7 @@ void Segment::check_intact(bool check_path) {
   }
   if (check_path) {
     path_checked_at_ns_.store(now, std::memory_order_relaxed);
-    struct stat at_path {};
+    struct stat at_path{};
     if (lstat(path_.c_str(), &at_path) != 0) {
       detach(kRemoved);
       throw_unusable();
@@ -112,22 +112,24 @@ void Segment::throw_unusable() const {
       what = "was truncated while this process used it (its shared state is gone)";
       break;
     case kRemoved:
-      what = "was removed while this process used it (or moved: it, or a directory above it, "
-             "was renamed)";
+      what =
+          "was removed while this process used it (or moved: it, or a directory above it, "
+          "was renamed)";
       break;
     case kReplaced:
       what = "was replaced by another file while this process used it";
       break;
     default:
-      what = "was overwritten while this process used it (its header no longer describes "
-             "device '" + device_ + "')";
+      what =
+          "was overwritten while this process used it (its header no longer describes "
+          "device '" +
+          device_ + "')";
       break;
   }
-  throw RegistryUnusable(
-      "registry " + path_ + " " + what +
-      "; this process no longer shares the device budget through it and takes no more memory "
-      "from it. Restart the engine: it then joins the registry now at that path (or creates a "
-      "fresh one; `kvctl clean` removes a damaged file).");
+  throw RegistryUnusable("registry " + path_ + " " + what +
+                         "; this process no longer shares the device budget through it and takes no more memory "
+                         "from it. Restart the engine: it then joins the registry now at that path (or creates a "
+                         "fresh one; `kvctl clean` removes a damaged file).");
 }
 
 }  // namespace kvcached::registry_detail

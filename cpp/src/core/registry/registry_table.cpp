@@ -8,9 +8,7 @@
 namespace kvcached::registry_detail {
 
 namespace {
-std::string inline_text(const char* text, std::size_t capacity) {
-  return std::string(text, strnlen(text, capacity));
-}
+std::string inline_text(const char* text, std::size_t capacity) { return std::string(text, strnlen(text, capacity)); }
 }  // namespace
 
 void fill_entry(EntryRecord& entry, const NewEntry& values) {

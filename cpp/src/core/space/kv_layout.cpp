@@ -25,9 +25,7 @@ KVLayoutKind parse_layout(const std::string& name) {
   throw InvalidArgument("layout must be 'per_layer' or 'contiguous', got '" + name + "'");
 }
 
-std::string layout_name(KVLayoutKind kind) {
-  return kind == KVLayoutKind::kPerLayer ? "per_layer" : "contiguous";
-}
+std::string layout_name(KVLayoutKind kind) { return kind == KVLayoutKind::kPerLayer ? "per_layer" : "contiguous"; }
 
 KVLayout::KVLayout(const KVLayoutConfig& config) : config_(config), blocks_per_page_(0), num_pages_(0) {
   if (config.num_layers == 0) throw InvalidArgument("num_layers must be positive");
@@ -43,16 +41,15 @@ KVLayout::KVLayout(const KVLayoutConfig& config) : config_(config), blocks_per_p
     if (config.block_bytes <= kMaxReservationBytes && config.page_bytes <= kMaxReservationBytes) {
       suggestion = std::to_string(std::lcm(config.block_bytes, config.page_bytes));
     }
-    throw InvalidArgument("a block of " + std::to_string(config.block_bytes) +
-                          " bytes does not divide the page of " + std::to_string(config.page_bytes) +
-                          " bytes; a page of " + suggestion + " bytes would work");
+    throw InvalidArgument("a block of " + std::to_string(config.block_bytes) + " bytes does not divide the page of " +
+                          std::to_string(config.page_bytes) + " bytes; a page of " + suggestion + " bytes would work");
   }
   if (config.num_blocks == 0) throw InvalidArgument("num_blocks must be positive");
   blocks_per_page_ = config.page_bytes / config.block_bytes;
   num_pages_ = config.num_blocks / blocks_per_page_ + (config.num_blocks % blocks_per_page_ != 0 ? 1 : 0);
   if (num_pages_ > kMaxPages) {
-    throw InvalidArgument("num_blocks=" + std::to_string(config.num_blocks) + " needs " +
-                          std::to_string(num_pages_) + " page ids, too large (at most 2^32 - 1)");
+    throw InvalidArgument("num_blocks=" + std::to_string(config.num_blocks) + " needs " + std::to_string(num_pages_) +
+                          " page ids, too large (at most 2^32 - 1)");
   }
   const std::size_t regions = checked_product(config.num_layers, config.num_buffers, "num_layers x num_buffers");
   const std::size_t page_id = checked_product(regions, config.page_bytes, "a page id (layers x buffers x page_bytes)");
@@ -95,9 +92,7 @@ std::size_t KVLayout::buffer_stride_bytes() const noexcept {
   return config_.kind == KVLayoutKind::kPerLayer ? num_pages_ * config_.page_bytes : config_.block_bytes;
 }
 
-std::size_t KVLayout::layer_stride_bytes() const noexcept {
-  return buffer_stride_bytes() * config_.num_buffers;
-}
+std::size_t KVLayout::layer_stride_bytes() const noexcept { return buffer_stride_bytes() * config_.num_buffers; }
 
 std::size_t KVLayout::offset_of(std::size_t layer, std::size_t buffer, std::size_t block) const {
   if (layer >= config_.num_layers || buffer >= config_.num_buffers || block >= config_.num_blocks) {

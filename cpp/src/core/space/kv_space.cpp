@@ -21,9 +21,7 @@ void check_listed_once(const std::vector<std::int64_t>& pages) {
 
 }  // namespace
 
-PageMetadataCost KVSpace::page_metadata_cost() noexcept {
-  return {sizeof(PageBacking) + sizeof(std::uint8_t), 0};
-}
+PageMetadataCost KVSpace::page_metadata_cost() noexcept { return {sizeof(PageBacking) + sizeof(std::uint8_t), 0}; }
 
 KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const KVSpaceOptions& options)
     : layout_(layout), options_(options), memory_(std::make_shared<KVMemory>()) {
@@ -31,13 +29,12 @@ KVSpace::KVSpace(std::shared_ptr<Device> device, const KVLayout& layout, const K
   const std::size_t granularity = device->granularity().minimum_bytes;
   if (layout_.config().page_bytes % granularity != 0) {
     throw InvalidArgument("page_bytes (" + std::to_string(layout_.config().page_bytes) +
-                          ") must be a multiple of the device granularity (" +
-                          std::to_string(granularity) + ")");
+                          ") must be a multiple of the device granularity (" + std::to_string(granularity) + ")");
   }
   memory_->device = device;
   // Aligning the base to the largest zero chunk keeps chunks aligned to their size.
-  const std::size_t alignment = std::max(device->granularity().recommended_bytes,
-                                         options_.zero_backing ? options_.zero_chunk_bytes : 0);
+  const std::size_t alignment =
+      std::max(device->granularity().recommended_bytes, options_.zero_backing ? options_.zero_chunk_bytes : 0);
   std::size_t aligned = device->granularity().recommended_bytes;
   while (aligned < alignment) aligned <<= 1;
   memory_->reservation = device->reserve(layout_.reservation_bytes(), aligned);
@@ -71,8 +68,8 @@ KVSpace::~KVSpace() {
 
 void KVSpace::check_page(std::int64_t page) const {
   if (page < 0 || static_cast<std::size_t>(page) >= layout_.num_pages()) {
-    throw InvalidArgument("page id " + std::to_string(page) + " is outside [0, " +
-                          std::to_string(layout_.num_pages()) + ")");
+    throw InvalidArgument("page id " + std::to_string(page) + " is outside [0, " + std::to_string(layout_.num_pages()) +
+                          ")");
   }
 }
 
@@ -232,8 +229,7 @@ void KVSpace::uncover_pages_locked(const std::vector<std::int64_t>& pages) {
   for (std::int64_t page : pages) {
     for (const ByteRange& range : layout_.page_ranges(page)) ranges.push_back(range);
   }
-  std::sort(ranges.begin(), ranges.end(),
-            [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
   std::vector<ByteRange> merged;
   for (const ByteRange& range : ranges) {
     if (!merged.empty() && merged.back().offset + merged.back().size == range.offset) {

@@ -16,10 +16,10 @@ constexpr std::size_t kMaxPageMetadataBytes = std::size_t{4} << 30;
 constexpr std::size_t kPhysicalMemoryShare = 4;  // at most a quarter of the host's memory
 
 std::string describe_cost(const KVLayout& layout, const PageMetadataCost& cost, const std::string& owner) {
-  return owner + " over " + std::to_string(layout.num_pages()) + " page ids (" + layout.describe() +
-         ") keeps " + std::to_string(cost.bytes_per_page_id) + " bytes of bookkeeping per page id and " +
-         std::to_string(cost.bytes_per_block) + " per block, " +
-         std::to_string(page_metadata_bytes(layout, cost)) + " bytes in all";
+  return owner + " over " + std::to_string(layout.num_pages()) + " page ids (" + layout.describe() + ") keeps " +
+         std::to_string(cost.bytes_per_page_id) + " bytes of bookkeeping per page id and " +
+         std::to_string(cost.bytes_per_block) + " per block, " + std::to_string(page_metadata_bytes(layout, cost)) +
+         " bytes in all";
 }
 
 }  // namespace
@@ -50,8 +50,7 @@ void check_page_metadata(const KVLayout& layout, const PageMetadataCost& cost, c
                         "pages (page_bytes) or fewer blocks");
 }
 
-void throw_page_metadata_exhausted(const KVLayout& layout, const PageMetadataCost& cost,
-                                   const std::string& owner) {
+void throw_page_metadata_exhausted(const KVLayout& layout, const PageMetadataCost& cost, const std::string& owner) {
   throw BudgetExhausted("host memory ran out: " + describe_cost(layout, cost, owner) +
                         ". Free host memory, or use larger pages (page_bytes) or fewer blocks");
 }

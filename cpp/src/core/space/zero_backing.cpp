@@ -18,7 +18,7 @@ class HostZeroPages final : public ZeroBacking {
   }
   void cover_prepared(VirtualAddress address, std::size_t size_bytes) override { cover(address, size_bytes); }
   void uncover(VirtualAddress, std::size_t) override {}  // a fixed mapping replaces it
-  void prepare(VirtualAddress, std::size_t) override {}   // nothing to split
+  void prepare(VirtualAddress, std::size_t) override {}  // nothing to split
   std::size_t mapping_count() const override { return 0; }
 
  private:
@@ -74,9 +74,7 @@ class SharedZeroChunks final : public ZeroBacking {
     cover_up_to(address, size_bytes, zero_chunks_.size() - 1);
   }
 
-  void cover_prepared(VirtualAddress address, std::size_t size_bytes) override {
-    cover_up_to(address, size_bytes, 0);
-  }
+  void cover_prepared(VirtualAddress address, std::size_t size_bytes) override { cover_up_to(address, size_bytes, 0); }
 
   // Greedy buddy decomposition: at each step the largest chunk up to
   // `max_level` that is aligned (relative to the reservation base) and fits.
@@ -225,7 +223,7 @@ class SharedZeroChunks final : public ZeroBacking {
   VirtualAddress base_;
   std::size_t unit_bytes_;
   std::vector<std::shared_ptr<PhysicalAllocation>> zero_chunks_;  // index: level (size unit << level)
-  std::map<VirtualAddress, std::size_t> mappings_;  // address -> level
+  std::map<VirtualAddress, std::size_t> mappings_;                // address -> level
   std::size_t splits_ = 0;
 };
 

@@ -48,7 +48,7 @@ class AckBoard:
         self._seqs = memoryview(self._map).cast("Q")[:num_ranks]
 
     @classmethod
-    def create(cls, num_ranks: int) -> "AckBoard":
+    def create(cls, num_ranks: int) -> AckBoard:
         """A new board for ``num_ranks`` ranks (in the deciding process)."""
         if num_ranks <= 0:
             raise InvalidArgumentError(f"an acknowledgement board needs at least one rank, got {num_ranks}")
@@ -61,7 +61,7 @@ class AckBoard:
             raise
 
     @classmethod
-    def attach(cls, path: str, num_ranks: int) -> "AckBoard":
+    def attach(cls, path: str, num_ranks: int) -> AckBoard:
         """The board at ``path`` (in a rank's process, on the deciding process's host)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

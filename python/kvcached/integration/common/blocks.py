@@ -26,7 +26,8 @@ Not thread-safe: one engine thread uses it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -49,8 +50,14 @@ class EngineBlocks:
         mirrors: the ranks of a deciding manager (None: a local pool).
     """
 
-    def __init__(self, manager: Any, *, budgets: Sequence[Any] = (), mirrors: Optional[RankMirrors] = None,
-                 rank_layouts: Sequence[KVLayout] = ()) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        *,
+        budgets: Sequence[Any] = (),
+        mirrors: Optional[RankMirrors] = None,
+        rank_layouts: Sequence[KVLayout] = (),
+    ) -> None:
         self.manager = manager
         self.layout: KVLayout = manager.kv_layout
         self.num_blocks = int(self.layout.num_blocks)
@@ -58,7 +65,9 @@ class EngineBlocks:
         self.budgets = list(budgets)
         self.mirrors = mirrors
         # What one page id costs on each budget (each rank's own layout).
-        self._page_id_bytes = [int(layout.page_id_bytes) for layout in (rank_layouts or [self.layout] * len(self.budgets))]
+        self._page_id_bytes = [
+            int(layout.page_id_bytes) for layout in (rank_layouts or [self.layout] * len(self.budgets))
+        ]
         #: Blocks :meth:`alloc` can return now, secured ones included (the core's
         #: bound method: engines call it for every request of every step).
         self.available = manager.available
@@ -76,7 +85,7 @@ class EngineBlocks:
         name: str,
         null_block: bool = True,
         zero_backing: bool = True,
-    ) -> "EngineBlocks":
+    ) -> EngineBlocks:
         """Decisions and KV tensors in this process: a KVPool on ``device``.
 
         No background worker: pages are mapped by :meth:`alloc` / :meth:`secure`
@@ -104,8 +113,15 @@ class EngineBlocks:
             min_reserve_pages=0,
             max_reserve_pages=int(layout.num_pages) if config.get("keep_freed_while_busy") else None,
         )
-        pool = KVPool(kv_layout=layout, device=device, options=options,
-                      space_options=space_options(zero_backing=zero_backing), budget=budget, register=False, name=name)
+        pool = KVPool(
+            kv_layout=layout,
+            device=device,
+            options=options,
+            space_options=space_options(zero_backing=zero_backing),
+            budget=budget,
+            register=False,
+            name=name,
+        )
         return cls(pool, budgets=[budget] if budget is not None else [])
 
     @classmethod
@@ -120,7 +136,7 @@ class EngineBlocks:
         ack_timeout_s: float,
         null_block: bool = True,
         logger: Optional[logging.Logger] = None,
-    ) -> "EngineBlocks":
+    ) -> EngineBlocks:
         """Decisions only: rank ``i`` maps the pages in its own process, on its own device.
 
         ``layouts[i]`` is rank ``i``'s layout (the same block ids everywhere; a

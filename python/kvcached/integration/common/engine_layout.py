@@ -40,14 +40,26 @@ def engine_layout(
     grows to hold whole blocks (:func:`engine_page_bytes`). The core checks the
     rest and raises ValueError with the reason.
     """
-    return KVLayout(num_layers, block_bytes, num_blocks, num_buffers=num_buffers,
-                    page_bytes=engine_page_bytes(page_bytes, block_bytes), kind=kind)
+    return KVLayout(
+        num_layers,
+        block_bytes,
+        num_blocks,
+        num_buffers=num_buffers,
+        page_bytes=engine_page_bytes(page_bytes, block_bytes),
+        kind=kind,
+    )
 
 
 def stage_layout(layout: KVLayout, num_layers: int) -> KVLayout:
     """A pipeline stage's layout: the same block ids and pages, only its ``num_layers`` layers."""
-    return KVLayout(num_layers, layout.block_bytes, layout.num_blocks, num_buffers=layout.num_buffers,
-                    page_bytes=layout.page_bytes, kind=layout.kind)
+    return KVLayout(
+        num_layers,
+        layout.block_bytes,
+        layout.num_blocks,
+        num_buffers=layout.num_buffers,
+        page_bytes=layout.page_bytes,
+        kind=layout.kind,
+    )
 
 
 __all__ = ["engine_layout", "engine_page_bytes", "stage_layout"]

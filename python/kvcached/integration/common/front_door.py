@@ -21,8 +21,9 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from kvcached.errors import KvcachedError
 from kvcached.integration.common.settings import Settings, is_enabled
@@ -124,7 +125,8 @@ def verify_patch_points(points: Iterable[PatchPoint], *, engine: str, version: s
     problems = [p for p in (point.problem() for point in points) if p]
     if problems:
         raise PatchPointMoved(
-            f"kvcached's {package} does not fit {engine} {version}: " + "; ".join(problems)
+            f"kvcached's {package} does not fit {engine} {version}: "
+            + "; ".join(problems)
             + f". This {engine} release needs its own version package (see docs/engine-versions.md); "
             "unset KVCACHED_ENABLE to run without kvcached."
         )
@@ -189,8 +191,7 @@ class EnginePlugin:
             return self.installed[pid]
         version = self._engine_version()
         module = self.policy.package_for(version)
-        verify_patch_points(module.PATCH_POINTS, engine=self.policy.engine, version=version,
-                            package=module.__name__)
+        verify_patch_points(module.PATCH_POINTS, engine=self.policy.engine, version=version, package=module.__name__)
         module.install(Settings.from_env())
         self.installed[pid] = module
         return module

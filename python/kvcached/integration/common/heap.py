@@ -87,8 +87,9 @@ def keep_freed_heap(keep_bytes: int, log: Optional[logging.Logger] = None) -> bo
     if not (libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, trim)):
         log.warning("kvcached: glibc refused mallopt (trim threshold %d bytes)", trim)
         return False
-    log.info("kvcached: this process keeps up to %d MiB of freed heap memory (KVCACHED_HOST_HEAP_KEEP_BYTES)",
-             trim >> 20)
+    log.info(
+        "kvcached: this process keeps up to %d MiB of freed heap memory (KVCACHED_HOST_HEAP_KEEP_BYTES)", trim >> 20
+    )
     return True
 
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 from kvcached.errors import IntegrationError, InvalidArgumentError
 
@@ -62,8 +63,14 @@ class IdleRelease:
     #: A hold that ran out too early grows to this multiple of the idle spell it cut short.
     COVER = 1.5
 
-    def __init__(self, hold_s: float, budgets: Sequence[Any], *, max_hold_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        hold_s: float,
+        budgets: Sequence[Any],
+        *,
+        max_hold_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not hold_s >= 0.0:
             raise InvalidArgumentError(f"hold_s must be >= 0, got {hold_s!r}")
         if not max_hold_s >= 0.0:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration.common.acks import AckBoard
@@ -61,7 +62,9 @@ class RankMirrors:
         is_alive: Callable[[int], bool] = process_alive,
     ) -> None:
         if manager.num_mirrors != len(ranks) or board.num_ranks != len(ranks):
-            raise InvalidArgumentError(f"{len(ranks)} ranks, {manager.num_mirrors} mirrors, {board.num_ranks} board slots")
+            raise InvalidArgumentError(
+                f"{len(ranks)} ranks, {manager.num_mirrors} mirrors, {board.num_ranks} board slots"
+            )
         self.manager = manager
         self.board = board
         self.ranks = list(ranks)
@@ -105,8 +108,10 @@ class RankMirrors:
             if not self._is_alive(pid):
                 why = f"its process {pid} is gone"
             elif progress["unacked_batches"] and progress["oldest_unacked_age_s"] > self.ack_timeout_s:
-                why = (f"it acknowledged no page operations for {progress['oldest_unacked_age_s']:.0f} s "
-                       f"(KVCACHED_RANK_ACK_TIMEOUT_S={self.ack_timeout_s:g})")
+                why = (
+                    f"it acknowledged no page operations for {progress['oldest_unacked_age_s']:.0f} s "
+                    f"(KVCACHED_RANK_ACK_TIMEOUT_S={self.ack_timeout_s:g})"
+                )
             else:
                 continue
             self.declare_lost(rank, why)
@@ -121,7 +126,12 @@ class RankMirrors:
         device = self.ranks[rank]
         self._logger.error(
             "kvcached: rank %d (%s on %s) is lost: %s; its %d bytes go back to the device budget and "
-            "the other ranks no longer wait for it", rank, device.local_device, device.device, why, held,
+            "the other ranks no longer wait for it",
+            rank,
+            device.local_device,
+            device.device,
+            why,
+            held,
         )
 
     def close(self) -> None:

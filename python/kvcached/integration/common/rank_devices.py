@@ -50,8 +50,14 @@ def describe_rank(torch_device: Any, rank: int) -> RankDevice:
     local = device_name_from_torch(torch_device)
     total_bytes = int(open_device(local).memory_info()[1])
     registry_for(local, None if local == HOST_DEVICE else total_bytes)
-    return RankDevice(rank=rank, device=canonical_device_name(local), local_device=local,
-                      total_bytes=total_bytes, pid=os.getpid(), host=socket.gethostname())
+    return RankDevice(
+        rank=rank,
+        device=canonical_device_name(local),
+        local_device=local,
+        total_bytes=total_bytes,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+    )
 
 
 __all__ = ["RankDevice", "describe_rank"]

@@ -13,7 +13,8 @@ adapts the engine integrations to the registry.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from kvcached.errors import IntegrationError
 from kvcached.integration.common.rank_devices import RankDevice
@@ -36,12 +37,18 @@ def register_rank(
     existing = registry.open_existing(rank.device)
     if existing is None:
         if rank.device != registry.HOST_DEVICE:
-            raise IntegrationError(f"kvcached: no registry for {rank.device}; the rank holding it should have created it")
+            raise IntegrationError(
+                f"kvcached: no registry for {rank.device}; the rank holding it should have created it"
+            )
         existing = registry.registry_for(rank.device)
     budget = existing.register(name, limit_bytes=limit_bytes, local_device=rank.label)
     (logger or _logger).info(
         "kvcached: registered %r (%s) on %s (device budget %d B, limit %s)",
-        name, rank.label, rank.device, existing.budget_bytes, "none" if limit_bytes is None else f"{limit_bytes} B",
+        name,
+        rank.label,
+        rank.device,
+        existing.budget_bytes,
+        "none" if limit_bytes is None else f"{limit_bytes} B",
     )
     return budget
 

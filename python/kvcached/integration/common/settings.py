@@ -63,7 +63,7 @@ class Settings:
     host_heap_keep_bytes: int = 256 << 20
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         from kvcached import config
 
         return cls(

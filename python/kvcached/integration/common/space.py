@@ -32,8 +32,15 @@ class WorkerSpace:
         board: where it acknowledges (None: the caller acknowledges).
     """
 
-    def __init__(self, layout: KVLayout, *, device: str, rank: int = 0, board: Optional[AckBoard] = None,
-                 zero_backing: bool = True) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        device: str,
+        rank: int = 0,
+        board: Optional[AckBoard] = None,
+        zero_backing: bool = True,
+    ) -> None:
         from kvcached.pool import KVSpace
 
         self.rank = rank

@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
+from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.front_door import (
     EnginePlugin,
     PatchPointMoved,
     UnsupportedEngineVersion,
     VersionPolicy,
 )
-from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.settings import is_enabled
 
 # Under kvcached's logger, and also written through SGLang's handlers, if it has its own.

@@ -30,13 +30,13 @@ import os
 from types import ModuleType
 from typing import Any
 
+from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.front_door import (
     EnginePlugin,
     PatchPointMoved,
     UnsupportedEngineVersion,
     VersionPolicy,
 )
-from kvcached.integration.common.engine_log import route_to_engine_log
 from kvcached.integration.common.settings import is_enabled
 
 # Under kvcached's logger, and also written through vLLM's handlers (vLLM's stream and format).

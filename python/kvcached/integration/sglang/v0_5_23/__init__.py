@@ -126,21 +126,39 @@ def _hook_resolve_kv_pool_class(original: Any, configurator: Any, *, kind: str, 
     return ours[pool_class]
 
 
-def _hook_build_allocator(original: Any, configurator: Any, *, sizes: Any, token_to_kv_pool: Any,
-                          token_to_kv_pool_allocator: Any, **kwargs: Any) -> Any:
+def _hook_build_allocator(
+    original: Any,
+    configurator: Any,
+    *,
+    sizes: Any,
+    token_to_kv_pool: Any,
+    token_to_kv_pool_allocator: Any,
+    **kwargs: Any,
+) -> Any:
     if token_to_kv_pool_allocator is not None or not hasattr(token_to_kv_pool, "kvcached_blocks"):
-        return original(configurator, sizes=sizes, token_to_kv_pool=token_to_kv_pool,
-                        token_to_kv_pool_allocator=token_to_kv_pool_allocator, **kwargs)
+        return original(
+            configurator,
+            sizes=sizes,
+            token_to_kv_pool=token_to_kv_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            **kwargs,
+        )
     page_size = token_to_kv_pool.page_size
-    common = dict(dtype=configurator.kv_cache_dtype, device=configurator.device, kvcache=token_to_kv_pool,
-                  need_sort=False)
+    common = dict(
+        dtype=configurator.kv_cache_dtype, device=configurator.device, kvcache=token_to_kv_pool, need_sort=False
+    )
     if page_size == 1:
         allocator = KvcachedTokenToKVPoolAllocator(sizes.max_total_num_tokens, **common)
     else:
         allocator = KvcachedPagedTokenToKVPoolAllocator(sizes.max_total_num_tokens, page_size=page_size, **common)
     blocks = token_to_kv_pool.kvcached_blocks
-    logger.info("kvcached: SGLang's KV cache is %d pages of %d tokens over a virtual %d-byte space (%s)",
-                blocks.num_blocks - 1, page_size, blocks.space.size_bytes, type(allocator).__name__)
+    logger.info(
+        "kvcached: SGLang's KV cache is %d pages of %d tokens over a virtual %d-byte space (%s)",
+        blocks.num_blocks - 1,
+        page_size,
+        blocks.space.size_bytes,
+        type(allocator).__name__,
+    )
     return allocator
 
 
@@ -183,8 +201,7 @@ def _hook_token_info(original: Any, observer: Any, *args: Any, **kwargs: Any) ->
     total = observer.max_total_num_tokens
     available = allocator.logical_available_size()
     used = total - (available + stats.full_evictable_size)
-    return dataclasses.replace(stats, full_available_size=available, full_num_used=used,
-                               full_token_usage=used / total)
+    return dataclasses.replace(stats, full_available_size=available, full_num_used=used, full_token_usage=used / total)
 
 
 HOOKS: list[tuple[str, Any, str]] = [
@@ -197,7 +214,6 @@ HOOKS: list[tuple[str, Any, str]] = [
     (f"{_SCHEDULER}.get_internal_state", _hook_after_get_internal_state, "AFTER"),
     (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),
 ]
-
 
 
 def _hooked(target: str) -> PatchPoint:

@@ -32,8 +32,11 @@ class _KvcachedAllocator:
 
     def _attach(self, kvcache: Any) -> None:
         self.kvcached_blocks: EngineBlocks = kvcache.kvcached_blocks
-        self.idle = IdleRelease(_plan.settings().idle_release_s, self.kvcached_blocks.budgets,
-                                max_hold_s=_plan.settings().idle_release_max_s)
+        self.idle = IdleRelease(
+            _plan.settings().idle_release_s,
+            self.kvcached_blocks.budgets,
+            max_hold_s=_plan.settings().idle_release_max_s,
+        )
         self.sleep_waker = SleepWaker()
         self._trimmed = False
 
@@ -54,8 +57,9 @@ class _KvcachedAllocator:
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
         return KvcachedPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
-    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
-                              spec_algorithm: Any = None) -> bool:
+    def check_decode_capacity(
+        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
         self.evict_to_free_tokens(tree_cache, num_tokens)  # SGLang's: the radix cache first
         if self.secure_tokens(num_tokens):
             return True
@@ -164,8 +168,9 @@ class KvcachedTokenToKVPoolAllocator(_KvcachedAllocator, TokenToKVPoolAllocator)
 class KvcachedPagedTokenToKVPoolAllocator(_KvcachedAllocator, PagedTokenToKVPoolAllocator):
     """Paged allocator whose page ids are kvcached block ids; SGLang's kernels place the tokens."""
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any,
-                 need_sort: bool) -> None:
+    def __init__(
+        self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
+    ) -> None:
         self._attach(kvcache)
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
@@ -175,13 +180,33 @@ class KvcachedPagedTokenToKVPoolAllocator(_KvcachedAllocator, PagedTokenToKVPool
             return None
         return (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
 
-    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
-                     num_new_pages=None, **kwargs):
+    def alloc_extend(
+        self,
+        prefix_lens,
+        prefix_lens_cpu,
+        seq_lens,
+        seq_lens_cpu,
+        last_loc,
+        extend_num_tokens,
+        num_new_pages=None,
+        **kwargs,
+    ):
         if num_new_pages is None:
-            num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
-                                              prefix_lens=prefix_lens_cpu)
-        return self._with_pages(num_new_pages, super().alloc_extend, prefix_lens, prefix_lens_cpu, seq_lens,
-                                seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages=num_new_pages, **kwargs)
+            num_new_pages = get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
+        return self._with_pages(
+            num_new_pages,
+            super().alloc_extend,
+            prefix_lens,
+            prefix_lens_cpu,
+            seq_lens,
+            seq_lens_cpu,
+            last_loc,
+            extend_num_tokens,
+            num_new_pages=num_new_pages,
+            **kwargs,
+        )
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kwargs):
         num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
@@ -249,5 +274,3 @@ class KvcachedPrefillBudget(PrefillBudget):
     def reserve(self, *args: Any, **kwargs: Any) -> None:
         super().reserve(*args, **kwargs)
         self._secure(self.current_offset)
-
-

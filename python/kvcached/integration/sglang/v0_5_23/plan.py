@@ -7,7 +7,8 @@ import contextvars
 import dataclasses
 import logging
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 
@@ -122,8 +123,11 @@ def plan_for(configurator: Any) -> Optional[Plan]:
         return known[1]
     found = refusals(configurator)
     if found:
-        logger.error("kvcached is NOT active for this engine: it cannot run with %s. "
-                     "Unset KVCACHED_ENABLE to silence this message.", ", ".join(found))
+        logger.error(
+            "kvcached is NOT active for this engine: it cannot run with %s. "
+            "Unset KVCACHED_ENABLE to silence this message.",
+            ", ".join(found),
+        )
         _plans[id(configurator)] = (configurator, None)
         return None
     engine_settings = settings()
@@ -156,5 +160,3 @@ def require_plan(pool: Any) -> Plan:
     if plan is None:
         raise IntegrationError(f"kvcached: {type(pool).__name__} built outside an engine kvcached plans for")
     return plan
-
-

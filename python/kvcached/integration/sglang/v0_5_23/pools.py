@@ -67,5 +67,3 @@ class KvcachedMLATokenToKVPool(MLATokenToKVPool):
             )
             for layer in range(self.layer_num)
         ]
-
-

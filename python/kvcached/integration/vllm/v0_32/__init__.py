@@ -89,10 +89,14 @@ def _set(owner: Any, name: str, value: Any) -> None:
         setattr(owner, name, value)
 
 
-def install(settings: Settings, *, sites: KVTensorSites = KV_TENSOR_SITES,
-            block_pool_factory: Callable[[type], type] = block_pool.make_block_pool_class,
-            allocate_wrapper: Callable[[Any], Any] = worker.wrap_allocate_kv_cache,
-            configs_wrapper: Callable[[Any], Any] = plan.wrap_get_kv_cache_configs) -> None:
+def install(
+    settings: Settings,
+    *,
+    sites: KVTensorSites = KV_TENSOR_SITES,
+    block_pool_factory: Callable[[type], type] = block_pool.make_block_pool_class,
+    allocate_wrapper: Callable[[Any], Any] = worker.wrap_allocate_kv_cache,
+    configs_wrapper: Callable[[Any], Any] = plan.wrap_get_kv_cache_configs,
+) -> None:
     """Installs every patch; pure attribute swaps, safe in every vLLM process.
 
     A later release's package passes where its workers build KV tensors

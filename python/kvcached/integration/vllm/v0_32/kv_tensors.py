@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from kvcached.errors import IntegrationError
+
 from .errors import UnsupportedVLLMConfig
 
 
@@ -47,7 +49,7 @@ def layer_spec(kv_cache_config: Any, layer_name: str) -> tuple[int, Any]:
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[layer_name]
             return group_id, spec
-    raise RuntimeError(f"kvcached: layer {layer_name} is in no KV cache group")
+    raise IntegrationError(f"kvcached: layer {layer_name} is in no KV cache group")
 
 
 def refuse_unbackable(kv_cache_config: Any) -> None:
@@ -77,16 +79,21 @@ def footprint(kv_cache_config: Any) -> Footprint:
         # Layer-outermost: every layer of every group is a slot of num_blocks pages.
         block_bytes = next(iter(block_strides))
         slot = block_bytes * num_blocks
-        if size % slot == 0 and all(t.offset % slot == 0 and (len(t.layers) == 1 or t.layer_stride == slot)
-                                    for t in tensors):
+        if size % slot == 0 and all(
+            t.offset % slot == 0 and (len(t.layers) == 1 or t.layer_stride == slot) for t in tensors
+        ):
             return Footprint(num_layers=size // slot, block_bytes=block_bytes, layer_stride=slot)
     per_block = size // num_blocks
-    if size == per_block * num_blocks and block_strides == {per_block} and all(
-            t.offset + len(t.layers) * t.layer_stride <= per_block for t in tensors):
+    if (
+        size == per_block * num_blocks
+        and block_strides == {per_block}
+        and all(t.offset + len(t.layers) * t.layer_stride <= per_block for t in tensors)
+    ):
         return Footprint(num_layers=1, block_bytes=per_block, layer_stride=None)
     described = "; ".join(
-        f"{len(t.layers)} layers at offset {t.offset} (layer stride {t.layer_stride}, block stride "
-        f"{t.block_stride})" for t in tensors)
+        f"{len(t.layers)} layers at offset {t.offset} (layer stride {t.layer_stride}, block stride {t.block_stride})"
+        for t in tensors
+    )
     raise UnsupportedVLLMConfig(
         f"kvcached cannot cover this KV cache layout with one block-id space: {described}. "
         "Unset KVCACHED_ENABLE for this model."
@@ -104,8 +111,9 @@ def views_over(flat: Any, kv_cache_config: Any, layout: Any, kernel_block_sizes:
         kernel_block_size = None
         if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
             kernel_block_size = kernel_block_sizes[group_id]
-        views = create_kv_cache_views(flat, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor,
-                                      kernel_block_size=kernel_block_size)
+        views = create_kv_cache_views(
+            flat, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor, kernel_block_size=kernel_block_size
+        )
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches
 

@@ -45,20 +45,36 @@ GET_KV_CACHE_CONFIGS_PARAMETERS = ("vllm_config", "kv_cache_specs", "available_m
 
 ENGINE_CORE_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_CORE, "EngineCore._initialize_kv_caches", ("self", "vllm_config"), exact=True),
-    PatchPoint(_CORE, "EngineCore", members=(
-        "step", "step_with_batch_queue", "abort_requests", "add_request", "reset_prefix_cache", "collective_rpc")),
+    PatchPoint(
+        _CORE,
+        "EngineCore",
+        members=(
+            "step",
+            "step_with_batch_queue",
+            "abort_requests",
+            "add_request",
+            "reset_prefix_cache",
+            "collective_rpc",
+        ),
+    ),
     PatchPoint(_CORE, "EngineCoreProc", members=("run_busy_loop",)),  # tells an in-process EngineCore apart
     PatchPoint("vllm.v1.engine", "EngineCoreRequestType", members=("WAKEUP",)),  # wakes the loop to flush
     PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", ("self", "request")),
     PatchPoint(_SCHEDULER, "Scheduler.__init__", ("self", "vllm_config", "kv_cache_config")),
-    PatchPoint(_SCHEDULER, "Scheduler.update_from_output",
-               ("self", "scheduler_output", "model_runner_output"), exact=True),
-    PatchPoint(_SCHEDULER, "Scheduler", members=(
-        "schedule", "_preempt_request", "shutdown", "get_num_unfinished_requests")),
+    PatchPoint(
+        _SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"), exact=True
+    ),
+    PatchPoint(
+        _SCHEDULER, "Scheduler", members=("schedule", "_preempt_request", "shutdown", "get_num_unfinished_requests")
+    ),
     # The step's page ops ride on it as an extra attribute, pickled to every worker with it.
     PatchPoint("vllm.v1.core.sched.output", "SchedulerOutput"),
-    PatchPoint("vllm.v1.kv_cache_interface", "create_kv_cache_views",
-               ("raw", "spec", "num_blocks", "layout", "kv_cache_tensor", "kernel_block_size"), exact=True),
+    PatchPoint(
+        "vllm.v1.kv_cache_interface",
+        "create_kv_cache_views",
+        ("raw", "spec", "num_blocks", "layout", "kv_cache_tensor", "kernel_block_size"),
+        exact=True,
+    ),
     PatchPoint("vllm.v1.kv_cache_interface", "KVCacheConfig", members=("num_blocks_of",)),
     PatchPoint("vllm.v1.kv_cache_interface", "UniformTypeKVCacheSpecs"),
 )
@@ -82,13 +98,18 @@ class KVTensorSites:
 
     def points(self) -> tuple[PatchPoint, ...]:
         allocators = tuple(
-            PatchPoint(module, "allocate_kv_cache", self.allocate_parameters, exact=True,
-                       optional=module in self.optional)
+            PatchPoint(
+                module, "allocate_kv_cache", self.allocate_parameters, exact=True, optional=module in self.optional
+            )
             for module in self.allocators
         )
         runners = tuple(
-            PatchPoint(module, f"{cls}.initialize_kv_cache", ("self", "kv_cache_config", "is_profiling"),
-                       optional=module in self.optional)
+            PatchPoint(
+                module,
+                f"{cls}.initialize_kv_cache",
+                ("self", "kv_cache_config", "is_profiling"),
+                optional=module in self.optional,
+            )
             for module, cls in (runner.split(":") for runner in self.runners)
         )
         return allocators + runners
@@ -105,15 +126,18 @@ WORKER_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_WORKER, "Worker.determine_available_memory", ("self",), exact=True),
     PatchPoint(_WORKER, "Worker.execute_model", ("self", "scheduler_output")),
     PatchPoint(_WORKER, "request_memory", ("init_snapshot", "cache_config")),
-    PatchPoint("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory", ("self",), exact=True,
-               optional=True),
+    PatchPoint(
+        "vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory", ("self",), exact=True, optional=True
+    ),
     PatchPoint("vllm.v1.worker.cpu_worker", "CPUWorker", members=("_should_warm_up_model",), optional=True),
 )
 
 
-def patch_points(sites: KVTensorSites = KV_TENSOR_SITES,
-                 pool: tuple[PatchPoint, ...] = block_pool_points(),
-                 configs_parameters: tuple[str, ...] = GET_KV_CACHE_CONFIGS_PARAMETERS) -> tuple[PatchPoint, ...]:
+def patch_points(
+    sites: KVTensorSites = KV_TENSOR_SITES,
+    pool: tuple[PatchPoint, ...] = block_pool_points(),
+    configs_parameters: tuple[str, ...] = GET_KV_CACHE_CONFIGS_PARAMETERS,
+) -> tuple[PatchPoint, ...]:
     """A release's patch points: the EngineCore's (with its planner's signature), the block pool's,
     the workers' and its KV-tensor sites'."""
     planner = PatchPoint(_CORE, "get_kv_cache_configs", configs_parameters, exact=True)

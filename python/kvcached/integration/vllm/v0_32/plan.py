@@ -16,9 +16,10 @@ import contextvars
 import dataclasses
 import logging
 import socket
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
-from kvcached.errors import IntegrationError, KvcachedError
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.engine_layout import engine_layout
 from kvcached.integration.common.rank_devices import RankDevice
@@ -100,14 +101,21 @@ def layout_of(kv_cache_config: Any, page_bytes: int) -> KVLayout:
     one block-id space cannot cover.
     """
     found = footprint(kv_cache_config)
-    return engine_layout(num_blocks=kv_cache_config.num_blocks, block_bytes=found.block_bytes,
-                         num_layers=found.num_layers, num_buffers=1, page_bytes=page_bytes)
+    return engine_layout(
+        num_blocks=kv_cache_config.num_blocks,
+        block_bytes=found.block_bytes,
+        num_layers=found.num_layers,
+        num_buffers=1,
+        page_bytes=page_bytes,
+    )
 
 
 def _check_ranks(ranks: Sequence[RankDevice], layouts: Sequence[KVLayout]) -> None:
     """Every rank on this host, in rank order, with layouts that differ only in their layers."""
     if [rank.rank for rank in ranks] != list(range(len(layouts))):
-        raise IntegrationError(f"kvcached: workers described ranks {[r.rank for r in ranks]} for {len(layouts)} configs")
+        raise IntegrationError(
+            f"kvcached: workers described ranks {[r.rank for r in ranks]} for {len(layouts)} configs"
+        )
     host = socket.gethostname()
     remote = sorted({rank.host for rank in ranks} - {host})
     if remote:
@@ -118,7 +126,10 @@ def _check_ranks(ranks: Sequence[RankDevice], layouts: Sequence[KVLayout]) -> No
     first = layouts[0]
     for rank, layout in enumerate(layouts):
         if (layout.num_blocks, layout.blocks_per_page, layout.block_bytes) != (
-                first.num_blocks, first.blocks_per_page, first.block_bytes):
+            first.num_blocks,
+            first.blocks_per_page,
+            first.block_bytes,
+        ):
             raise UnsupportedVLLMConfig(
                 f"kvcached needs the same blocks on every rank; rank {rank} has {layout}, rank 0 {first} "
                 "(a block-outermost KV layout with pipeline parallelism packs different layers per stage)"
@@ -144,8 +155,9 @@ def wrap_initialize_kv_caches(original: Any) -> Any:
     return _initialize_kv_caches
 
 
-def _without_kvcached(original: Any, vllm_config: Any, kv_cache_specs: Any, available_memory: Any,
-                      refusal: UnsupportedVLLMConfig) -> Any:
+def _without_kvcached(
+    original: Any, vllm_config: Any, kv_cache_specs: Any, available_memory: Any, refusal: UnsupportedVLLMConfig
+) -> Any:
     """A model kvcached refuses runs on vLLM's own static KV cache, of the size the user set.
 
     The workers reported kvcached's virtual capacity, so vLLM needs a real size
@@ -157,8 +169,12 @@ def _without_kvcached(original: Any, vllm_config: Any, kv_cache_specs: Any, avai
         raise UnsupportedVLLMConfig(
             f"{refusal} (to run it on vLLM's own KV cache with kvcached enabled, set kv_cache_memory_bytes)"
         ) from refusal
-    logger.error("kvcached is NOT active for this engine: %s; vLLM serves it from its own static KV cache "
-                 "of %d bytes per worker", refusal, static_bytes)
+    logger.error(
+        "kvcached is NOT active for this engine: %s; vLLM serves it from its own static KV cache "
+        "of %d bytes per worker",
+        refusal,
+        static_bytes,
+    )
     return original(vllm_config, kv_cache_specs, [min(static_bytes, m) for m in available_memory])
 
 
@@ -200,8 +216,12 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
             setattr(config, RANK_ATTR, rank)
         logger.info(
             "kvcached: virtual KV cache of %d blocks (%s layers x %d B per block, %d B pages; groups: %s) on %s",
-            layouts[0].num_blocks, "+".join(str(l.num_layers) for l in layouts), layouts[0].block_bytes,
-            layouts[0].page_bytes, describe_groups(configs[0]), ", ".join(f"{r.label} ({r.device})" for r in ranks),
+            layouts[0].num_blocks,
+            "+".join(str(layout.num_layers) for layout in layouts),
+            layouts[0].block_bytes,
+            layouts[0].page_bytes,
+            describe_groups(configs[0]),
+            ", ".join(f"{r.label} ({r.device})" for r in ranks),
         )
         return configs
 

@@ -39,8 +39,7 @@ class EngineKV:
 
     def __init__(self, blocks: EngineBlocks, plan: EnginePlan, name: str) -> None:
         self.blocks = blocks
-        self.idle = IdleRelease(settings().idle_release_s, blocks.budgets,
-                                max_hold_s=settings().idle_release_max_s)
+        self.idle = IdleRelease(settings().idle_release_s, blocks.budgets, max_hold_s=settings().idle_release_max_s)
         self.plan = plan
         self.name = name
         self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
@@ -58,8 +57,10 @@ class EngineKV:
             sent_seq=stats["last_seq"],
             # The slowest live rank's acknowledgement (each rank's is in stats["mirrors"]).
             acked_seq=min((m["acked_seq"] for m in mirrors if m["alive"]), default=stats["last_seq"]),
-            ranks=[dict(rank=r.rank, device=r.device, local_device=r.local_device, pid=r.pid,
-                        num_layers=layout.num_layers) for r, layout in zip(self.plan.ranks, self.plan.layouts)],
+            ranks=[
+                dict(rank=r.rank, device=r.device, local_device=r.local_device, pid=r.pid, num_layers=layout.num_layers)
+                for r, layout in zip(self.plan.ranks, self.plan.layouts)
+            ],
             num_exhausted=self.num_exhausted,
             num_preempted=self.num_preempted,
             idle_release_s=self.idle.hold_s,
@@ -94,8 +95,15 @@ def wrap_scheduler_init(original: Any) -> Any:
         # so that ``kvctl set-limit`` can change it while the engine runs.
         budgets = register_ranks(name, plan.ranks, limit_bytes=_physical_limit(vllm_config), logger=logger)
         try:
-            blocks = EngineBlocks.deciding(plan.layouts, budgets, ranks=plan.ranks, board=take_board(plan.board_path),
-                                           name=name, ack_timeout_s=settings().rank_ack_timeout_s, logger=logger)
+            blocks = EngineBlocks.deciding(
+                plan.layouts,
+                budgets,
+                ranks=plan.ranks,
+                board=take_board(plan.board_path),
+                name=name,
+                ack_timeout_s=settings().rank_ack_timeout_s,
+                logger=logger,
+            )
         except BaseException:
             for budget in budgets:
                 budget.unregister()
@@ -266,6 +274,7 @@ def wrap_flushing(original: Any) -> Any:
 def wrap_serialized(original: Any) -> Any:
     """An in-process EngineCore's entry point that reads or changes what an idle flush does (its requests,
     block pool, workers): it runs under the engine's lock, so never beside a flush on IdleRelease's thread."""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine = _engine_of(self)
         if engine is None or not _in_process(self):  # an EngineCoreProc runs all on its loop

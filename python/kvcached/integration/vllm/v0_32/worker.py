@@ -88,8 +88,13 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
         device_info = plan.ranks[rank]
         logger.info(
             "kvcached: KV cache of %d layers (%s) x %d blocks is a virtual %d-byte space on %s (rank %d, %s)",
-            len(views), describe_groups(kv_cache_config), space.space.kv_layout.num_blocks, flat.numel(),
-            device_info.local_device, rank, device_info.device,
+            len(views),
+            describe_groups(kv_cache_config),
+            space.space.kv_layout.num_blocks,
+            flat.numel(),
+            device_info.local_device,
+            rank,
+            device_info.device,
         )
         return views
 
@@ -105,14 +110,14 @@ def _flat_for(space: WorkerSpace, kv_cache_config: Any, device: Any) -> Any:
     if kv_layout.num_layers > 1 and (
         kv_layout.layer_stride_bytes != found.layer_stride or kv_layout.block_stride_bytes != found.block_bytes
     ):
-        raise RuntimeError(
+        raise IntegrationError(
             f"kvcached KV space strides (layer {kv_layout.layer_stride_bytes}, block "
             f"{kv_layout.block_stride_bytes}) differ from vLLM's ({found.layer_stride}, {found.block_bytes})"
         )
     flat = space.flat_bytes().view(torch.int8)
     size = kv_cache_config.kv_cache_tensors[0].size
     if flat.numel() < size or flat.device != torch.device(device):
-        raise RuntimeError(
+        raise IntegrationError(
             f"kvcached KV space ({flat.numel()} B on {flat.device}) cannot hold vLLM's "
             f"KV tensors ({size} B on {device})"
         )

@@ -16,8 +16,9 @@ GET_KV_CACHE_CONFIGS_PARAMETERS = ("vllm_config", "kv_cache_specs", "available_m
 
 
 def wrap_get_kv_cache_configs(original: Any) -> Any:
-    def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any,
-                             global_kv_cache_groups: Any) -> Any:
+    def get_kv_cache_configs(
+        vllm_config: Any, kv_cache_specs: Any, available_memory: Any, global_kv_cache_groups: Any
+    ) -> Any:
         def with_groups(config: Any, specs: Any, memory: Any) -> Any:
             return original(config, specs, memory, global_kv_cache_groups)
 

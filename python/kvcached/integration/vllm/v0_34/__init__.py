@@ -35,24 +35,30 @@ from . import block_pool, extensible, worker
 
 KV_TENSOR_SITES = KVTensorSites(
     allocators=("vllm.v1.worker.utils", "vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.cpu.attn_utils"),
-    runners=("vllm.v1.worker.gpu.model_runner:GPUModelRunner",
-             "vllm.v1.worker.cpu.standalone_model_runner:StandaloneCPUModelRunner"),
+    runners=(
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+        "vllm.v1.worker.cpu.standalone_model_runner:StandaloneCPUModelRunner",
+    ),
     optional=frozenset({"vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.cpu.standalone_model_runner"}),
     allocate_parameters=ALLOCATE_KV_CACHE_PARAMETERS + ("allocate",),
 )
 
 PATCH_POINTS: tuple[PatchPoint, ...] = patch_points(
-    KV_TENSOR_SITES, block_pool_points(free_blocks=("self", "ordered_blocks", "evict_first")),
+    KV_TENSOR_SITES,
+    block_pool_points(free_blocks=("self", "ordered_blocks", "evict_first")),
     configs_parameters=v0_33_plan.GET_KV_CACHE_CONFIGS_PARAMETERS,
-) + (
-    PatchPoint("vllm.config.vllm", "VllmConfig._resolve_extensible_kv_cache", ("self",), exact=True),
-)
+) + (PatchPoint("vllm.config.vllm", "VllmConfig._resolve_extensible_kv_cache", ("self",), exact=True),)
 
 
 def install(settings: Settings) -> None:
     """Installs 0.32's patches at 0.34's places, then what 0.34 needs besides."""
-    v0_32.install(settings, sites=KV_TENSOR_SITES, block_pool_factory=block_pool.make_block_pool_class,
-                  allocate_wrapper=worker.wrap_allocate_kv_cache, configs_wrapper=v0_33_plan.wrap_get_kv_cache_configs)
+    v0_32.install(
+        settings,
+        sites=KV_TENSOR_SITES,
+        block_pool_factory=block_pool.make_block_pool_class,
+        allocate_wrapper=worker.wrap_allocate_kv_cache,
+        configs_wrapper=v0_33_plan.wrap_get_kv_cache_configs,
+    )
     from vllm.config.vllm import VllmConfig
     from vllm.v1.engine import core
 
@@ -65,5 +71,11 @@ def install(settings: Settings) -> None:
         core.get_kv_cache_configs = refusing
 
 
-__all__ = ["KV_TENSOR_SITES", "PATCH_POINTS", "KVCachePoolExhausted", "UnsupportedVLLMConfig", "install",
-           "worker_kv_stats"]
+__all__ = [
+    "KV_TENSOR_SITES",
+    "PATCH_POINTS",
+    "KVCachePoolExhausted",
+    "UnsupportedVLLMConfig",
+    "install",
+    "worker_kv_stats",
+]

@@ -22,8 +22,13 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
 
     kvcached_allocate = v0_32_worker.wrap_allocate_kv_cache(four_arguments)
 
-    def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: Any = None,
-                          allocate: Optional[Callable[[int], Any]] = None) -> dict:
+    def allocate_kv_cache(
+        kv_cache_config: Any,
+        device: Any,
+        layout: Any,
+        kernel_block_sizes: Any = None,
+        allocate: Optional[Callable[[int], Any]] = None,
+    ) -> dict:
         if allocate is None:
             return kvcached_allocate(kv_cache_config, device, layout, kernel_block_sizes)
         if getattr(kv_cache_config, PLAN_ATTR, None) is not None:

@@ -4,17 +4,17 @@ Pure-torch stand-ins for the few sgl_kernel CPU ops that SGLang imports at modul
 when SGLANG_USE_CPU_ENGINE=1, so SGLang's Python runtime runs on a CPU without the
 (source-only, AVX512/AMX-oriented) sgl-kernel CPU build. Any other symbol resolves to a
 callable that raises, so an unexpected call is loud rather than silently wrong."""
+
 import ctypes
 import os
 import sys
 
-import torch
+import torch  # noqa: F401  (as the recipe it comes from had it)
 
 _TRACE = os.environ.get("SGL_KERNEL_STUB_TRACE") == "1"
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len):
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     # Row i of the batch gets out_cache_loc[off_i : off_i + (end_i - start_i)]
     # written to req_to_token[req_pool_indices[i], start_i:end_i].
     if _TRACE:
@@ -23,7 +23,7 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         n = e - s
         if n > 0:
-            req_to_token[r, s:e] = out_cache_loc[off:off + n].to(req_to_token.dtype)
+            req_to_token[r, s:e] = out_cache_loc[off : off + n].to(req_to_token.dtype)
         off += n
 
 
