@@ -26,11 +26,9 @@ def test_a_run_of_pages_maps_and_unmaps_across_zero_chunks(device, layout):
     per_page = space.blocks_per_page
     run = list(range(3, 3 + 40))  # spans several coarse zero chunks on GPUs
 
-    base_address = space.base_address
-    offset_of = space.offset_of
-
     def address(layer: int, buffer: int, page: int) -> int:
-        return base_address + offset_of(layer, buffer, page * per_page)
+        # `del space` below clears this closure's cell too, so the space is freed before the check.
+        return space.base_address + space.offset_of(layer, buffer, page * per_page)  # noqa: F821
 
     space.map_pages(run)
     for page in (run[0], run[17], run[-1]):
