@@ -156,6 +156,19 @@ void ensure_memory_budget_bound(nb::module_& m) {
           "used_bytes"_a, "mapped_bytes"_a, "Publishes the pool's usage.");
 }
 
+// Runs a directory walk (scan or clean) with the GIL released and returns its files as dicts.
+nb::list registry_files_as_dicts(std::vector<RegistryFileInfo> (*walk)()) {
+  configure_registry_from_config();
+  std::vector<RegistryFileInfo> files;
+  {
+    nb::gil_scoped_release unlocked;
+    files = walk();
+  }
+  nb::list result;
+  for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
+  return result;
+}
+
 }  // namespace
 
 void bind_registry(nb::module_& m) {
@@ -189,33 +202,11 @@ void bind_registry(nb::module_& m) {
   m.def("is_legacy_device_name", &is_legacy_device_name, "device"_a,
         "True for index names older kvcached versions used ('cuda:0', 'rocm:1').");
   m.def(
-      "scan_registry_directory",
-      [] {
-        configure_registry_from_config();
-        std::vector<RegistryFileInfo> files;
-        {
-          nb::gil_scoped_release unlocked;
-          files = scan_registry_directory();
-        }
-        nb::list result;
-        for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
-        return result;
-      },
+      "scan_registry_directory", [] { return registry_files_as_dicts(scan_registry_directory); },
       nb::sig("def scan_registry_directory() -> list[dict[str, typing.Any]]"),
       "Every kvcached-* file of the registry directory, with its status; changes nothing.");
   m.def(
-      "clean_registry_directory",
-      [] {
-        configure_registry_from_config();
-        std::vector<RegistryFileInfo> files;
-        {
-          nb::gil_scoped_release unlocked;
-          files = clean_registry_directory();
-        }
-        nb::list result;
-        for (const RegistryFileInfo& info : files) result.append(file_to_dict(info));
-        return result;
-      },
+      "clean_registry_directory", [] { return registry_files_as_dicts(clean_registry_directory); },
       nb::sig("def clean_registry_directory() -> list[dict[str, typing.Any]]"),
       "Removes old-style files without live instances, damaged files, unfinished creations "
       "and the caller's symbolic links; returns what was removed.");
