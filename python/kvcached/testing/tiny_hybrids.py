@@ -132,6 +132,44 @@ def _deepseek_v2() -> tuple[Any, Any]:
     return config, DeepseekV2ForCausalLM
 
 
+def _llama4() -> tuple[Any, Any]:
+    """Llama 4 text: chunked local attention (128-token chunks) in three layers of four,
+    the fourth a global layer without RoPE; MoE in every layer."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"},
+        intermediate_size=256,
+        intermediate_size_mlp=512,
+        num_hidden_layers=4,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        attention_chunk_size=SLIDING_WINDOW,
+        no_rope_layers=[1, 1, 1, 0],  # 0: a global layer (no RoPE, no chunking)
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    )
+    return config, Llama4ForCausalLM
+
+
+def _gemma4() -> tuple[Any, Any]:
+    """Gemma 4 text: the last two of six layers read the KV cache of earlier layers
+    (cross-layer KV sharing, ``num_kv_shared_layers``), sliding and full attention."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        **{k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        num_hidden_layers=6,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        num_kv_shared_layers=2,
+        global_head_dim=64,  # full-attention layers' head (512 by default)
+        vocab_size_per_layer_input=TINY_LLAMA["vocab_size"],
+        hidden_size_per_layer_input=64,
+    )
+    return config, Gemma4ForCausalLM
+
+
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3": _gemma3,
     "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
@@ -139,6 +177,8 @@ FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "qwen3_next": _qwen3_next,
     "granite_hybrid": _granite_hybrid,
     "deepseek_v2": _deepseek_v2,
+    "llama4": _llama4,
+    "gemma4": _gemma4,
 }
 
 
