@@ -170,6 +170,74 @@ def _gemma4() -> tuple[Any, Any]:
     return config, Gemma4ForCausalLM
 
 
+#: Whisper's special tokens, first in its tiny vocabulary (ids 0-8); a decoder prompt transcribes.
+WHISPER_SPECIAL = (
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    "<|en|>",
+    "<|transcribe|>",
+    "<|translate|>",
+    "<|notimestamps|>",
+    "<|nocaptions|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+)
+WHISPER_DECODER_PROMPT = [1, 2, 3, 5]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+
+
+def _whisper_processor() -> Any:
+    """A tiny byte-level BPE tokenizer with Whisper's special tokens and Whisper's feature extractor
+    (vLLM's Whisper needs both, even for token-id prompts)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import WhisperFeatureExtractor, WhisperProcessor, WhisperTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(WHISPER_SPECIAL), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer)
+    end = WHISPER_SPECIAL[0]
+    fast = WhisperTokenizerFast(
+        tokenizer_object=tokenizer, unk_token=end, bos_token=end, eos_token=end, pad_token=end
+    )
+    return WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=fast)
+
+
+def _whisper() -> tuple[Any, Any]:
+    """Whisper: an audio encoder and a text decoder whose cross attention reads the encoder's
+    1500 positions (vLLM's CrossAttentionSpec: 12 blocks of 128 per request)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=len(_whisper_processor().tokenizer),
+        d_model=256,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=512,
+        decoder_ffn_dim=512,
+        num_mel_bins=80,
+        max_source_positions=1500,
+        max_target_positions=448,
+        decoder_start_token_id=1,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return config, WhisperForConditionalGeneration
+
+
+def whisper_audio(seconds: float, seed: int) -> Any:
+    """A deterministic noise clip of ``seconds`` at Whisper's 16 kHz, as vLLM takes audio: (samples, rate)."""
+    import numpy as np
+
+    rate = 16000
+    return (np.random.default_rng(seed).standard_normal(int(seconds * rate)).astype(np.float32) * 0.1, rate)
+
+
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3": _gemma3,
     "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
@@ -179,6 +247,7 @@ FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "deepseek_v2": _deepseek_v2,
     "llama4": _llama4,
     "gemma4": _gemma4,
+    "whisper": _whisper,
 }
 
 
@@ -200,7 +269,9 @@ def make_tiny_hybrid(family: str, path: str | os.PathLike, seed: int = 0) -> str
                 p.normal_(0.0, 0.08)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    if family == "whisper":
+        _whisper_processor().save_pretrained(path)
     return str(path)
 
 
-__all__ = ["FAMILIES", "SLIDING_WINDOW", "make_tiny_hybrid"]
+__all__ = ["FAMILIES", "SLIDING_WINDOW", "WHISPER_DECODER_PROMPT", "make_tiny_hybrid", "whisper_audio"]
