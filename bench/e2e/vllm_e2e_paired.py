@@ -44,8 +44,9 @@ from e2e_paired import (
     serve_passes,
     settings_note,
 )
-from kvcached.testing.tiny_hybrids import make_tiny_hybrid
 from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload
+
+from kvcached.testing.tiny_hybrids import make_tiny_hybrid
 
 
 def serve(spec_path: str, result_fd: int) -> None:

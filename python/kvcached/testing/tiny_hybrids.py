@@ -199,9 +199,7 @@ def _whisper_processor() -> Any:
     )
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer)
     end = WHISPER_SPECIAL[0]
-    fast = WhisperTokenizerFast(
-        tokenizer_object=tokenizer, unk_token=end, bos_token=end, eos_token=end, pad_token=end
-    )
+    fast = WhisperTokenizerFast(tokenizer_object=tokenizer, unk_token=end, bos_token=end, eos_token=end, pad_token=end)
     return WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=fast)
 
 

@@ -145,4 +145,12 @@ def describe_layers(layer_names: Any) -> str:
     return "layers " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-__all__ = ["Footprint", "describe_groups", "describe_layers", "footprint", "layer_spec", "refuse_unbackable", "views_over"]
+__all__ = [
+    "Footprint",
+    "describe_groups",
+    "describe_layers",
+    "footprint",
+    "layer_spec",
+    "refuse_unbackable",
+    "views_over",
+]
