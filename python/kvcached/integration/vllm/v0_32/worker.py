@@ -31,7 +31,7 @@ from kvcached.integration.common.heap import keep_freed_heap
 from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.space import WorkerSpace
 
-from .kv_tensors import describe_groups, footprint, views_over
+from .kv_tensors import describe_groups, describe_layers, footprint, views_over
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, RANK_ATTR, settings
 
 logger = logging.getLogger(__name__)
@@ -87,9 +87,10 @@ def wrap_allocate_kv_cache(original: Any) -> Any:
         _spaces[os.getpid()] = space
         device_info = plan.ranks[rank]
         logger.info(
-            "kvcached: KV cache of %d layers (%s) x %d blocks is a virtual %d-byte space on %s (rank %d, %s)",
+            "kvcached: KV cache of %d layers (%s; %s) x %d blocks is a virtual %d-byte space on %s (rank %d, %s)",
             len(views),
             describe_groups(kv_cache_config),
+            describe_layers(views),
             space.space.kv_layout.num_blocks,
             flat.numel(),
             device_info.local_device,
