@@ -73,6 +73,7 @@ def _qwen3_next() -> tuple[Any, Any]:
         **{**_COMMON, "num_key_value_heads": 2},
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
+        full_attention_interval=4,  # SGLang places the full-attention layers by it
         linear_conv_kernel_dim=4,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
@@ -110,7 +111,8 @@ def _granite_hybrid() -> tuple[Any, Any]:
 
 def _deepseek_v2() -> tuple[Any, Any]:
     """DeepSeek-V2 style multi-head latent attention: a 512 latent + 64 rope cell per token
-    (vLLM's CPU MLA decode kernel takes only 576-wide cells, a 512 value head and 16-token blocks)."""
+    (vLLM's CPU MLA decode kernel takes only 576-wide cells, a 512 value head and 16-token blocks;
+    SGLang's CPU rotary embedding for MLA takes only DeepSeek's YaRN, here with factor 1)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     common = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
@@ -128,6 +130,23 @@ def _deepseek_v2() -> tuple[Any, Any]:
         n_shared_experts=1,
         moe_intermediate_size=128,
         num_experts_per_tok=2,
+        # DeepSeek-V2-Lite's routing fields, which SGLang reads and transformers no longer defines
+        moe_layer_freq=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 1.0,
+            "original_max_position_embeddings": _COMMON["max_position_embeddings"],
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
     return config, DeepseekV2ForCausalLM
 
