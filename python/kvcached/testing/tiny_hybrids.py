@@ -14,6 +14,11 @@ from typing import Any, Callable
 
 from kvcached.testing.tiny_llama import TINY_LLAMA
 
+#: Standard deviation of every weight matrix (conv kernels aside) of a tiny model.
+WEIGHT_STD = 0.08
+#: Families whose embeddings are drawn smaller: Gemma multiplies them by sqrt(hidden_size) = 16.
+_EMBEDDING_STD = {"gemma3_attending": WEIGHT_STD / 16}
+
 #: Tokens a sliding-window layer keeps: one 128-token block (vLLM keeps the blocks the window touches).
 SLIDING_WINDOW = 128
 
@@ -151,8 +156,18 @@ def _deepseek_v2() -> tuple[Any, Any]:
     return config, DeepseekV2ForCausalLM
 
 
+def _gemma3_attending() -> tuple[Any, Any]:
+    """Gemma 3 with tied embeddings (as SGLang serves it), for which :func:`make_tiny_hybrid` draws
+    small embeddings: Gemma scales them by sqrt(hidden_size), and at the common scale they dominate
+    the residual stream, so the model repeats its last token whatever its KV cache holds."""
+    config, model_class = _gemma3()
+    config.tie_word_embeddings = True
+    return config, model_class
+
+
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3": _gemma3,
+    "gemma3_attending": _gemma3_attending,
     "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
     "gpt_oss": _gpt_oss,
     "qwen3_next": _qwen3_next,
@@ -173,10 +188,11 @@ def make_tiny_hybrid(family: str, path: str | os.PathLike, seed: int = 0) -> str
     torch.manual_seed(seed)
     model = model_class(config)
     # As the tiny Llama: larger weights keep greedy decoding off near-ties.
+    embedding_std = _EMBEDDING_STD.get(family, WEIGHT_STD)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2 and "conv" not in name:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, embedding_std if "embed_tokens" in name else WEIGHT_STD)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
