@@ -20,7 +20,13 @@ over four pairs (``--restarts 4``) 1.007, every pair within 1.004-1.021
 (bench/RESULTS.md). One thread is also how vLLM's CPU backend runs there: it
 keeps a core for its scheduler process and computes on the others.
 
-    python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1]
+``--model`` picks the model: the tiny Llama (default), or a tiny random-weight
+model of another family from ``kvcached.testing.tiny_hybrids`` written next to
+``DIR``: ``gemma3_attending`` (Gemma 3, 5 sliding-window layers to 1 full; SGLang serves it from its
+plain pool) or ``deepseek_v2`` (MLA; on a CPU with the absorbed MLA path of
+``kvcached.testing.sglang_mla_cpu`` in both engines).
+
+    python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1] [--model gemma3_attending]
 
 Needs SGLang 0.5.23 and transformers in the interpreter (see bench/README.md).
 """
@@ -28,6 +34,7 @@ Needs SGLang 0.5.23 and transformers in the interpreter (see bench/README.md).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from e2e_common import WARMUP_REQUESTS, WORKLOAD, cpu_seconds, make_prompts, session_processes, timed_window
@@ -44,6 +51,16 @@ from e2e_paired import (
     settings_note,
 )
 from sglang_e2e import CPU_ENGINE, ENGINE, engine_env, prepare_model, stream_all, use_sglang_cpu
+
+from kvcached.testing import sglang_mla_cpu
+
+#: --model -> the environment both engines get (the tiny Llama is ``llama``).
+MODELS = {"llama": {}, "gemma3_attending": {}, "deepseek_v2": {sglang_mla_cpu.ENV: "1"}}
+
+# SGLang's spawned scheduler re-imports this script; there (the CPU engine's shims
+# already in place) an MLA model takes the absorbed path on torch_native.
+if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    sglang_mla_cpu.apply_from_env()
 
 
 def serve(spec_path: str, result_fd: int) -> None:
@@ -90,19 +107,25 @@ def main() -> None:
         metavar="N",
         help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores)",
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model both engines serve")
     add_setting_options(parser)
     args, out = parse_paired(parser)
     if args.torch_threads is not None and args.torch_threads < 1:
         parser.error("--torch-threads must be at least 1")
     model, cpu = prepare_model(out)
+    if args.model != "llama":
+        from kvcached.testing.tiny_hybrids import make_tiny_hybrid
+
+        model = make_tiny_hybrid(args.model, out.parent / f"e2e-{args.model}")
 
     def start_engine(on: bool) -> EngineProcess:
         kvcached_on, extra = engine_settings(args, on)
         threads = {} if args.torch_threads is None else {"OMP_NUM_THREADS": str(args.torch_threads)}
-        env = dict(engine_env(kvcached_on), **threads, **extra)
+        env = dict(engine_env(kvcached_on), **threads, **MODELS[args.model], **extra)
         return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), env, on)
 
     threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
+    model_note = f"model: tiny {args.model}" if args.model != "llama" else ""
     run_paired(
         out,
         "sglang_e2e_paired",
@@ -110,7 +133,7 @@ def main() -> None:
         args.passes,
         args.gap_s,
         args.timeout_s,
-        note="; ".join(filter(None, [threads_note, settings_note(args)])),
+        note="; ".join(filter(None, [model_note, threads_note, settings_note(args)])),
         restarts=args.restarts,
     )
 

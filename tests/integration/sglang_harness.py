@@ -22,6 +22,11 @@ import threading
 import time
 from pathlib import Path
 
+from kvcached.testing.sglang_mla_cpu import apply_from_env
+
+# Module level: SGLang's spawned scheduler re-imports this script as __mp_main__.
+apply_from_env()
+
 ENGINE_DEFAULTS = dict(
     device="cpu",
     attention_backend="torch_native",

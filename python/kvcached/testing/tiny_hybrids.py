@@ -14,6 +14,11 @@ from typing import Any, Callable
 
 from kvcached.testing.tiny_llama import TINY_LLAMA
 
+#: Standard deviation of every weight matrix (conv kernels aside) of a tiny model.
+WEIGHT_STD = 0.08
+#: Families whose embeddings are drawn smaller: Gemma multiplies them by sqrt(hidden_size) = 16.
+_EMBEDDING_STD = {"gemma3_attending": WEIGHT_STD / 16}
+
 #: Tokens a sliding-window layer keeps: one 128-token block (vLLM keeps the blocks the window touches).
 SLIDING_WINDOW = 128
 
@@ -73,6 +78,7 @@ def _qwen3_next() -> tuple[Any, Any]:
         **{**_COMMON, "num_key_value_heads": 2},
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
+        full_attention_interval=4,  # SGLang places the full-attention layers by it
         linear_conv_kernel_dim=4,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
@@ -110,7 +116,8 @@ def _granite_hybrid() -> tuple[Any, Any]:
 
 def _deepseek_v2() -> tuple[Any, Any]:
     """DeepSeek-V2 style multi-head latent attention: a 512 latent + 64 rope cell per token
-    (vLLM's CPU MLA decode kernel takes only 576-wide cells, a 512 value head and 16-token blocks)."""
+    (vLLM's CPU MLA decode kernel takes only 576-wide cells, a 512 value head and 16-token blocks;
+    SGLang's CPU rotary embedding for MLA takes only DeepSeek's YaRN, here with factor 1)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     common = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
@@ -128,6 +135,23 @@ def _deepseek_v2() -> tuple[Any, Any]:
         n_shared_experts=1,
         moe_intermediate_size=128,
         num_experts_per_tok=2,
+        # DeepSeek-V2-Lite's routing fields, which SGLang reads and transformers no longer defines
+        moe_layer_freq=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 1.0,
+            "original_max_position_embeddings": _COMMON["max_position_embeddings"],
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
     return config, DeepseekV2ForCausalLM
 
@@ -236,8 +260,18 @@ def whisper_audio(seconds: float, seed: int) -> Any:
     return (np.random.default_rng(seed).standard_normal(int(seconds * rate)).astype(np.float32) * 0.1, rate)
 
 
+def _gemma3_attending() -> tuple[Any, Any]:
+    """Gemma 3 with tied embeddings (as SGLang serves it), for which :func:`make_tiny_hybrid` draws
+    small embeddings: Gemma scales them by sqrt(hidden_size), and at the common scale they dominate
+    the residual stream, so the model repeats its last token whatever its KV cache holds."""
+    config, model_class = _gemma3()
+    config.tie_word_embeddings = True
+    return config, model_class
+
+
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3": _gemma3,
+    "gemma3_attending": _gemma3_attending,
     "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
     "gpt_oss": _gpt_oss,
     "qwen3_next": _qwen3_next,
@@ -261,10 +295,11 @@ def make_tiny_hybrid(family: str, path: str | os.PathLike, seed: int = 0) -> str
     torch.manual_seed(seed)
     model = model_class(config)
     # As the tiny Llama: larger weights keep greedy decoding off near-ties.
+    embedding_std = _EMBEDDING_STD.get(family, WEIGHT_STD)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2 and "conv" not in name:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, embedding_std if "embed_tokens" in name else WEIGHT_STD)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     if family == "whisper":

@@ -62,7 +62,8 @@ Limitations
 Refused with a logged error (SGLang then runs without kvcached): tensor, pipeline,
 data or context parallelism (each rank decides for itself, and the ranks'
 decisions must stay identical while kvcached's answers depend on each rank's own
-device budget), speculative decoding, hybrid SWA / Mamba / DSA models, HiCache,
+device budget), speculative decoding, SGLang's hybrid SWA and Mamba / linear-attention
+pools (``model_families`` says why), DSA models, HiCache,
 LMCache, PD disaggregation, HiSparse, the unified memory pool, memory saver, KV
 sharding, page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
 different head dimensions. Allocations outside the scheduler's checks (none in
@@ -70,7 +71,8 @@ the paths above) still go straight to kvcached and may fail under a budget anoth
 process took meanwhile. Run on SGLang's CPU engine (host backend); the CUDA and
 ROCm paths are written for but have not run.
 
-Files: ``plan`` (refusals, where and as what an engine runs), ``pools`` (KV
+Files: ``plan`` (refusals, where and as what an engine runs), ``model_families``
+(which pool families are backed, and why not the others), ``pools`` (KV
 pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
 ``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
 here the hooks that put them in SGLang's way.

@@ -21,6 +21,8 @@ from kvcached.integration.common.registration import register_rank
 from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
 
+from .model_families import family_refusals
+
 logger = logging.getLogger(__name__)
 
 
@@ -101,8 +103,7 @@ def refusals(configurator: Any) -> list[str]:
     model = configurator.model_config
     if configurator.is_draft_worker:
         found.append("draft workers")
-    if configurator.is_hybrid_swa or configurator.mambaish_config is not None:
-        found.append("hybrid SWA / Mamba models")
+    found.extend(family_refusals(configurator))
     if configurator.use_mla_backend and getattr(model, "index_head_dim", None):
         found.append("DSA (sparse MLA) models")
     if not configurator.use_mla_backend and model.v_head_dim not in (None, model.head_dim):
