@@ -93,7 +93,14 @@ def wrap_scheduler_init(original: Any) -> Any:
         name = _engine_name(vllm_config)
         # One entry per rank in its device's registry; the limit lives there,
         # so that ``kvctl set-limit`` can change it while the engine runs.
-        budgets = register_ranks(name, plan.ranks, limit_bytes=_physical_limit(vllm_config), logger=logger)
+        budgets = register_ranks(
+            name,
+            plan.ranks,
+            limit_bytes=_physical_limit(vllm_config),
+            min_bytes=settings().min_bytes,
+            priority=settings().priority,
+            logger=logger,
+        )
         try:
             blocks = EngineBlocks.deciding(
                 plan.layouts,
