@@ -4,6 +4,8 @@
     kvctl list --all                    the same for every device with a registry, each once
     kvctl set-limit TARGET SIZE         cap a live instance (it shrinks lazily)
     kvctl clear-limit TARGET            remove that cap
+    kvctl set-policy TARGET [--min SIZE] [--max SIZE|none] [--priority N]
+                                        its memory policy (docs/memory-policy.md); max is the limit
     kvctl set-budget SIZE               change the budget of a device's registry
     kvctl clean                         reclaim dead instances and unusable registry files
     kvctl files                         every registry file in the directory, with its status
@@ -86,6 +88,16 @@ def _target(text: str) -> Union[int, bytes]:
     return pid
 
 
+def _priority(text: str) -> int:
+    """A priority as KVCACHED_PRIORITY reads it (one grammar for both)."""
+    from kvcached.config import OPTIONS
+
+    try:
+        return int(OPTIONS["priority"].parse(text.strip()))
+    except ValueError as exc:
+        raise InvalidArgumentError(f"--priority {text!r} is invalid: {exc}") from None
+
+
 def _matches(entry: dict[str, Any], target: Union[int, bytes]) -> bool:
     if isinstance(target, int):
         return entry["pid"] == target
@@ -122,7 +134,10 @@ def _user_name(uid: int) -> str:
 
 
 def _instances_table(entries: list[dict[str, Any]]) -> str:
-    header = ("NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "LIMIT", "WANTS", "ERRORS")
+    header = (
+        "NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "MIN", "LIMIT", "PRIO", "SHRINK-TO",
+        "WANTS", "ERRORS",
+    )  # fmt: skip
     rows = [header] + [
         (
             printable(entry["name"]),
@@ -133,7 +148,10 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
             format_bytes(entry["used_bytes"]),
             format_bytes(entry["free_mapped_bytes"]),
             format_bytes(entry["mapped_bytes"]),
+            format_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
             format_bytes(entry["limit_bytes"]),
+            str(entry["priority"]),
+            format_bytes(entry["reclaim_target_bytes"]) if entry["reclaim_target_bytes"] is not None else "-",
             format_bytes(entry["wanted_bytes"]) if entry["wanted_bytes"] else "-",
             str(entry["worker_errors"]) if entry["worker_errors"] else "-",
         )
@@ -211,9 +229,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
+def _steer(args: argparse.Namespace, change: dict[str, Any], shown: dict[str, Any], action: str) -> int:
+    """Applies a policy ``change`` (keywords of ``DeviceRegistry.set_policy``) to the live
+    instances TARGET names; ``shown`` goes into the JSON payload, ``action`` into the line."""
     target = _target(args.target)
-    payload: dict[str, Any] = {"device": args.device, "target": args.target, "limit_bytes": limit_bytes}
+    payload: dict[str, Any] = {"device": args.device, "target": args.target, **shown}
     registry = open_existing(args.device)
     if registry is None:
         return _fail(args.json, {**payload, "matched": 0}, _no_registry(args.device))
@@ -224,21 +244,48 @@ def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
             args.json, {**payload, "matched": 0}, f"no instance named or with pid {args.target!r} on {registry.device}"
         )
     if not any(entry["alive"] for entry in found):
-        # Its process is gone: a limit would change nothing (and say "done" for nothing).
+        # Its process is gone: a change would change nothing (and say "done" for nothing).
         pids = ", ".join(sorted({str(entry["pid"]) for entry in found}))
         return _fail(
             args.json,
             {**payload, "matched": 0},
             f"{args.target!r} on {registry.device} is a dead instance (pid {pids}): "
-            "nothing to limit; 'kvctl clean' reclaims its memory",
+            "nothing to change; 'kvctl clean' reclaims its memory",
         )
-    matched = registry.set_limit(target, limit_bytes)
+    matched = registry.set_policy(target, **change)
     payload["matched"] = matched
     if matched == 0:  # every match exited meanwhile
         return _fail(args.json, payload, f"no instance named or with pid {args.target!r} on {registry.device}")
-    action = f"limit {format_bytes(limit_bytes)}" if limit_bytes is not None else "limit cleared"
     _emit(args.json, payload, f"{registry.device}: {printable(args.target)}: {action} ({matched} instance(s))")
     return EXIT_OK
+
+
+def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
+    change = {"max_bytes": limit_bytes} if limit_bytes is not None else {"clear_max": True}
+    action = f"limit {format_bytes(limit_bytes)}" if limit_bytes is not None else "limit cleared"
+    return _steer(args, change, {"limit_bytes": limit_bytes}, action)
+
+
+def cmd_set_policy(args: argparse.Namespace) -> int:
+    if args.min is None and args.max is None and args.priority is None:
+        raise InvalidArgumentError("set-policy changes nothing: give --min, --max and/or --priority")
+    change: dict[str, Any] = {}
+    shown: dict[str, Any] = {}
+    actions: list[str] = []
+    if args.min is not None:
+        change["min_bytes"] = shown["min_bytes"] = parse_bytes(args.min, "--min")
+        actions.append(f"min {format_bytes(change['min_bytes'])}")
+    if args.max is not None:
+        if args.max.strip().lower() == "none":
+            change["clear_max"], shown["max_bytes"] = True, None
+            actions.append("max cleared")
+        else:
+            change["max_bytes"] = shown["max_bytes"] = parse_bytes(args.max, "--max")
+            actions.append(f"max {format_bytes(change['max_bytes'])}")
+    if args.priority is not None:
+        change["priority"] = shown["priority"] = _priority(args.priority)
+        actions.append(f"priority {change['priority']}")
+    return _steer(args, change, shown, ", ".join(actions))
 
 
 def _no_registry(device: str) -> str:
@@ -340,6 +387,14 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     clear_limit = commands.add_parser("clear-limit", parents=[common], help="remove an instance's limit")
     clear_limit.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     clear_limit.set_defaults(handler=cmd_clear_limit)
+    set_policy = commands.add_parser(
+        "set-policy", parents=[common], help="set an instance's memory policy: min, max (its limit), priority"
+    )
+    set_policy.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    set_policy.add_argument("--min", metavar="SIZE", help="memory guaranteed to it (0: none)")
+    set_policy.add_argument("--max", metavar="SIZE", help="its limit, as set-limit ('none' clears it)")
+    set_policy.add_argument("--priority", metavar="N", help="higher wins; lower gives back first")
+    set_policy.set_defaults(handler=cmd_set_policy)
     set_budget = commands.add_parser("set-budget", parents=[common], help="set the device-wide budget")
     set_budget.add_argument("size", metavar="SIZE")
     set_budget.set_defaults(handler=cmd_set_budget)
