@@ -72,6 +72,17 @@ void test_min_is_kept_free_for_its_owner() {
   other->release(60 * kMiB);
 }
 
+void test_a_min_outranks_a_waiting_higher_priority() {
+  auto registry = fresh_registry(100 * kMiB);
+  auto guaranteed = registry->register_instance("guaranteed", std::nullopt, policy(30 * kMiB, 0));
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 9));
+  CHECK(high->try_acquire(70 * kMiB) && !high->try_acquire(kMiB));  // it waits, recently refused
+  CHECK(guaranteed->available_bytes() == 30 * kMiB);
+  CHECK(guaranteed->try_acquire(30 * kMiB));
+  high->release(70 * kMiB);
+  guaranteed->release(30 * kMiB);
+}
+
 void test_mins_that_cannot_be_honoured_are_refused() {
   auto registry = fresh_registry(100 * kMiB);
   auto first = registry->register_instance("first", std::nullopt, policy(60 * kMiB, 0));
@@ -158,6 +169,19 @@ void test_a_target_lapses_when_the_requester_stops_or_outranks_no_more() {
   high->release(10 * kMiB);
 }
 
+// A pool refilling its own reserve waits for nobody: refused, it asks nobody to shrink.
+void test_a_reserve_refill_is_no_demand() {
+  auto registry = fresh_registry(100 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  CHECK(low->try_acquire(100 * kMiB));
+  CHECK(!high->try_acquire_for_reserve(2 * kMiB));
+  CHECK(!low->reclaim_target_bytes() && low->pressure_bytes() == 0);
+  CHECK(!high->try_acquire(2 * kMiB));  // a real request is
+  CHECK(low->reclaim_target_bytes() == 98 * kMiB && low->pressure_bytes() == 2 * kMiB);
+  low->release(100 * kMiB);
+}
+
 void test_a_dead_requester_leaves_no_shrink_in_force() {
   auto registry = fresh_registry(100 * kMiB);
   auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
@@ -181,10 +205,12 @@ int main() {
   if (mkdtemp(directory) == nullptr) return 2;
   configure_registry({directory, ""});
   test_min_is_kept_free_for_its_owner();
+  test_a_min_outranks_a_waiting_higher_priority();
   test_mins_that_cannot_be_honoured_are_refused();
   test_refusal_asks_lowest_priority_first_never_below_min();
   test_free_memory_is_asked_for_before_used_memory();
   test_a_target_lapses_when_the_requester_stops_or_outranks_no_more();
+  test_a_reserve_refill_is_no_demand();
   test_a_dead_requester_leaves_no_shrink_in_force();
   const std::string cleanup = std::string("rm -rf ") + directory;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", directory);

@@ -176,6 +176,9 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // BackendUnavailable once the entry is gone and RegistryUnusable once the
   // file is no longer this registry.
   bool try_acquire(std::size_t bytes) override;
+  // The same, for what the pool keeps ready on its own account: a refusal is not
+  // recorded (no pressure, no reclaim target), since nobody waits for it.
+  bool try_acquire_for_reserve(std::size_t bytes) override;
   void release(std::size_t bytes) noexcept override;
   std::size_t available_bytes() const override;
   // Throws RegistryUnusable once the file is no longer this registry (checked
@@ -219,6 +222,7 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // The entry while it still belongs to this handle and the registry is
   // usable; null once unregistered, reclaimed, or the file detached.
   registry_detail::EntryRecord* owned_entry() const noexcept;
+  bool take(std::size_t bytes, bool record_refusal);
   // After a device-wide refusal of `bytes` (lock held): records the pressure and
   // asks lower-priority instances to shrink.
   void record_refusal_locked(registry_detail::EntryRecord& entry, std::size_t bytes, bool keep_larger) noexcept;

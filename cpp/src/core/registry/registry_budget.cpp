@@ -35,7 +35,11 @@ EntryRecord* RegistryBudget::owned_entry() const noexcept {
 
 bool RegistryBudget::registered() const noexcept { return owned_entry() != nullptr; }
 
-bool RegistryBudget::try_acquire(std::size_t bytes) {
+bool RegistryBudget::try_acquire(std::size_t bytes) { return take(bytes, /*record_refusal=*/true); }
+
+bool RegistryBudget::try_acquire_for_reserve(std::size_t bytes) { return take(bytes, /*record_refusal=*/false); }
+
+bool RegistryBudget::take(std::size_t bytes, bool record_refusal) {
   if (bytes == 0) return true;
   // Checked after the section (confirm) rather than before: one fstat per page.
   RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
@@ -71,7 +75,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
   if (!granted) {
     segment_->check_table();  // refused because an entry lies? Say so instead.
     // Only a device-wide refusal is pressure on others; one's own limit is not.
-    record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
+    if (record_refusal) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
     lock.confirm();
     return false;
   }

@@ -35,23 +35,31 @@ struct Candidate {
 }  // namespace
 
 std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept {
-  const std::int64_t own_priority = priority_of(layout.entries[slot]);
-  std::size_t held = 0;  // mapped by all, plus what others may still claim
+  const EntryRecord& own = layout.entries[slot];
+  const std::int64_t own_priority = priority_of(own);
+  std::size_t guaranteed = 0;  // mapped by all, plus what the others' min may still claim
+  std::size_t waiting = 0;     // recently refused to higher priorities
   for (std::size_t other = 0; other < kRegistryCapacity; ++other) {
     const EntryRecord& entry = layout.entries[other];
     if (!slot_active(entry)) continue;
     const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
-    std::size_t claim = 0;
-    if (other != slot) {
-      claim = saturating_sub(min_of(entry), mapped);
-      if (priority_of(entry) > own_priority && refused_recently(entry, now_ns)) {
-        if (__builtin_add_overflow(claim, entry.wanted_bytes.load(std::memory_order_relaxed), &claim)) return 0;
+    const std::size_t claim = other == slot ? 0 : saturating_sub(min_of(entry), mapped);
+    if (__builtin_add_overflow(guaranteed, mapped, &guaranteed) ||
+        __builtin_add_overflow(guaranteed, claim, &guaranteed)) {
+      return 0;
+    }
+    if (other != slot && priority_of(entry) > own_priority && refused_recently(entry, now_ns)) {
+      if (__builtin_add_overflow(waiting, entry.wanted_bytes.load(std::memory_order_relaxed), &waiting)) {
+        waiting = std::numeric_limits<std::size_t>::max();
       }
     }
-    if (__builtin_add_overflow(held, mapped, &held) || __builtin_add_overflow(held, claim, &held)) return 0;
   }
   const std::size_t budget = plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
-  return saturating_sub(budget, held);
+  const std::size_t beyond_guarantees = saturating_sub(budget, guaranteed);
+  // What a higher priority waits for is set aside, except this instance's own unclaimed
+  // min: a guarantee outranks every priority.
+  const std::size_t own_unclaimed = saturating_sub(min_of(own), own.mapped_bytes.load(std::memory_order_relaxed));
+  return std::max(saturating_sub(beyond_guarantees, waiting), std::min(beyond_guarantees, own_unclaimed));
 }
 
 std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,
