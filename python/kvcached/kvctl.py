@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import pwd
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from kvcached.cli_support import (
     EXIT_FAILED,
@@ -46,7 +44,9 @@ from kvcached.cli_support import (
     report_failure,
     wants_json,
 )
-from kvcached.errors import InvalidArgumentError, KvcachedError, RegistryNotFoundError, RegistryUnusableError
+from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
+from kvcached.kvctl_output import EXIT_OK, emit, fail, no_registry
+from kvcached.kvctl_steer import TARGET_HELP, cmd_clear_limit, cmd_set_limit, cmd_set_policy
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,
@@ -59,59 +59,6 @@ from kvcached.registry import (
     resolve_device,
 )
 from kvcached.sizes import parse_bytes
-
-EXIT_OK = 0
-PID_PREFIX, NAME_PREFIX = "pid:", "name:"
-# Process ids are positive and fit pid_t (Linux's own ceiling is 2**22).
-MAX_PID = 2**31 - 1
-
-
-def _target(text: str) -> Union[int, bytes]:
-    """The instance(s) TARGET names: ``pid:N``, ``name:TEXT``, or bare (all digits: a pid).
-
-    Names are bytes, so names that are not UTF-8 match as stored."""
-    if text.startswith(NAME_PREFIX):
-        name = text[len(NAME_PREFIX) :]
-        if not name:
-            raise InvalidArgumentError(f"{text!r} names no instance: give a name after {NAME_PREFIX!r}")
-        return os.fsencode(name)
-    digits = text.removeprefix(PID_PREFIX)
-    if not (digits.isascii() and digits.isdigit()):
-        if text.startswith(PID_PREFIX):
-            raise InvalidArgumentError(f"{text!r} is not a process id: expected {PID_PREFIX}<digits>")
-        return os.fsencode(text)
-    pid = int(digits)
-    if not 0 < pid <= MAX_PID:
-        raise InvalidArgumentError(
-            f"{text!r} is not a process id (1 to {MAX_PID}); for an instance named so, write {NAME_PREFIX}{digits}"
-        )
-    return pid
-
-
-def _priority(text: str) -> int:
-    """A priority as KVCACHED_PRIORITY reads it (one grammar for both)."""
-    from kvcached.config import OPTIONS
-
-    try:
-        return int(OPTIONS["priority"].parse(text.strip()))
-    except ValueError as exc:
-        raise InvalidArgumentError(f"--priority {text!r} is invalid: {exc}") from None
-
-
-def _matches(entry: dict[str, Any], target: Union[int, bytes]) -> bool:
-    if isinstance(target, int):
-        return entry["pid"] == target
-    # entries() decodes names the way this does, so equal bytes give equal text.
-    return entry["name"] == target.decode("utf-8", "backslashreplace")
-
-
-def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
-    print(json.dumps(payload, indent=2, sort_keys=True) if as_json else human)
-
-
-def _fail(as_json: bool, payload: dict[str, Any], message: str) -> int:
-    report_failure("kvctl", message, as_json, payload)
-    return EXIT_FAILED
 
 
 def _device_summary(registry: DeviceRegistry) -> dict[str, Any]:
@@ -205,7 +152,7 @@ def _list_all(args: argparse.Namespace) -> int:
     if not blocks:
         blocks.append(f"{registry_dir()}: no registry yet (no engine has registered)")
     payload = {"directory": str(registry_dir()), "devices": devices, "unusable": unusable}
-    _emit(args.json, payload, "\n\n".join(blocks))
+    emit(args.json, payload, "\n\n".join(blocks))
     return EXIT_OK
 
 
@@ -222,85 +169,11 @@ def cmd_list(args: argparse.Namespace) -> int:
             "exists": False,
             "instances": [],
         }
-        _emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
+        emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
         return EXIT_OK
     payload, human = _device_listing(registry)
-    _emit(args.json, payload, human)
+    emit(args.json, payload, human)
     return EXIT_OK
-
-
-def _steer(args: argparse.Namespace, change: dict[str, Any], shown: dict[str, Any], action: str) -> int:
-    """Applies a policy ``change`` (keywords of ``DeviceRegistry.set_policy``) to the live
-    instances TARGET names; ``shown`` goes into the JSON payload, ``action`` into the line."""
-    target = _target(args.target)
-    payload: dict[str, Any] = {"device": args.device, "target": args.target, **shown}
-    registry = open_existing(args.device)
-    if registry is None:
-        return _fail(args.json, {**payload, "matched": 0}, _no_registry(args.device))
-    payload["device"] = registry.device
-    found = [entry for entry in registry.entries() if _matches(entry, target)]
-    if not found:
-        return _fail(
-            args.json, {**payload, "matched": 0}, f"no instance named or with pid {args.target!r} on {registry.device}"
-        )
-    if not any(entry["alive"] for entry in found):
-        # Its process is gone: a change would change nothing (and say "done" for nothing).
-        pids = ", ".join(sorted({str(entry["pid"]) for entry in found}))
-        return _fail(
-            args.json,
-            {**payload, "matched": 0},
-            f"{args.target!r} on {registry.device} is a dead instance (pid {pids}): "
-            "nothing to change; 'kvctl clean' reclaims its memory",
-        )
-    matched = registry.set_policy(target, **change)
-    payload["matched"] = matched
-    if matched == 0:  # every match exited meanwhile
-        return _fail(args.json, payload, f"no instance named or with pid {args.target!r} on {registry.device}")
-    _emit(args.json, payload, f"{registry.device}: {printable(args.target)}: {action} ({matched} instance(s))")
-    return EXIT_OK
-
-
-def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
-    change = {"max_bytes": limit_bytes} if limit_bytes is not None else {"clear_max": True}
-    action = f"limit {format_bytes(limit_bytes)}" if limit_bytes is not None else "limit cleared"
-    return _steer(args, change, {"limit_bytes": limit_bytes}, action)
-
-
-def cmd_set_policy(args: argparse.Namespace) -> int:
-    if args.min is None and args.max is None and args.priority is None:
-        raise InvalidArgumentError("set-policy changes nothing: give --min, --max and/or --priority")
-    change: dict[str, Any] = {}
-    shown: dict[str, Any] = {}
-    actions: list[str] = []
-    if args.min is not None:
-        change["min_bytes"] = shown["min_bytes"] = parse_bytes(args.min, "--min")
-        actions.append(f"min {format_bytes(change['min_bytes'])}")
-    if args.max is not None:
-        if args.max.strip().lower() == "none":
-            change["clear_max"], shown["max_bytes"] = True, None
-            actions.append("max cleared")
-        else:
-            change["max_bytes"] = shown["max_bytes"] = parse_bytes(args.max, "--max")
-            actions.append(f"max {format_bytes(change['max_bytes'])}")
-    if args.priority is not None:
-        change["priority"] = shown["priority"] = _priority(args.priority)
-        actions.append(f"priority {change['priority']}")
-    return _steer(args, change, shown, ", ".join(actions))
-
-
-def _no_registry(device: str) -> str:
-    return (
-        f"no registry for device {device!r} under {registry_dir()}: the first engine on the device "
-        "creates it (check KVCACHED_REGISTRY_DIR)"
-    )
-
-
-def cmd_set_limit(args: argparse.Namespace) -> int:
-    return _set_limit(args, parse_bytes(args.size, "SIZE"))
-
-
-def cmd_clear_limit(args: argparse.Namespace) -> int:
-    return _set_limit(args, None)
 
 
 def cmd_set_budget(args: argparse.Namespace) -> int:
@@ -308,13 +181,13 @@ def cmd_set_budget(args: argparse.Namespace) -> int:
     registry = open_existing(args.device)
     if registry is None:
         # kvctl never creates a registry: a typo in KVCACHED_REGISTRY_DIR must not start a new one.
-        raise RegistryNotFoundError(_no_registry(args.device) + "; set its budget once it exists")
+        raise RegistryNotFoundError(no_registry(args.device) + "; set its budget once it exists")
     previous = registry.budget_bytes
     registry.budget_bytes = budget_bytes
     payload = {**_device_summary(registry), "previous_budget_bytes": previous}
     over = payload["mapped_bytes"] > budget_bytes
     note = " (over budget: instances shrink as they free memory)" if over else ""
-    _emit(
+    emit(
         args.json, payload, f"{registry.device}: budget {format_bytes(previous)} -> {format_bytes(budget_bytes)}{note}"
     )
     return EXIT_OK
@@ -331,10 +204,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
     device = registry.device if registry is not None else args.device
     payload = {"device": device, "cleaned": cleaned, "removed_files": [file["path"] for file in removed]}
     if unusable is not None and _still_unusable(args.device):
-        return _fail(args.json, payload, str(unusable))
+        return fail(args.json, payload, str(unusable))
     lines = [f"{device}: reclaimed {cleaned} stale entr{'y' if cleaned == 1 else 'ies'}"]
     lines += [f"removed {printable(file['path'])}: {printable(file['detail'])}" for file in removed]
-    _emit(args.json, payload, "\n".join(lines))
+    emit(args.json, payload, "\n".join(lines))
     return EXIT_OK
 
 
@@ -352,11 +225,8 @@ def cmd_files(args: argparse.Namespace) -> int:
     payload = {"directory": str(registry_dir()), "files": files}
     lines = [f"{registry_dir()}: {len(files)} registry file(s)"]
     lines += [f"{printable(file['file_name'])}  {file['status']}  {printable(file['detail'])}" for file in files]
-    _emit(args.json, payload, "\n".join(lines))
+    emit(args.json, payload, "\n".join(lines))
     return EXIT_OK
-
-
-TARGET_HELP = "pid:1234, name:NAME, or bare (all digits: a pid; else a name)"
 
 
 def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
@@ -427,11 +297,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return handler(args)
     except (KvcachedError, ValueError, OSError, RuntimeError, TypeError) as error:
-        return _fail(args.json, failure, str(error))
+        return fail(args.json, failure, str(error))
     except KeyboardInterrupt:
         return EXIT_FAILED
     except Exception as error:  # a command line answers in one line, never a traceback
-        return _fail(args.json, failure, f"unexpected {type(error).__name__}: {error}")
+        return fail(args.json, failure, f"unexpected {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":
