@@ -198,6 +198,16 @@ void test_a_dead_requester_leaves_no_shrink_in_force() {
   low->release(100 * kMiB);
 }
 
+void test_a_dead_instance_keeps_no_guarantee() {
+  auto registry = fresh_registry(100 * kMiB);
+  const pid_t child = spawn_sleeper();
+  auto guaranteed = registry->register_instance("guaranteed", child, policy(60 * kMiB, 0));
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  registry->set_budget_bytes(50 * kMiB);  // its min no longer counts: it is reclaimed first
+  CHECK(registry->budget_bytes() == 50 * kMiB && !guaranteed->registered());
+}
+
 }  // namespace
 
 int main() {
@@ -212,6 +222,7 @@ int main() {
   test_a_target_lapses_when_the_requester_stops_or_outranks_no_more();
   test_a_reserve_refill_is_no_demand();
   test_a_dead_requester_leaves_no_shrink_in_force();
+  test_a_dead_instance_keeps_no_guarantee();
   const std::string cleanup = std::string("rm -rf ") + directory;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", directory);
   return kvcached_test::summary();

@@ -70,6 +70,7 @@ std::size_t DeviceRegistry::budget_bytes() const {
 void DeviceRegistry::set_budget_bytes(std::size_t budget_bytes) {
   check_budget_plausible(budget_bytes);
   RegistryLock lock(*segment_);
+  registry_detail::clean_stale_locked(segment_->layout());  // the dead keep no guarantee
   registry_detail::check_guarantees_fit(registry_detail::total_min_bytes(segment_->layout()), budget_bytes,
                                         "a budget of " + std::to_string(budget_bytes) + " bytes");
   segment_->header().budget_bytes.store(budget_bytes, std::memory_order_relaxed);
@@ -125,6 +126,7 @@ std::size_t DeviceRegistry::set_policy(const std::variant<std::int64_t, std::str
   if (change.priority) registry_detail::check_priority(*change.priority);
   RegistryLock lock(*segment_);
   registry_detail::Layout& layout = segment_->layout();
+  if (change.min_bytes) registry_detail::clean_stale_locked(layout);  // the dead keep no guarantee
   // Checked for every match before anything is written: all or nothing.
   std::vector<std::size_t> matched;
   std::size_t mins = registry_detail::total_min_bytes(layout);
