@@ -294,7 +294,7 @@ OPTIONS: dict[str, Option] = {
             "Physical KV memory guaranteed to the engine on each rank: no other instance may take the "
             "device's memory below what it needs to get back to this much. Refused at start when the "
             "instances' mins would sum above the device budget; `kvctl set-policy` changes it while the "
-            "engine runs (`docs/memory-policy.md`)."
+            "engine runs. See [memory-policy.md](memory-policy.md)."
         ),
         read_by="vLLM and SGLang integrations",
     ),
@@ -305,7 +305,7 @@ OPTIONS: dict[str, Option] = {
         (
             "Who gives memory back first when an instance is refused: lower-priority engines are asked to"
             " shrink (idle ones at once, busy ones by dropping cached prefixes, then preempting) down to "
-            "their min; higher wins (`docs/memory-policy.md`)."
+            "their min; higher wins. See [memory-policy.md](memory-policy.md)."
         ),
         read_by="vLLM and SGLang integrations",
     ),
