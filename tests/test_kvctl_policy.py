@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -75,12 +77,25 @@ def test_kvtop_shows_the_policy_and_who_is_asked_to_shrink(env, registry):
     high = registry.register("high-prio", priority=7)
     assert low.try_acquire(BUDGET_BYTES)
     low.report_usage(BUDGET_BYTES, BUDGET_BYTES)
+    stop = threading.Event()
+
+    def wait_for_memory() -> None:  # as a waiting alloc does: the refusal stays recent
+        while not stop.is_set():
+            assert not high.try_acquire(8 * PAGE_BYTES)
+            time.sleep(0.05)
+
+    waiter = threading.Thread(target=wait_for_memory)
     assert not high.try_acquire(8 * PAGE_BYTES)
-    assert low.reclaim_target_bytes == BUDGET_BYTES - 8 * PAGE_BYTES
-    frame = run(env, "kvtop", "--once").stdout
+    waiter.start()
+    try:
+        assert low.reclaim_target_bytes == BUDGET_BYTES - 8 * PAGE_BYTES
+        frame = run(env, "kvtop", "--once").stdout
+        (listed,) = [e for e in kvctl_json(env, "list")["instances"] if e["name"] == "low-prio"]
+    finally:
+        stop.set()
+        waiter.join()
     low_row = next(line for line in frame.splitlines() if "low-prio" in line)
     assert "shrink to 112M" in low_row and "8.0M" in low_row
     assert "7" in next(line for line in frame.splitlines() if "high-prio" in line)
-    (listed,) = [e for e in kvctl_json(env, "list")["instances"] if e["name"] == "low-prio"]
     assert listed["reclaim_target_bytes"] == BUDGET_BYTES - 8 * PAGE_BYTES
     low.release(BUDGET_BYTES)

@@ -235,10 +235,16 @@ void bind_registry(nb::module_& m) {
       .def_prop_ro("pressure_bytes", &RegistryBudget::pressure_bytes,
                    "Bytes other instances were refused in the last second: give reserve back.")
       .def(
-          "want", [](RegistryBudget& self, std::int64_t bytes) { self.want(checked_bytes("bytes", bytes)); }, "bytes"_a,
+          "want",
+          [](RegistryBudget& self, std::int64_t bytes) {
+            const std::size_t checked = checked_bytes("bytes", bytes);
+            nb::gil_scoped_release unlocked;  // takes the registry's cross-process lock
+            self.want(checked);
+          },
+          "bytes"_a,
           "Records that this instance wants `bytes` more and did not ask because the device "
           "has no room (others then see pressure_bytes); nothing when the device has room or "
-          "this instance's own limit is the obstacle.")
+          "this instance's own limit is the obstacle. Like a refusal, it asks lower priorities to shrink.")
       .def(
           "report_worker_errors",
           [](RegistryBudget& self, std::int64_t worker_errors) {
