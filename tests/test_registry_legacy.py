@@ -106,3 +106,20 @@ def test_gpus_keyed_by_identity_and_by_index_never_share_a_directory_live(first,
     holder.unregister()
     with DeviceRegistry(second, 8 * PAGE_BYTES).register("second") as budget:
         assert budget.registered, "once nobody uses the other keying, registering works"
+
+
+def test_a_registry_of_layout_version_2_from_before_the_memory_policy_is_refused_and_left_alone(
+    isolated_registry_dir,
+):
+    from kvcached._core import _REGISTRY_LAYOUT
+
+    path = isolated_registry_dir / "kvcached-cpu"
+    DeviceRegistry("cpu", 4 * PAGE_BYTES)  # a current file, then its version turned back to 2
+    with open(path, "r+b") as file:
+        file.seek(_REGISTRY_LAYOUT["header.version"])
+        file.write((2).to_bytes(4, "little"))
+    before = path.read_bytes()
+    with pytest.raises(RegistryUnusableError, match=r"has layout version 2 \(this kvcached reads 3\)"):
+        DeviceRegistry("cpu", 4 * PAGE_BYTES)
+    assert [file["status"] for file in registry_files()] == ["other_version"]
+    assert path.read_bytes() == before, "never rewritten under engines of the other version"
