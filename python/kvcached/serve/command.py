@@ -36,6 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _log_to_stderr(level: int) -> None:
+    """Serve's own lines (engines started, ready, crashed, restarted; memory moved) on stderr, timed."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s kvcached serve: %(message)s", "%H:%M:%S"))
+    serve_logger = logging.getLogger("kvcached.serve")
+    serve_logger.addHandler(handler)
+    serve_logger.setLevel(level)
+    serve_logger.propagate = False
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Checks the whole config first (one error naming the key, before anything starts), then serves."""
     missing = missing_requirements()
@@ -51,7 +61,7 @@ def run_command(args: argparse.Namespace) -> int:
         names = ", ".join(f"{spec.name} ({spec.engine})" for spec in config.models)
         print(f"{args.config}: ok: {len(config.models)} models on {config.device}: {names}")
         return 0
-    logging.getLogger("kvcached.serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    _log_to_stderr(logging.DEBUG if args.verbose else logging.INFO)
     from kvcached.serve.server import run
 
     return run(config, args.log_dir, live_progress=sys.stderr.isatty())

@@ -1,11 +1,13 @@
-"""What ``kvcached serve`` shows while its engines load: one line per model, live on a terminal.
+"""What ``kvcached serve`` shows on a terminal while its engines load: a live table, one row per model.
 
-On a terminal (and with rich installed) a live table: each model's state, time so far and the
-last line of its log. Elsewhere (a log file, a container) one plain line per state change.
+Each row: the model's state, the time so far and the last line of its engine's log. Serve's own
+log lines (started, ready, failed) are held back meanwhile, since the table says the same. Not on
+a terminal (a log file, a container), or without rich, those log lines are the progress.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -14,6 +16,7 @@ from typing import Any, Optional, TextIO
 from kvcached.registry import printable
 
 LOG_LINE_WIDTH = 80
+_SERVE_LOGGER = logging.getLogger("kvcached.serve")
 
 
 def _last_log_line(engine: Any) -> str:
@@ -31,7 +34,7 @@ class StartupProgress:
         self._engines = engines
         self._stream = stream
         self._started = time.monotonic()
-        self._shown: dict[str, str] = {}
+        self._quiet_level = logging.NOTSET
         self._live: Any = None
         wants_live = stream.isatty() if live is None else live
         if wants_live:
@@ -44,6 +47,8 @@ class StartupProgress:
 
     def __enter__(self) -> StartupProgress:
         if self._live is not None:
+            self._quiet_level = _SERVE_LOGGER.level
+            _SERVE_LOGGER.setLevel(max(logging.WARNING, _SERVE_LOGGER.getEffectiveLevel()))
             self._live.__enter__()
         return self
 
@@ -51,27 +56,12 @@ class StartupProgress:
         if self._live is not None:
             self._live.update(self._table(), refresh=True)
             self._live.__exit__(*exc)
+            _SERVE_LOGGER.setLevel(self._quiet_level)
 
     def tick(self) -> None:
-        """Refreshes the table, or prints the states that changed."""
+        """Refreshes the table (nothing without one)."""
         if self._live is not None:
             self._live.update(self._table(), refresh=True)
-            return
-        for name, engine in self._engines.items():
-            state = str(engine.state.value)
-            if self._shown.get(name) != state:
-                self._shown[name] = state
-                self._stream.write(f"kvcached serve: {name}: {self._describe(engine)}\n")
-                self._stream.flush()
-
-    @staticmethod
-    def _describe(engine: Any) -> str:
-        state = str(engine.state.value)
-        if state == "ready" and engine.ready_after_s is not None:
-            return f"ready after {engine.ready_after_s:.1f} s (pid {engine.pid}, port {engine.port})"
-        if state == "failed":
-            return f"failed: {engine.failure}"
-        return f"{state} ({engine.spec.engine}, pid {engine.pid}, log {engine.log_path})"
 
     def _table(self) -> Any:
         from rich.table import Table

@@ -34,6 +34,7 @@ READY_REQUEST_TIMEOUT_S = 30.0
 # An engine that served this long before it died counts as healthy: its restart count starts over.
 STABLE_AFTER_S = 300.0
 LOG_TAIL_LINES = 30
+STARTING_GRACE_S = 5.0
 
 
 class EngineState(str, enum.Enum):
@@ -87,7 +88,9 @@ class Engine:
         with self._lock:
             process = self._process
         if process is not None:
-            stop_group(process.pid, self._config.stop_timeout_s)
+            # An engine still loading has nothing to finish: it gets a short grace.
+            grace_s = self._config.stop_timeout_s if self.state is EngineState.READY else STARTING_GRACE_S
+            stop_group(process.pid, min(grace_s, self._config.stop_timeout_s))
             process.wait()
             self._memory.reclaim(self.spec.name)
         if self._thread is not None:
