@@ -142,7 +142,7 @@ class Router:
         try:
             answer = sending.result()
         except httpx.HTTPError as exc:
-            logger.warning("%s: engine did not answer %s: %s", model, path, exc)
+            logger.warning("%s: engine did not answer %s: %s", model, path, str(exc) or type(exc).__name__)
             self.metrics.request_done(model, path, 503, started)
             return self._unavailable(model, route)
         headers = _passed_headers(answer.headers)
