@@ -9,6 +9,7 @@ import logging
 import pytest
 
 pytest.importorskip("rich", reason="the live table needs rich (the serve extra)")
+pytest.importorskip("httpx", reason="kvcached serve needs the serve extra: pip install '.[serve]'")
 
 from kvcached.serve.progress import StartupProgress  # noqa: E402
 from kvcached.serve.supervisor import EngineState  # noqa: E402
