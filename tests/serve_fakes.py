@@ -69,7 +69,7 @@ def fake_engine(seen: Seen, stream_chunks: int = 200, chunk_delay_s: float = 0.0
             )
         if payload.get("stream"):
             return StreamingResponse(
-                stream(payload.get("chunks", stream_chunks)),
+                stream(payload.get("chunks", stream_chunks), payload.get("die_after")),
                 media_type="text/event-stream",
                 headers={"x-engine": "fake"},
             )
@@ -87,9 +87,11 @@ def fake_engine(seen: Seen, stream_chunks: int = 200, chunk_delay_s: float = 0.0
             headers={"x-engine": "fake"},
         )
 
-    async def stream(chunks: int):
+    async def stream(chunks: int, die_after: Optional[int]):
         try:
             for i in range(chunks):
+                if i == die_after:
+                    raise RuntimeError("the fake engine dies mid-stream")
                 seen.chunks_sent = i + 1
                 yield f'data: {{"i": {i}}}\n\n'.encode()
                 await asyncio.sleep(chunk_delay_s)

@@ -130,6 +130,15 @@ def test_a_client_leaving_before_the_answer_cancels_it_upstream(served):
     assert seen.disconnected.wait(DISCONNECT_NOTICED_S), "the engine still works for a client that left"
 
 
+def test_an_engine_dying_mid_stream_ends_the_stream_and_is_counted(served):
+    url, _, _ = served
+    body = b'{"model": "a", "stream": true, "chunks": 20, "die_after": 3}'
+    with httpx.stream("POST", url + "/v1/completions", content=body, timeout=60) as answer:
+        lines = [line for line in answer.iter_lines() if line]
+    assert lines == ['data: {"i": 0}', 'data: {"i": 1}', 'data: {"i": 2}']
+    assert 'model="a",status="502"} 1.0' in httpx.get(url + "/metrics").text
+
+
 def test_health_gives_every_model_state(served):
     url, _, routes = served
     answer = httpx.get(url + "/health")

@@ -45,6 +45,7 @@ _HOP_BY_HOP = frozenset(
     )
 )
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client that went away; logged, never sent
+ENGINE_BROKE_OFF = 502  # counted for a stream the engine ended early (the client already has a 200)
 
 
 class Route(Protocol):
@@ -162,6 +163,9 @@ class Router:
         try:
             async for chunk in answer.aiter_raw():
                 yield chunk
+        except httpx.HTTPError as exc:  # the engine died mid-stream: the client sees the stream end
+            status = ENGINE_BROKE_OFF
+            logger.warning("%s: engine broke off a stream on %s: %s", model, path, str(exc) or type(exc).__name__)
         except BaseException:
             status = CLIENT_CLOSED_REQUEST  # cancelled: the client went away mid-stream
             raise
