@@ -177,10 +177,12 @@ def test_an_ack_board_is_shared_by_its_path():
 def test_a_rank_describes_its_device_and_registers_under_its_label():
     rank = describe_rank("cpu", 3)
     assert (rank.device, rank.local_device, rank.label, rank.rank) == ("cpu", "cpu", "rank3-cpu", 3)
-    budgets = register_ranks("described", [rank, describe_rank("cpu", 4)], limit_bytes=1 << 20)
+    budgets = register_ranks(
+        "described", [rank, describe_rank("cpu", 4)], limit_bytes=1 << 20, min_bytes=1 << 19, priority=-3
+    )
     entries = [e for e in registry_for("cpu").entries() if e["name"] == "described"]
     assert sorted(e["local_device"] for e in entries) == ["rank3-cpu", "rank4-cpu"]
-    assert {e["limit_bytes"] for e in entries} == {1 << 20}
+    assert {(e["limit_bytes"], e["min_bytes"], e["priority"]) for e in entries} == {(1 << 20, 1 << 19, -3)}
     for budget in budgets:
         budget.unregister()
 
@@ -392,11 +394,15 @@ def test_settings_come_from_the_one_options_table(monkeypatch):
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVCACHED_LIMIT_BYTES", "64MiB")
+    monkeypatch.setenv("KVCACHED_MIN_BYTES", "16MiB")
+    monkeypatch.setenv("KVCACHED_PRIORITY", "-7")
     monkeypatch.setenv("KVCACHED_NAME", "engine-a")
     settings = Settings.from_env()
     assert settings == Settings(
         virtual_bytes=None,
         limit_bytes=64 << 20,
+        min_bytes=16 << 20,
+        priority=-7,
         page_bytes=DEFAULT_PAGE_BYTES,
         name="engine-a",
         idle_cache_bytes=0,

@@ -158,3 +158,15 @@ def test_opening_a_registry_with_a_gid_out_of_range_changes_nothing(monkeypatch,
     with pytest.raises(ConfigurationError, match="KVCACHED_REGISTRY_GROUP='4294968298'"):
         registry_for("cpu", total_bytes=1 << 20)
     assert not directory.exists()
+
+
+@pytest.mark.parametrize("text", ["+3", "--1", "1.0", "2147483648", "-2147483649", "٣", "- 1"])
+def test_a_priority_is_a_signed_ascii_whole_number_in_range(monkeypatch, text):
+    error = _refused(monkeypatch, "priority", text)
+    assert "from -2147483648 to 2147483647" in str(error)
+
+
+@pytest.mark.parametrize(("text", "value"), [("-5", -5), ("0", 0), (" 12 ", 12), ("-2147483648", -(2**31))])
+def test_a_priority_may_be_negative(monkeypatch, text, value):
+    monkeypatch.setenv("KVCACHED_PRIORITY", text)
+    assert config.get("priority") == value

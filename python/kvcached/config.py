@@ -22,6 +22,7 @@ from kvcached.option_values import (
     Fraction,
     GroupName,
     InstanceName,
+    Integer,
     Seconds,
     Size,
 )
@@ -279,11 +280,34 @@ OPTIONS: dict[str, Option] = {
         None,
         Size(),
         (
-            "The engine's own limit on physical KV memory of each rank, beside the device's shared "
-            "budget; `kvctl set-limit` changes it while the engine runs."
+            "The engine's own limit (its max) on physical KV memory of each rank, beside the device's "
+            "shared budget; `kvctl set-limit` or `set-policy --max` changes it while the engine runs."
         ),
         read_by="vLLM and SGLang integrations",
         default_note="vLLM's `kv_cache_memory_bytes` if given, else none",
+    ),
+    "min_bytes": Option(
+        "KVCACHED_MIN_BYTES",
+        0,
+        Size(),
+        (
+            "Physical KV memory guaranteed to the engine on each rank: no other instance may take the "
+            "device's memory below what it needs to get back to this much. Refused at start when the "
+            "instances' mins would sum above the device budget; `kvctl set-policy` changes it while the "
+            "engine runs (`docs/memory-policy.md`)."
+        ),
+        read_by="vLLM and SGLang integrations",
+    ),
+    "priority": Option(
+        "KVCACHED_PRIORITY",
+        0,
+        Integer(minimum=-(2**31), maximum=2**31 - 1),
+        (
+            "Who gives memory back first when an instance is refused: lower-priority engines are asked to"
+            " shrink (idle ones at once, busy ones by dropping cached prefixes, then preempting) down to "
+            "their min; higher wins (`docs/memory-policy.md`)."
+        ),
+        read_by="vLLM and SGLang integrations",
     ),
     "idle_cache_bytes": Option(
         "KVCACHED_IDLE_CACHE_BYTES",

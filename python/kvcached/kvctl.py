@@ -4,6 +4,8 @@
     kvctl list --all                    the same for every device with a registry, each once
     kvctl set-limit TARGET SIZE         cap a live instance (it shrinks lazily)
     kvctl clear-limit TARGET            remove that cap
+    kvctl set-policy TARGET [--min SIZE] [--max SIZE|none] [--priority N]
+                                        its memory policy (docs/memory-policy.md); max is the limit
     kvctl set-budget SIZE               change the budget of a device's registry
     kvctl clean                         reclaim dead instances and unusable registry files
     kvctl files                         every registry file in the directory, with its status
@@ -28,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import pwd
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from kvcached.cli_support import (
     EXIT_FAILED,
@@ -44,7 +44,9 @@ from kvcached.cli_support import (
     report_failure,
     wants_json,
 )
-from kvcached.errors import InvalidArgumentError, KvcachedError, RegistryNotFoundError, RegistryUnusableError
+from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
+from kvcached.kvctl_output import EXIT_OK, emit, fail, no_registry
+from kvcached.kvctl_steer import TARGET_HELP, cmd_clear_limit, cmd_set_limit, cmd_set_policy
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,
@@ -57,49 +59,6 @@ from kvcached.registry import (
     resolve_device,
 )
 from kvcached.sizes import parse_bytes
-
-EXIT_OK = 0
-PID_PREFIX, NAME_PREFIX = "pid:", "name:"
-# Process ids are positive and fit pid_t (Linux's own ceiling is 2**22).
-MAX_PID = 2**31 - 1
-
-
-def _target(text: str) -> Union[int, bytes]:
-    """The instance(s) TARGET names: ``pid:N``, ``name:TEXT``, or bare (all digits: a pid).
-
-    Names are bytes, so names that are not UTF-8 match as stored."""
-    if text.startswith(NAME_PREFIX):
-        name = text[len(NAME_PREFIX) :]
-        if not name:
-            raise InvalidArgumentError(f"{text!r} names no instance: give a name after {NAME_PREFIX!r}")
-        return os.fsencode(name)
-    digits = text.removeprefix(PID_PREFIX)
-    if not (digits.isascii() and digits.isdigit()):
-        if text.startswith(PID_PREFIX):
-            raise InvalidArgumentError(f"{text!r} is not a process id: expected {PID_PREFIX}<digits>")
-        return os.fsencode(text)
-    pid = int(digits)
-    if not 0 < pid <= MAX_PID:
-        raise InvalidArgumentError(
-            f"{text!r} is not a process id (1 to {MAX_PID}); for an instance named so, write {NAME_PREFIX}{digits}"
-        )
-    return pid
-
-
-def _matches(entry: dict[str, Any], target: Union[int, bytes]) -> bool:
-    if isinstance(target, int):
-        return entry["pid"] == target
-    # entries() decodes names the way this does, so equal bytes give equal text.
-    return entry["name"] == target.decode("utf-8", "backslashreplace")
-
-
-def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
-    print(json.dumps(payload, indent=2, sort_keys=True) if as_json else human)
-
-
-def _fail(as_json: bool, payload: dict[str, Any], message: str) -> int:
-    report_failure("kvctl", message, as_json, payload)
-    return EXIT_FAILED
 
 
 def _device_summary(registry: DeviceRegistry) -> dict[str, Any]:
@@ -122,7 +81,10 @@ def _user_name(uid: int) -> str:
 
 
 def _instances_table(entries: list[dict[str, Any]]) -> str:
-    header = ("NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "LIMIT", "WANTS", "ERRORS")
+    header = (
+        "NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "MIN", "LIMIT", "PRIO", "SHRINK-TO",
+        "WANTS", "ERRORS",
+    )  # fmt: skip
     rows = [header] + [
         (
             printable(entry["name"]),
@@ -133,7 +95,10 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
             format_bytes(entry["used_bytes"]),
             format_bytes(entry["free_mapped_bytes"]),
             format_bytes(entry["mapped_bytes"]),
+            format_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
             format_bytes(entry["limit_bytes"]),
+            str(entry["priority"]),
+            format_bytes(entry["reclaim_target_bytes"]) if entry["reclaim_target_bytes"] is not None else "-",
             format_bytes(entry["wanted_bytes"]) if entry["wanted_bytes"] else "-",
             str(entry["worker_errors"]) if entry["worker_errors"] else "-",
         )
@@ -187,7 +152,7 @@ def _list_all(args: argparse.Namespace) -> int:
     if not blocks:
         blocks.append(f"{registry_dir()}: no registry yet (no engine has registered)")
     payload = {"directory": str(registry_dir()), "devices": devices, "unusable": unusable}
-    _emit(args.json, payload, "\n\n".join(blocks))
+    emit(args.json, payload, "\n\n".join(blocks))
     return EXIT_OK
 
 
@@ -204,56 +169,11 @@ def cmd_list(args: argparse.Namespace) -> int:
             "exists": False,
             "instances": [],
         }
-        _emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
+        emit(args.json, payload, f"{name.registry}: no registry yet (no engine has registered)")
         return EXIT_OK
     payload, human = _device_listing(registry)
-    _emit(args.json, payload, human)
+    emit(args.json, payload, human)
     return EXIT_OK
-
-
-def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
-    target = _target(args.target)
-    payload: dict[str, Any] = {"device": args.device, "target": args.target, "limit_bytes": limit_bytes}
-    registry = open_existing(args.device)
-    if registry is None:
-        return _fail(args.json, {**payload, "matched": 0}, _no_registry(args.device))
-    payload["device"] = registry.device
-    found = [entry for entry in registry.entries() if _matches(entry, target)]
-    if not found:
-        return _fail(
-            args.json, {**payload, "matched": 0}, f"no instance named or with pid {args.target!r} on {registry.device}"
-        )
-    if not any(entry["alive"] for entry in found):
-        # Its process is gone: a limit would change nothing (and say "done" for nothing).
-        pids = ", ".join(sorted({str(entry["pid"]) for entry in found}))
-        return _fail(
-            args.json,
-            {**payload, "matched": 0},
-            f"{args.target!r} on {registry.device} is a dead instance (pid {pids}): "
-            "nothing to limit; 'kvctl clean' reclaims its memory",
-        )
-    matched = registry.set_limit(target, limit_bytes)
-    payload["matched"] = matched
-    if matched == 0:  # every match exited meanwhile
-        return _fail(args.json, payload, f"no instance named or with pid {args.target!r} on {registry.device}")
-    action = f"limit {format_bytes(limit_bytes)}" if limit_bytes is not None else "limit cleared"
-    _emit(args.json, payload, f"{registry.device}: {printable(args.target)}: {action} ({matched} instance(s))")
-    return EXIT_OK
-
-
-def _no_registry(device: str) -> str:
-    return (
-        f"no registry for device {device!r} under {registry_dir()}: the first engine on the device "
-        "creates it (check KVCACHED_REGISTRY_DIR)"
-    )
-
-
-def cmd_set_limit(args: argparse.Namespace) -> int:
-    return _set_limit(args, parse_bytes(args.size, "SIZE"))
-
-
-def cmd_clear_limit(args: argparse.Namespace) -> int:
-    return _set_limit(args, None)
 
 
 def cmd_set_budget(args: argparse.Namespace) -> int:
@@ -261,13 +181,13 @@ def cmd_set_budget(args: argparse.Namespace) -> int:
     registry = open_existing(args.device)
     if registry is None:
         # kvctl never creates a registry: a typo in KVCACHED_REGISTRY_DIR must not start a new one.
-        raise RegistryNotFoundError(_no_registry(args.device) + "; set its budget once it exists")
+        raise RegistryNotFoundError(no_registry(args.device) + "; set its budget once it exists")
     previous = registry.budget_bytes
     registry.budget_bytes = budget_bytes
     payload = {**_device_summary(registry), "previous_budget_bytes": previous}
     over = payload["mapped_bytes"] > budget_bytes
     note = " (over budget: instances shrink as they free memory)" if over else ""
-    _emit(
+    emit(
         args.json, payload, f"{registry.device}: budget {format_bytes(previous)} -> {format_bytes(budget_bytes)}{note}"
     )
     return EXIT_OK
@@ -284,10 +204,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
     device = registry.device if registry is not None else args.device
     payload = {"device": device, "cleaned": cleaned, "removed_files": [file["path"] for file in removed]}
     if unusable is not None and _still_unusable(args.device):
-        return _fail(args.json, payload, str(unusable))
+        return fail(args.json, payload, str(unusable))
     lines = [f"{device}: reclaimed {cleaned} stale entr{'y' if cleaned == 1 else 'ies'}"]
     lines += [f"removed {printable(file['path'])}: {printable(file['detail'])}" for file in removed]
-    _emit(args.json, payload, "\n".join(lines))
+    emit(args.json, payload, "\n".join(lines))
     return EXIT_OK
 
 
@@ -305,11 +225,8 @@ def cmd_files(args: argparse.Namespace) -> int:
     payload = {"directory": str(registry_dir()), "files": files}
     lines = [f"{registry_dir()}: {len(files)} registry file(s)"]
     lines += [f"{printable(file['file_name'])}  {file['status']}  {printable(file['detail'])}" for file in files]
-    _emit(args.json, payload, "\n".join(lines))
+    emit(args.json, payload, "\n".join(lines))
     return EXIT_OK
-
-
-TARGET_HELP = "pid:1234, name:NAME, or bare (all digits: a pid; else a name)"
 
 
 def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
@@ -340,6 +257,14 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     clear_limit = commands.add_parser("clear-limit", parents=[common], help="remove an instance's limit")
     clear_limit.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     clear_limit.set_defaults(handler=cmd_clear_limit)
+    set_policy = commands.add_parser(
+        "set-policy", parents=[common], help="set an instance's memory policy: min, max (its limit), priority"
+    )
+    set_policy.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    set_policy.add_argument("--min", metavar="SIZE", help="memory guaranteed to it (0: none)")
+    set_policy.add_argument("--max", metavar="SIZE", help="its limit, as set-limit ('none' clears it)")
+    set_policy.add_argument("--priority", metavar="N", help="higher wins; lower gives back first")
+    set_policy.set_defaults(handler=cmd_set_policy)
     set_budget = commands.add_parser("set-budget", parents=[common], help="set the device-wide budget")
     set_budget.add_argument("size", metavar="SIZE")
     set_budget.set_defaults(handler=cmd_set_budget)
@@ -372,11 +297,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return handler(args)
     except (KvcachedError, ValueError, OSError, RuntimeError, TypeError) as error:
-        return _fail(args.json, failure, str(error))
+        return fail(args.json, failure, str(error))
     except KeyboardInterrupt:
         return EXIT_FAILED
     except Exception as error:  # a command line answers in one line, never a traceback
-        return _fail(args.json, failure, f"unexpected {type(error).__name__}: {error}")
+        return fail(args.json, failure, f"unexpected {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 
 Each instance's bar shows used memory (solid), its mapped but free memory
 (shaded: pages kept ready, no block in use) and the rest of its allowance (its
-limit, or the device budget). Names keep at least 24 characters (longer ones
+limit, or the device budget); MIN, LIMIT and PRIO are its memory policy
+(``docs/memory-policy.md``), and "shrink to" says a higher-priority instance
+waits for its memory. Names keep at least 24 characters (longer ones
 get what room is left); on a narrow terminal the bars go first, then the AS column. Devices are
 shown by registry name (``cuda-GPU-<uuid>``), each instance with the device as
 its own process sees it. A bad argument is one line on stderr and exit code 2.
@@ -95,6 +97,9 @@ def _status(entry: dict[str, Any]) -> Text:
         status = Text(f"waits {short_bytes(entry['wanted_bytes'])}", style="bold red")
     else:
         status = Text("ok", style="green")
+    if entry["reclaim_target_bytes"] is not None:
+        # A higher-priority instance waits: this one is asked to shrink (docs/memory-policy.md).
+        status.append(f" shrink to {short_bytes(entry['reclaim_target_bytes'])}", style="bold magenta")
     if entry["worker_errors"]:
         status.append(f" {entry['worker_errors']} err", style="bold yellow")
     return status
@@ -110,7 +115,9 @@ def _instance_row(entry: dict[str, Any], budget_bytes: int) -> dict[str, Any]:
         "AS": printable(entry["local_device"]) or "-",
         "USED": short_bytes(entry["used_bytes"]),
         "MAPPED": short_bytes(entry["mapped_bytes"]),
+        "MIN": short_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
         "LIMIT": short_bytes(limit),
+        "PRIO": str(entry["priority"]),
         "STATUS": _status(entry),
         "USAGE": UsageBar(entry["used_bytes"], free_mapped, limit if limit is not None else budget_bytes),
     }
@@ -122,19 +129,23 @@ TEXT_COLUMNS = (
     ("AS", "left"),
     ("USED", "right"),
     ("MAPPED", "right"),
+    ("MIN", "right"),
     ("LIMIT", "right"),
+    ("PRIO", "right"),
     ("STATUS", "left"),
 )
+# Shown only on a device where some instance has a memory policy (a min or a priority).
+POLICY_COLUMNS = ("MIN", "PRIO")
 # What gives way on a narrow terminal, in this order, before a name is cut.
-OPTIONAL_COLUMNS = ("USAGE", "AS")
+OPTIONAL_COLUMNS = ("USAGE", "AS", "MIN", "PRIO")
 CELL_PADDING = 3  # between two columns: a space each side of the (blank) separator
 
 
 def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[str], int]:
-    """The columns to show in ``total_width`` cells (all, or without the bar, then without AS)
-    and the cells left over."""
-    shown = ["NAME"] + [column for column, _ in TEXT_COLUMNS] + ["USAGE"]
-    for dropped in OPTIONAL_COLUMNS + (None,):
+    """The columns to show in ``total_width`` cells (those ``widths`` has, or fewer: without the
+    bar, then without AS, then without the policy's) and the cells left over."""
+    shown = ["NAME"] + [column for column, _ in TEXT_COLUMNS if column in widths] + ["USAGE"]
+    for dropped in tuple(column for column in OPTIONAL_COLUMNS if column in shown) + (None,):
         needed = sum(widths[column] for column in shown) + CELL_PADDING * (len(shown) - 1)
         if needed <= total_width or dropped is None:
             return shown, max(0, total_width - needed)
@@ -161,7 +172,9 @@ def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> G
     if not entries:
         return Group(header, Text("  no instances", style="dim"), Text(""))
     rows = [_instance_row(entry, budget) for entry in entries]
-    widths = {column: max([len(column)] + [len(str(row[column])) for row in rows]) for column, _ in TEXT_COLUMNS}
+    with_policy = any(entry["min_bytes"] or entry["priority"] for entry in entries)
+    columns = [column for column, _ in TEXT_COLUMNS if with_policy or column not in POLICY_COLUMNS]
+    widths = {column: max([len(column)] + [len(str(row[column])) for row in rows]) for column in columns}
     longest_name = max([len("NAME")] + [len(row["NAME"]) for row in rows])
     widths["NAME"] = min(NAME_MAX_WIDTH, longest_name)
     widths["USAGE"] = MIN_BAR_WIDTH

@@ -95,6 +95,25 @@ class Count:
 
 
 @dataclasses.dataclass(frozen=True)
+class Integer:
+    """A whole number in ASCII digits with an optional minus sign, from ``minimum`` to ``maximum``."""
+
+    minimum: int
+    maximum: int
+
+    def __call__(self, text: str) -> int:
+        if not _DIGITS.fullmatch(text.removeprefix("-")):
+            raise InvalidArgumentError(f"not a whole number: expected {self.describe()}")
+        value = int(text)
+        if not self.minimum <= value <= self.maximum:
+            raise InvalidArgumentError(f"{value} is out of range: expected {self.describe()}")
+        return value
+
+    def describe(self) -> str:
+        return f"a whole number from {self.minimum} to {self.maximum} (ASCII digits, optional minus sign)"
+
+
+@dataclasses.dataclass(frozen=True)
 class Seconds:
     """A finite, plain decimal number of seconds (``2.5``); 0 only when ``zero_means`` says what it means."""
 

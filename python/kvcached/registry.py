@@ -5,7 +5,8 @@ Every kvcached pool registers itself in a small table in shared memory, one per
 with ``KVCACHED_REGISTRY_DIR``). The table holds a device-wide *budget* that all
 instances respect together: each mapped page is taken from it atomically across
 processes and returned only once really unmapped, so no engine can push another
-into out-of-memory. Each instance may also have its own *limit*. Both can be
+into out-of-memory. Each instance may also have its own *limit* (its max), a
+guaranteed *min* and a *priority* (``docs/memory-policy.md``). All can be
 changed while engines run (``kvctl``) and take effect at once; ``kvtop`` shows
 the table live. Entries of processes that died are recognised (pid and process
 start time) and their memory returns to the budget.
@@ -88,6 +89,9 @@ class RegistryEntry(TypedDict):
     free_mapped_bytes: int  # mapped pages holding no block in use (reported)
     wanted_bytes: int  # a request refused in the last second (memory pressure)
     worker_errors: int  # background worker failures (reported by the pool)
+    min_bytes: int  # guaranteed to it (docs/memory-policy.md); limit_bytes is its max
+    priority: int  # higher wins; lower gives memory back first
+    reclaim_target_bytes: Optional[int]  # a shrink a higher priority asks of it now, or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -196,3 +196,41 @@ def test_vllms_own_extensible_kv_cache_is_off_by_default_and_refused_when_asked_
     config.cache_config.enable_extensible_kv_cache = True  # as --enable-extensible-kv-cache leaves it
     with pytest.raises(UnsupportedVLLMConfig, match="extensible KV cache"):
         drive.plan_kv_cache(config, num_blocks=64)
+
+
+def test_a_busy_engine_asked_to_shrink_drops_cached_prefixes_then_preempts_to_its_min_in_one_step(
+    start, tmp_path, monkeypatch
+):
+    from kvcached.registry import registry_for
+
+    page_id_bytes = drive.PAGE_BYTES * drive.NUM_LAYERS
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_MIN_BYTES", str(3 * page_id_bytes))
+    registry = registry_for("cpu", total_bytes=20 * page_id_bytes)
+    run = start(prefix_caching=True)
+    run.add(64, 1)
+    run.run_until_done()
+    assert run.pool._resident_free, "a finished request's full blocks stay as prefix-cache entries"
+    requests = [run.add(60, 40) for _ in range(6)]
+    for _ in range(10):
+        run.step()
+
+    def entry() -> dict:
+        return next(e for e in registry.entries() if e["name"] == os.environ["KVCACHED_NAME"])
+
+    held_bytes = entry()["mapped_bytes"]
+    assert held_bytes > 3 * page_id_bytes and entry()["min_bytes"] == 3 * page_id_bytes
+    high = registry.register("high", priority=5)  # another process, as far as the registry knows
+    assert high.try_acquire(registry.available_bytes)
+    assert not high.try_acquire(held_bytes)  # everything the engine holds: it is asked down to its min
+    assert entry()["reclaim_target_bytes"] == 3 * page_id_bytes
+    preempted = run.engine.num_preempted
+    run.step()
+    assert not run.pool._resident_free, "the cached prefixes went first"
+    assert run.engine.num_preempted > preempted
+    assert entry()["mapped_bytes"] == 3 * page_id_bytes, "within one step, on every rank"
+    assert high.try_acquire(held_bytes - 3 * page_id_bytes)
+    run.run_until_done()  # within its min, the preempted requests recompute and finish
+    assert {r: run.generated.get(r) for r in requests} == {r: 40 for r in requests}
+    assert entry()["mapped_bytes"] <= 3 * page_id_bytes
+    high.unregister()

@@ -68,6 +68,10 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["free_mapped_bytes"] = info.reserved_bytes;
   entry["wanted_bytes"] = info.wanted_bytes;
   entry["worker_errors"] = info.worker_errors;
+  entry["min_bytes"] = info.min_bytes;
+  entry["priority"] = info.priority;
+  entry["reclaim_target_bytes"] =
+      info.reclaim_target_bytes ? nb::object(nb::int_(*info.reclaim_target_bytes)) : nb::none();
   return entry;
 }
 
@@ -222,6 +226,12 @@ void bind_registry(nb::module_& m) {
       .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes, "This instance's own limit (set by kvctl), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
                    "Bytes this instance holds against the device budget.")
+      .def_prop_ro("min_bytes", &RegistryBudget::min_bytes,
+                   "Bytes guaranteed to this instance: others leave room for it to get back to them.")
+      .def_prop_ro("priority", &RegistryBudget::priority, "Who gives memory back first: the lower priority.")
+      .def_prop_ro("reclaim_target_bytes", &RegistryBudget::reclaim_target_bytes,
+                   "What a refused higher-priority instance asks this one to shrink to now (never below "
+                   "its min), or None; included in external_limit_bytes.")
       .def_prop_ro("pressure_bytes", &RegistryBudget::pressure_bytes,
                    "Bytes other instances were refused in the last second: give reserve back.")
       .def(
@@ -308,19 +318,47 @@ void bind_registry(nb::module_& m) {
           nb::sig("def set_limit(self, name_or_pid: int | str | bytes, limit_bytes: int | None) -> int"),
           "Sets (None: clears) the limit of instances matching a pid (int) or name (str or "
           "bytes); returns how many matched.")
+      .def(
+          "set_policy",
+          [](DeviceRegistry& self, nb::handle name_or_pid, std::optional<std::int64_t> min_bytes,
+             std::optional<std::int64_t> max_bytes, std::optional<std::int64_t> priority, bool clear_max) {
+            const auto target = name_or_pid_of(name_or_pid);
+            if (clear_max && max_bytes) throw InvalidArgument("give max_bytes or clear_max, not both");
+            PolicyChange change;
+            change.min_bytes = checked_optional_bytes("min_bytes", min_bytes);
+            change.set_max = clear_max || max_bytes.has_value();
+            change.max_bytes = checked_optional_bytes("max_bytes", max_bytes);
+            change.priority = priority;
+            nb::gil_scoped_release unlocked;
+            return self.set_policy(target, change);
+          },
+          "name_or_pid"_a, "min_bytes"_a = nb::none(), "max_bytes"_a = nb::none(), "priority"_a = nb::none(),
+          "clear_max"_a = false,
+          nb::sig("def set_policy(self, name_or_pid: int | str | bytes, min_bytes: int | None = None, "
+                  "max_bytes: int | None = None, priority: int | None = None, clear_max: bool = False) -> int"),
+          "Changes the memory policy (min, max = the limit, priority) of instances matching a pid "
+          "or name; what is None stays. All or nothing: ValueError (nothing changed) when a min "
+          "would exceed its max or the mins would sum above the budget. Returns how many matched.")
       .def("clean_stale", &DeviceRegistry::clean_stale, nb::call_guard<nb::gil_scoped_release>(),
            "Frees entries of dead processes (their memory returns to the budget); returns how many.")
       .def(
           "register",
           [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
-             std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device) {
-            const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
+             std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device, std::int64_t min_bytes,
+             std::int64_t priority) {
+            InstancePolicy policy;
+            policy.max_bytes = checked_optional_bytes("limit_bytes", limit_bytes);
+            policy.min_bytes = checked_bytes("min_bytes", min_bytes);
+            policy.priority = priority;
             nb::gil_scoped_release unlocked;
-            return self.register_instance(name, pid, limit, local_device);
+            return self.register_instance(name, pid, policy, local_device);
           },
           "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
+          "min_bytes"_a = 0, "priority"_a = 0,
           "Registers an instance (default pid: this process; default local_device: the one "
-          "given when opening) and returns its RegistryBudget.")
+          "given when opening) with its memory policy (limit_bytes is its max) and returns its "
+          "RegistryBudget. ValueError when min_bytes is above limit_bytes or the mins of the "
+          "device's instances would sum above its budget.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");
 }

@@ -205,7 +205,9 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t fixed_room_locked() const;
 
   // ---- pages (map_mutex_ held; mutex_ held on entry and exit, released inside) ----
-  std::vector<std::int64_t> grow_locked(Lock& lock, std::size_t count, const std::vector<std::int64_t>* wanted);
+  // `for_reserve`: pages the worker keeps ready, charged without signalling demand.
+  std::vector<std::int64_t> grow_locked(Lock& lock, std::size_t count, const std::vector<std::int64_t>* wanted,
+                                        bool for_reserve = false);
   // Unmaps in slices of a few allocations; after each slice the budgets are
   // settled, so others can use the memory while the rest is unmapped. With
   // `release_beyond`, spares beyond that many are released after each slice
@@ -224,7 +226,7 @@ class KVCACHED_EXPORT BlockManager {
   // pages of mapping_pages_ are being mapped, `new_spares` spares being made.
   std::size_t required_pages_locked(std::size_t i, std::size_t maps, std::size_t new_spares) const;
   // Charge every mirror what it needs for that (all or nothing; BudgetExhausted).
-  void charge_locked(Lock& lock, std::size_t maps, std::size_t new_spares);
+  void charge_locked(Lock& lock, std::size_t maps, std::size_t new_spares, bool for_reserve = false);
   // Give back what the mirrors hold beyond what they need now.
   void settle_locked(Lock& lock);
   void give_back_locked(Lock& lock, std::vector<std::pair<std::size_t, std::size_t>> releases);

@@ -19,6 +19,10 @@ class KVCACHED_EXPORT MemoryBudget {
   virtual ~MemoryBudget() = default;
   // Atomically take `bytes` if the budget allows it; false (nothing taken) otherwise.
   virtual bool try_acquire(std::size_t bytes) = 0;
+  // Takes bytes for what a pool keeps ready on its own account (free pages, spare
+  // allocations), not for a caller waiting: a refusal says nothing about demand, so
+  // a shared budget records no pressure for it (docs/memory-policy.md).
+  virtual bool try_acquire_for_reserve(std::size_t bytes) { return try_acquire(bytes); }
   // Return bytes taken earlier, once they are no longer mapped anywhere.
   virtual void release(std::size_t bytes) noexcept = 0;
   // What try_acquire could grant right now (a hint: others may take it first).

@@ -58,7 +58,8 @@ class KVCACHED_EXPORT MirrorBudgets {
   // Takes pages[i] pages on every mirror i, all or nothing. Returns the index
   // of the mirror whose budget refused (nothing taken anywhere), or nullopt.
   // A budget that throws leaves nothing taken either, and the error propagates.
-  std::optional<std::size_t> take(const std::vector<std::size_t>& pages) const;
+  // `for_reserve`: taken for the pool's own reserve (MemoryBudget::try_acquire_for_reserve).
+  std::optional<std::size_t> take(const std::vector<std::size_t>& pages, bool for_reserve = false) const;
   void give(std::size_t i, std::size_t pages) const noexcept;
 
   // ---- what the budgets say ----

@@ -69,6 +69,25 @@ struct RegistryEntryInfo {
   std::size_t reserved_bytes = 0;   // mapped but free (background reserve), as reported
   std::size_t wanted_bytes = 0;     // last refused request, while recent (see pressure)
   std::uint64_t worker_errors = 0;  // background worker failures, as the pool reports
+  // Memory policy (docs/memory-policy.md); limit_bytes above is its max.
+  std::size_t min_bytes = 0;                        // guaranteed: others leave room for it
+  std::int64_t priority = 0;                        // higher wins when memory is short
+  std::optional<std::size_t> reclaim_target_bytes;  // asked of it by a higher priority, in force now
+};
+
+// A change of one instance's memory policy (kvctl set-policy); fields left empty stay.
+struct PolicyChange {
+  std::optional<std::size_t> min_bytes;
+  bool set_max = false;                  // max_bytes below applies (nullopt: no max)
+  std::optional<std::size_t> max_bytes;  // the instance's limit
+  std::optional<std::int64_t> priority;
+};
+
+// A new instance's memory policy: guaranteed min, max (its limit; none by default), priority.
+struct InstancePolicy {
+  std::size_t min_bytes = 0;
+  std::optional<std::size_t> max_bytes;
+  std::int64_t priority = 0;
 };
 
 class RegistryBudget;
@@ -93,6 +112,7 @@ class KVCACHED_EXPORT DeviceRegistry {
   std::size_t budget_bytes() const;
   // Takes effect at once: a lower budget refuses new pages until enough are
   // unmapped, and instances are told to shrink (external_limit_bytes).
+  // InvalidArgument (nothing changed) below the sum of the instances' mins.
   void set_budget_bytes(std::size_t budget_bytes);
   // Sum of every entry's mapped bytes at one instant (read under the lock),
   // dead ones included until reclaimed.
@@ -100,21 +120,29 @@ class KVCACHED_EXPORT DeviceRegistry {
   std::size_t available_bytes() const;
 
   std::vector<RegistryEntryInfo> entries() const;
-  // Sets (or, with nullopt, clears) the limit of the instances with this pid,
-  // or with this name; returns how many entries changed (0: none matched).
+  // Sets (or, with nullopt, clears) the limit (max) of the instances with this
+  // pid, or with this name; returns how many entries changed (0: none matched).
+  // InvalidArgument (nothing changed) for a limit below an instance's min.
   std::size_t set_limit(const std::variant<std::int64_t, std::string>& name_or_pid,
                         std::optional<std::size_t> limit_bytes);
+  // Changes the memory policy of the instances with this pid, or with this name;
+  // returns how many entries changed (0: none matched). All or nothing:
+  // InvalidArgument (nothing changed) when a min would exceed that instance's max,
+  // or the mins of all instances would sum above the budget.
+  std::size_t set_policy(const std::variant<std::int64_t, std::string>& name_or_pid, const PolicyChange& change);
   // Frees the entries of dead processes; their mapped bytes return to the
   // budget. Returns how many were freed.
   std::size_t clean_stale();
-  // Adds an entry for `pid` (default: this process) with an optional initial
-  // limit and the device as that process sees it (default: the one given to
-  // open). Stale entries are reclaimed first, so a restarted engine finds its
-  // predecessor's memory free. A GPU instance is refused while a registry
-  // keyed another way has live instances (registry_directory.hpp).
+  // Adds an entry for `pid` (default: this process) with its memory policy (min,
+  // max = its limit, priority) and the device as that process sees it (default:
+  // the one given to open). Stale entries are reclaimed first, so a restarted
+  // engine finds its predecessor's memory free. InvalidArgument when its min is
+  // above its max or the mins would sum above the budget. A GPU instance is
+  // refused while a registry keyed another way has live instances
+  // (registry_directory.hpp).
   std::shared_ptr<RegistryBudget> register_instance(const std::string& name,
                                                     std::optional<std::int64_t> pid = std::nullopt,
-                                                    std::optional<std::size_t> limit_bytes = std::nullopt,
+                                                    const InstancePolicy& policy = {},
                                                     std::optional<std::string> local_device = std::nullopt);
 
   // Test hook: takes the registry lock and returns without releasing it, so a
@@ -138,21 +166,29 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   RegistryBudget(const RegistryBudget&) = delete;
   RegistryBudget& operator=(const RegistryBudget&) = delete;
 
-  // Takes `bytes` if both the device budget and this instance's limit allow.
-  // When refused, dead processes' entries are reclaimed (at most every
-  // kStaleScanInterval) and the request is retried once. Throws
+  // Takes `bytes` if this instance's limit allows and the device budget has
+  // room once what other instances may still claim under their min, and what
+  // higher-priority instances were just refused, is set aside. When refused,
+  // dead processes' entries are reclaimed (at most every kStaleScanInterval)
+  // and the request is retried once; still refused, the refusal is recorded
+  // (pressure) and lower-priority instances are asked to shrink (reclaim
+  // targets, docs/memory-policy.md). Throws
   // BackendUnavailable once the entry is gone and RegistryUnusable once the
   // file is no longer this registry.
   bool try_acquire(std::size_t bytes) override;
+  // The same, for what the pool keeps ready on its own account: a refusal is not
+  // recorded (no pressure, no reclaim target), since nobody waits for it.
+  bool try_acquire_for_reserve(std::size_t bytes) override;
   void release(std::size_t bytes) noexcept override;
   std::size_t available_bytes() const override;
   // Throws RegistryUnusable once the file is no longer this registry (checked
   // now: fstat and the header, no lock) and BackendUnavailable once the entry
   // is gone, as try_acquire would.
   void check_usable() const override;
-  // This instance's limit (kvctl); while the device is over budget (kvctl
-  // lowered it) also the share of the budget that others leave, so every
-  // instance shrinks lazily until the device fits again.
+  // This instance's limit (kvctl), lowered to a reclaim target a refused
+  // higher-priority instance set (never below this instance's min); while the
+  // device is over budget (kvctl lowered it) also the share of the budget that
+  // others leave, so every instance shrinks lazily until the device fits again.
   std::optional<std::size_t> external_limit_bytes() const override;
   void report_usage(std::size_t used_bytes, std::size_t mapped_bytes) noexcept override;
   // Publishes the pool's count of background worker failures (kvctl, kvtop).
@@ -165,9 +201,14 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // the device has no room (an engine that checks free memory before it
   // allocates never reaches try_acquire): recorded as a refusal would be, so
   // others see the pressure. Nothing is recorded when the device has room or
-  // this instance's own limit is what stands in the way.
+  // this instance's own limit is what stands in the way. Like a refusal, asks
+  // lower-priority instances to shrink (takes the registry lock).
   void want(std::size_t bytes) noexcept;
   std::optional<std::size_t> limit_bytes() const noexcept;
+  std::size_t min_bytes() const noexcept;
+  std::int64_t priority() const noexcept;
+  // The shrink a higher-priority instance asks of this one now (docs/memory-policy.md).
+  std::optional<std::size_t> reclaim_target_bytes() const noexcept;
   std::size_t mapped_bytes() const noexcept;
   std::size_t slot() const noexcept { return slot_; }
   std::uint64_t instance_id() const noexcept { return instance_id_; }
@@ -181,6 +222,10 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // The entry while it still belongs to this handle and the registry is
   // usable; null once unregistered, reclaimed, or the file detached.
   registry_detail::EntryRecord* owned_entry() const noexcept;
+  bool take(std::size_t bytes, bool record_refusal);
+  // After a device-wide refusal of `bytes` (lock held): records the pressure and
+  // asks lower-priority instances to shrink.
+  void record_refusal_locked(registry_detail::EntryRecord& entry, std::size_t bytes, bool keep_larger) noexcept;
 
   std::shared_ptr<registry_detail::Segment> segment_;
   std::size_t slot_;

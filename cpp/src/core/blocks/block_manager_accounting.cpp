@@ -195,7 +195,7 @@ std::size_t BlockManager::required_pages_locked(std::size_t i, std::size_t maps,
   return committed + unmapping_pages_ + spares + new_spares - std::min(maps, spares);
 }
 
-void BlockManager::charge_locked(Lock& lock, std::size_t maps, std::size_t new_spares) {
+void BlockManager::charge_locked(Lock& lock, std::size_t maps, std::size_t new_spares, bool for_reserve) {
   std::vector<std::size_t> need(budgets_.size(), 0);
   bool any = false;
   for (std::size_t i = 0; i < budgets_.size(); ++i) {
@@ -211,14 +211,14 @@ void BlockManager::charge_locked(Lock& lock, std::size_t maps, std::size_t new_s
     if (budgets_.may_block()) {
       lock.unlock();
       try {
-        refused = budgets_.take(need);
+        refused = budgets_.take(need, for_reserve);
       } catch (...) {
         lock.lock();
         throw;
       }
       lock.lock();
     } else {
-      refused = budgets_.take(need);  // cannot wait on anyone: keeps the figures exact
+      refused = budgets_.take(need, for_reserve);  // cannot wait on anyone: keeps the figures exact
     }
   } catch (...) {
     budgets_.remove_charge(need);

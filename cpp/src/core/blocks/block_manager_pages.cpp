@@ -55,7 +55,7 @@ void BlockManager::undo_grow_locked(const std::vector<std::int64_t>& pages) {
 }
 
 std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t count,
-                                                    const std::vector<std::int64_t>* wanted) {
+                                                    const std::vector<std::int64_t>* wanted, bool for_reserve) {
   std::vector<std::int64_t> pages;
   if (count == 0) return pages;
   if (wanted != nullptr) {
@@ -70,7 +70,7 @@ std::vector<std::int64_t> BlockManager::grow_locked(Lock& lock, std::size_t coun
   }
   mapping_pages_ += count;
   try {
-    charge_locked(lock, count, 0);
+    charge_locked(lock, count, 0, for_reserve);
   } catch (...) {
     undo_grow_locked(pages);
     throw;
@@ -158,7 +158,7 @@ void BlockManager::trim_spares_locked(Lock& lock, std::size_t keep) {
 }
 
 void BlockManager::add_spares_locked(Lock& lock, std::size_t count) {
-  charge_locked(lock, 0, count);  // BudgetExhausted: nothing made, nothing charged
+  charge_locked(lock, 0, count, /*for_reserve=*/true);  // BudgetExhausted: nothing made, nothing charged
   try {
     with_mapper(lock, [&] { mapper_->add_spares(count); });  // best effort: stops early when the device is full
   } catch (...) {

@@ -69,7 +69,7 @@ void BlockManager::keep_reserve_locked(Lock& lock, const ReserveGoal& goal) {
   } else if (empty < goal.min_free_pages) {
     const std::size_t want = std::min(goal.min_free_pages - empty, growth_room_locked());
     try {
-      grow_locked(lock, want, nullptr);
+      grow_locked(lock, want, nullptr, /*for_reserve=*/true);
     } catch (const BudgetExhausted&) {
       // Best effort: the next alloc reports a real shortage to its caller.
     } catch (const DeviceOutOfMemory&) {

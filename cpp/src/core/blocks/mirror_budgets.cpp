@@ -44,13 +44,14 @@ std::size_t MirrorBudgets::mark_lost(std::size_t i) noexcept {
   return m.charged - m.releasing;  // what is being given back already stays with end_release
 }
 
-std::optional<std::size_t> MirrorBudgets::take(const std::vector<std::size_t>& pages) const {
+std::optional<std::size_t> MirrorBudgets::take(const std::vector<std::size_t>& pages, bool for_reserve) const {
   std::size_t taken = 0;
   try {
     for (; taken < mirrors_.size(); ++taken) {
       const Mirror& m = mirrors_[taken];
       if (pages[taken] == 0 || !m.budget) continue;
-      if (!m.budget->try_acquire(pages[taken] * m.page_bytes)) break;
+      const std::size_t bytes = pages[taken] * m.page_bytes;
+      if (!(for_reserve ? m.budget->try_acquire_for_reserve(bytes) : m.budget->try_acquire(bytes))) break;
     }
   } catch (...) {
     for (std::size_t i = 0; i < taken; ++i) give(i, pages[i]);

@@ -9,6 +9,7 @@
 #include "registry_lock.hpp"
 #include "registry_open.hpp"
 #include "registry_os.hpp"
+#include "registry_policy.hpp"
 #include "registry_table.hpp"
 
 namespace kvcached {
@@ -23,6 +24,22 @@ void check_budget_plausible(std::size_t budget_bytes) {
     throw InvalidArgument("a budget of " + std::to_string(budget_bytes) +
                           " bytes is larger than any device (at most 2^56 bytes)");
   }
+}
+
+void check_bytes_plausible(const char* what, std::optional<std::size_t> bytes) {
+  if (bytes && *bytes > registry_detail::kMaxPlausibleBytes) {
+    throw InvalidArgument(std::string(what) + " of " + std::to_string(*bytes) +
+                          " bytes is larger than any device (at most 2^56 bytes)");
+  }
+}
+
+bool entry_matches(const EntryRecord& entry, const std::variant<std::int64_t, std::string>& name_or_pid) {
+  if (std::holds_alternative<std::int64_t>(name_or_pid)) return entry.pid.load() == std::get<std::int64_t>(name_or_pid);
+  return std::get<std::string>(name_or_pid) == std::string(entry.name, strnlen(entry.name, sizeof entry.name));
+}
+
+std::string entry_name(const EntryRecord& entry) {
+  return std::string(entry.name, strnlen(entry.name, sizeof entry.name));
 }
 }  // namespace
 
@@ -53,6 +70,9 @@ std::size_t DeviceRegistry::budget_bytes() const {
 void DeviceRegistry::set_budget_bytes(std::size_t budget_bytes) {
   check_budget_plausible(budget_bytes);
   RegistryLock lock(*segment_);
+  registry_detail::clean_stale_locked(segment_->layout());  // the dead keep no guarantee
+  registry_detail::check_guarantees_fit(registry_detail::total_min_bytes(segment_->layout()), budget_bytes,
+                                        "a budget of " + std::to_string(budget_bytes) + " bytes");
   segment_->header().budget_bytes.store(budget_bytes, std::memory_order_relaxed);
   lock.confirm();
 }
@@ -77,7 +97,8 @@ std::vector<RegistryEntryInfo> DeviceRegistry::entries() const {
     RegistryLock lock(*segment_);
     for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
       const EntryRecord& entry = segment_->entry(slot);
-      if (registry_detail::slot_active(entry)) snapshot.push_back(registry_detail::entry_info(entry, slot));
+      if (registry_detail::slot_active(entry))
+        snapshot.push_back(registry_detail::entry_info(segment_->layout(), slot));
     }
     lock.confirm();
   }
@@ -90,24 +111,50 @@ std::vector<RegistryEntryInfo> DeviceRegistry::entries() const {
 
 std::size_t DeviceRegistry::set_limit(const std::variant<std::int64_t, std::string>& name_or_pid,
                                       std::optional<std::size_t> limit_bytes) {
-  if (limit_bytes && *limit_bytes >= registry_detail::kNoLimit) {
+  PolicyChange change;
+  change.set_max = true;
+  change.max_bytes = limit_bytes;
+  return set_policy(name_or_pid, change);
+}
+
+std::size_t DeviceRegistry::set_policy(const std::variant<std::int64_t, std::string>& name_or_pid,
+                                       const PolicyChange& change) {
+  if (change.set_max && change.max_bytes && *change.max_bytes >= registry_detail::kNoLimit) {
     throw InvalidArgument("limit is too large");
   }
+  check_bytes_plausible("a min", change.min_bytes);
+  if (change.priority) registry_detail::check_priority(*change.priority);
   RegistryLock lock(*segment_);
-  std::size_t changed = 0;
+  registry_detail::Layout& layout = segment_->layout();
+  if (change.min_bytes) registry_detail::clean_stale_locked(layout);  // the dead keep no guarantee
+  // Checked for every match before anything is written: all or nothing.
+  std::vector<std::size_t> matched;
+  std::size_t mins = registry_detail::total_min_bytes(layout);
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    const EntryRecord& entry = segment_->entry(slot);
+    if (!registry_detail::slot_active(entry) || !entry_matches(entry, name_or_pid)) continue;
+    const std::size_t min = change.min_bytes.value_or(registry_detail::min_of(entry));
+    const auto max = change.set_max ? change.max_bytes : registry_detail::limit_of(entry);
+    registry_detail::check_min_within_max(min, max, entry_name(entry));
+    mins = registry_detail::saturating_sub(mins, registry_detail::min_of(entry));
+    if (__builtin_add_overflow(mins, min, &mins)) mins = SIZE_MAX;
+    matched.push_back(slot);
+  }
+  if (change.min_bytes) {
+    registry_detail::check_guarantees_fit(mins, layout.header.budget_bytes.load(std::memory_order_relaxed),
+                                          "a min of " + std::to_string(*change.min_bytes) + " bytes");
+  }
+  for (const std::size_t slot : matched) {
     EntryRecord& entry = segment_->entry(slot);
-    if (!registry_detail::slot_active(entry)) continue;
-    const bool matches =
-        std::holds_alternative<std::int64_t>(name_or_pid)
-            ? entry.pid.load() == std::get<std::int64_t>(name_or_pid)
-            : std::get<std::string>(name_or_pid) == std::string(entry.name, strnlen(entry.name, sizeof entry.name));
-    if (!matches) continue;
-    entry.limit_bytes.store(limit_bytes ? *limit_bytes : registry_detail::kNoLimit, std::memory_order_relaxed);
-    ++changed;
+    if (change.min_bytes) entry.min_bytes.store(*change.min_bytes, std::memory_order_relaxed);
+    if (change.set_max) {
+      entry.limit_bytes.store(change.max_bytes ? *change.max_bytes : registry_detail::kNoLimit,
+                              std::memory_order_relaxed);
+    }
+    if (change.priority) entry.priority.store(*change.priority, std::memory_order_relaxed);
   }
   lock.confirm();
-  return changed;
+  return matched.size();
 }
 
 std::size_t DeviceRegistry::clean_stale() {
@@ -119,12 +166,15 @@ std::size_t DeviceRegistry::clean_stale() {
 
 std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::string& name,
                                                                   std::optional<std::int64_t> pid,
-                                                                  std::optional<std::size_t> limit_bytes,
+                                                                  const InstancePolicy& policy,
                                                                   std::optional<std::string> local_device) {
-  if (limit_bytes && *limit_bytes >= registry_detail::kNoLimit) {
+  if (policy.max_bytes && *policy.max_bytes >= registry_detail::kNoLimit) {
     throw InvalidArgument("limit is too large");
   }
   validate_instance_name(name);
+  check_bytes_plausible("a min", policy.min_bytes);
+  registry_detail::check_priority(policy.priority);
+  registry_detail::check_min_within_max(policy.min_bytes, policy.max_bytes, name);
   const std::string seen_as = local_device.value_or(local_device_);
   validate_local_device(seen_as);
   const std::int64_t owner_pid = pid ? *pid : static_cast<std::int64_t>(getpid());
@@ -134,12 +184,21 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::str
   }
   check_registry_keying(device_);
   RegistryLock lock(*segment_);
-  registry_detail::clean_stale_locked(segment_->layout());
+  registry_detail::Layout& layout = segment_->layout();
+  registry_detail::clean_stale_locked(layout);
+  if (policy.min_bytes > 0) {
+    std::size_t mins = registry_detail::total_min_bytes(layout);
+    if (__builtin_add_overflow(mins, policy.min_bytes, &mins)) mins = SIZE_MAX;
+    registry_detail::check_guarantees_fit(
+        mins, layout.header.budget_bytes.load(std::memory_order_relaxed),
+        "registering '" + name + "' with a min of " + std::to_string(policy.min_bytes) + " bytes");
+  }
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
     EntryRecord& entry = segment_->entry(slot);
     if (registry_detail::slot_active(entry)) continue;
     const std::uint64_t instance_id = segment_->header().next_instance_id.fetch_add(1) + 1;
-    registry_detail::fill_entry(entry, {instance_id, owner_pid, *start_ticks, geteuid(), limit_bytes, name, seen_as});
+    registry_detail::fill_entry(entry, {instance_id, owner_pid, *start_ticks, geteuid(), policy.max_bytes,
+                                        policy.min_bytes, policy.priority, name, seen_as});
     lock.confirm();
     return std::make_shared<RegistryBudget>(segment_, slot, instance_id, name);
   }

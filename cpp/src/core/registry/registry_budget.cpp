@@ -7,6 +7,7 @@
 #include "kvcached/registry/device_registry.hpp"
 #include "registry_lock.hpp"
 #include "registry_os.hpp"
+#include "registry_policy.hpp"
 #include "registry_table.hpp"
 
 namespace kvcached {
@@ -34,7 +35,11 @@ EntryRecord* RegistryBudget::owned_entry() const noexcept {
 
 bool RegistryBudget::registered() const noexcept { return owned_entry() != nullptr; }
 
-bool RegistryBudget::try_acquire(std::size_t bytes) {
+bool RegistryBudget::try_acquire(std::size_t bytes) { return take(bytes, /*record_refusal=*/true); }
+
+bool RegistryBudget::try_acquire_for_reserve(std::size_t bytes) { return take(bytes, /*record_refusal=*/false); }
+
+bool RegistryBudget::take(std::size_t bytes, bool record_refusal) {
   if (bytes == 0) return true;
   // Checked after the section (confirm) rather than before: one fstat per page.
   RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
@@ -57,8 +62,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
     return false;
   }
   const auto device_has_room = [&] {
-    const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
-    return bytes <= saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
+    return bytes <= registry_detail::room_for(layout, slot_, registry_detail::monotonic_now_ns());
   };
   bool granted = device_has_room();
   if (!granted) {
@@ -71,8 +75,7 @@ bool RegistryBudget::try_acquire(std::size_t bytes) {
   if (!granted) {
     segment_->check_table();  // refused because an entry lies? Say so instead.
     // Only a device-wide refusal is pressure on others; one's own limit is not.
-    entry->wanted_bytes.store(registry_detail::plausible_bytes(bytes), std::memory_order_relaxed);
-    entry->wanted_at_ns.store(registry_detail::monotonic_now_ns(), std::memory_order_relaxed);
+    if (record_refusal) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
     lock.confirm();
     return false;
   }
@@ -104,10 +107,7 @@ void RegistryBudget::release(std::size_t bytes) noexcept {
 std::size_t RegistryBudget::available_bytes() const {
   const EntryRecord* entry = owned_entry();
   if (entry == nullptr) return 0;
-  const registry_detail::Layout& layout = segment_->layout();
-  const std::size_t budget =
-      registry_detail::plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
-  std::size_t available = saturating_sub(budget, registry_detail::total_mapped_bytes(layout));
+  std::size_t available = registry_detail::room_for(segment_->layout(), slot_, registry_detail::monotonic_now_ns());
   if (const auto limit = registry_detail::limit_of(*entry)) {
     available = std::min(available, saturating_sub(*limit, entry->mapped_bytes.load(std::memory_order_relaxed)));
   }
@@ -129,6 +129,9 @@ std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
   if (entry == nullptr) return std::nullopt;
   const registry_detail::Layout& layout = segment_->layout();
   std::optional<std::size_t> limit = registry_detail::limit_of(*entry);
+  if (const auto target = registry_detail::reclaim_target_of(layout, *entry, registry_detail::monotonic_now_ns())) {
+    limit = limit ? std::min(*limit, *target) : *target;
+  }
   const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
   const std::size_t total = registry_detail::total_mapped_bytes(layout);
   if (total > budget) {
@@ -170,28 +173,54 @@ std::size_t RegistryBudget::pressure_bytes() const noexcept {
   return wanted;
 }
 
-void RegistryBudget::want(std::size_t bytes) noexcept {
-  EntryRecord* entry = owned_entry();
-  if (entry == nullptr || bytes == 0) return;
-  const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
-  const auto limit = registry_detail::limit_of(*entry);
-  if (limit && bytes > saturating_sub(*limit, own_mapped)) return;  // nobody else can help
-  const registry_detail::Layout& layout = segment_->layout();
-  const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
-  if (bytes <= saturating_sub(budget, registry_detail::total_mapped_bytes(layout))) return;
-  // The entry's own fields (as in try_acquire's refusal); readers take them as a hint.
-  // A recent larger refusal stays what is wanted: this only says the wait goes on.
+void RegistryBudget::record_refusal_locked(EntryRecord& entry, std::size_t bytes, bool keep_larger) noexcept {
+  registry_detail::Layout& layout = segment_->layout();
   const std::int64_t now = registry_detail::monotonic_now_ns();
-  const bool recent = now - entry->wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
-  const std::size_t wanted = entry->wanted_bytes.load(std::memory_order_relaxed);
-  entry->wanted_bytes.store(registry_detail::plausible_bytes(recent ? std::max(wanted, bytes) : bytes),
-                            std::memory_order_relaxed);
-  entry->wanted_at_ns.store(now, std::memory_order_relaxed);
+  const bool recent = now - entry.wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
+  const std::size_t wanted = entry.wanted_bytes.load(std::memory_order_relaxed);
+  const std::size_t recorded = keep_larger && recent ? std::max(wanted, bytes) : bytes;
+  entry.wanted_bytes.store(registry_detail::plausible_bytes(recorded), std::memory_order_relaxed);
+  entry.wanted_at_ns.store(now, std::memory_order_relaxed);
+  const std::size_t room = registry_detail::room_for(layout, slot_, now);
+  registry_detail::ask_lower_priority_to_shrink(layout, slot_, saturating_sub(bytes, room), now);
+}
+
+void RegistryBudget::want(std::size_t bytes) noexcept {
+  if (bytes == 0 || owned_entry() == nullptr) return;
+  try {
+    RegistryLock lock(*segment_, registry_detail::LockCheck::attached);
+    EntryRecord* entry = owned_entry();
+    if (entry == nullptr) return;
+    const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
+    const auto limit = registry_detail::limit_of(*entry);
+    if (limit && bytes > saturating_sub(*limit, own_mapped)) return;  // nobody else can help
+    if (bytes <= registry_detail::room_for(segment_->layout(), slot_, registry_detail::monotonic_now_ns())) return;
+    // A recent larger refusal stays what is wanted: this only says the wait goes on.
+    record_refusal_locked(*entry, bytes, /*keep_larger=*/true);
+  } catch (...) {
+    // The lock timed out or the file is no longer usable: the next alloc says so.
+  }
 }
 
 std::optional<std::size_t> RegistryBudget::limit_bytes() const noexcept {
   const EntryRecord* entry = owned_entry();
   return entry ? registry_detail::limit_of(*entry) : std::nullopt;
+}
+
+std::size_t RegistryBudget::min_bytes() const noexcept {
+  const EntryRecord* entry = owned_entry();
+  return entry ? registry_detail::min_of(*entry) : 0;
+}
+
+std::int64_t RegistryBudget::priority() const noexcept {
+  const EntryRecord* entry = owned_entry();
+  return entry ? registry_detail::priority_of(*entry) : 0;
+}
+
+std::optional<std::size_t> RegistryBudget::reclaim_target_bytes() const noexcept {
+  const EntryRecord* entry = owned_entry();
+  if (entry == nullptr) return std::nullopt;
+  return registry_detail::reclaim_target_of(segment_->layout(), *entry, registry_detail::monotonic_now_ns());
 }
 
 std::size_t RegistryBudget::mapped_bytes() const noexcept {

@@ -74,11 +74,16 @@ std::optional<std::string> entry_lie(const EntryRecord& entry) {
       {"used_bytes", &entry.used_bytes},
       {"reported mapped_bytes", &entry.reported_mapped_bytes},
       {"wanted_bytes", &entry.wanted_bytes},
+      {"min_bytes", &entry.min_bytes},
   };
   for (const auto& [field, counter] : counts) {
     const std::uint64_t bytes = counter->load(std::memory_order_relaxed);
     if (bytes > kMaxPlausibleBytes) return std::string(field) + " " + std::to_string(bytes);
   }
+  const std::uint64_t target = entry.reclaim_target_bytes.load(std::memory_order_relaxed);
+  if (target != kNoLimit && target > kMaxPlausibleBytes) return "reclaim_target_bytes " + std::to_string(target);
+  const std::uint64_t requester = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
+  if (requester >= kRegistryCapacity) return "reclaim_requester_slot " + std::to_string(requester);
   return std::nullopt;
 }
 
@@ -118,6 +123,9 @@ std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets() {
       {"entry.mapped_bytes", offsetof(EntryRecord, mapped_bytes)},
       {"entry.name", offsetof(EntryRecord, name)},
       {"entry.local_device", offsetof(EntryRecord, local_device)},
+      {"entry.min_bytes", offsetof(EntryRecord, min_bytes)},
+      {"entry.priority", offsetof(EntryRecord, priority)},
+      {"entry.reclaim_target_bytes", offsetof(EntryRecord, reclaim_target_bytes)},
   };
 #pragma GCC diagnostic pop
 }

@@ -1,11 +1,12 @@
-// The registry's shared-memory format (layout version 2): what every process maps.
+// The registry's shared-memory format (layout version 3): what every process maps.
 //
 // One file per device holds a Layout: a header (identity, the process-shared
 // robust mutex, the device budget) and a fixed table of instance entries.
 // Every mutable field is a lock-free 64-bit atomic: writers hold the mutex,
 // hot-path readers read without it. Version 1 differed in the device name
 // (31 bytes), had no per-entry local device, uid or worker-error count; it is
-// recognised by registry_legacy.hpp, never mapped.
+// recognised by registry_inspect.cpp, never mapped. Version 2 had no memory policy
+// (min, priority, reclaim target): it is refused as another version.
 #pragma once
 
 #include <pthread.h>
@@ -23,7 +24,7 @@ namespace kvcached::registry_detail {
 // "KVCREGST" read as a little-endian integer; says the file is ours.
 inline constexpr std::uint64_t kRegistryMagic = 0x545347455243564bULL;
 // Bump whenever the layout below changes; other versions are refused, never misread.
-inline constexpr std::uint32_t kRegistryLayoutVersion = 2;
+inline constexpr std::uint32_t kRegistryLayoutVersion = 3;
 // Stored in place of a limit when an instance has none.
 inline constexpr std::uint64_t kNoLimit = UINT64_MAX;
 inline constexpr std::uint64_t kSlotFree = 0;
@@ -52,6 +53,15 @@ struct alignas(64) EntryRecord {
   Counter wanted_bytes;  // last device-wide refusal, less what was granted since; while recent
   SignedCounter wanted_at_ns;
   Counter worker_errors;  // the pool's background worker failures, as reported
+  // Memory policy (docs/memory-policy.md): the guaranteed bytes and who gives back first.
+  Counter min_bytes;
+  SignedCounter priority;  // higher wins
+  // Set by a refused higher-priority instance (the requester); kNoLimit: none. In force
+  // only while that requester's entry lives, its refusal is recent and its priority is
+  // still higher (registry_policy.hpp).
+  Counter reclaim_target_bytes;
+  Counter reclaim_requester_slot;
+  Counter reclaim_requester_id;
   char name[kRegistryNameMaxBytes + 1];
   char local_device[kRegistryLocalDeviceMaxBytes + 1];  // e.g. "cuda:1": as its process sees it
 };

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "registry_os.hpp"
+#include "registry_policy.hpp"
 
 namespace kvcached::registry_detail {
 
@@ -23,6 +24,11 @@ void fill_entry(EntryRecord& entry, const NewEntry& values) {
   entry.wanted_bytes.store(0);
   entry.wanted_at_ns.store(0);
   entry.worker_errors.store(0);
+  entry.min_bytes.store(values.min_bytes);
+  entry.priority.store(values.priority);
+  entry.reclaim_target_bytes.store(kNoLimit);
+  entry.reclaim_requester_slot.store(0);
+  entry.reclaim_requester_id.store(0);
   std::memset(entry.name, 0, sizeof entry.name);
   std::memcpy(entry.name, values.name.data(), values.name.size());
   std::memset(entry.local_device, 0, sizeof entry.local_device);
@@ -30,7 +36,9 @@ void fill_entry(EntryRecord& entry, const NewEntry& values) {
   entry.state.store(kSlotActive, std::memory_order_release);  // publish last
 }
 
-RegistryEntryInfo entry_info(const EntryRecord& entry, std::size_t slot) {
+RegistryEntryInfo entry_info(const Layout& layout, std::size_t slot) {
+  const EntryRecord& entry = layout.entries[slot];
+  const std::int64_t now = monotonic_now_ns();
   RegistryEntryInfo info;
   info.slot = slot;
   info.instance_id = entry.instance_id.load();
@@ -43,9 +51,12 @@ RegistryEntryInfo entry_info(const EntryRecord& entry, std::size_t slot) {
   info.mapped_bytes = entry.mapped_bytes.load();
   info.used_bytes = entry.used_bytes.load();
   info.reserved_bytes = saturating_sub(entry.reported_mapped_bytes.load(), info.used_bytes);
-  const bool wanted_recently = monotonic_now_ns() - entry.wanted_at_ns.load() < kPressureWindowNs;
+  const bool wanted_recently = now - entry.wanted_at_ns.load() < kPressureWindowNs;
   info.wanted_bytes = wanted_recently ? entry.wanted_bytes.load() : 0;
   info.worker_errors = entry.worker_errors.load();
+  info.min_bytes = min_of(entry);
+  info.priority = priority_of(entry);
+  info.reclaim_target_bytes = reclaim_target_of(layout, entry, now);
   return info;
 }
 

@@ -23,6 +23,8 @@ struct NewEntry {
   std::uint64_t start_time_ticks;
   std::uint64_t uid;
   std::optional<std::size_t> limit_bytes;
+  std::size_t min_bytes;
+  std::int64_t priority;
   const std::string& name;
   const std::string& local_device;
 };
@@ -31,7 +33,7 @@ struct NewEntry {
 void fill_entry(EntryRecord& entry, const NewEntry& values);
 
 // A snapshot of one active entry (alive is left false: /proc is read outside the lock).
-RegistryEntryInfo entry_info(const EntryRecord& entry, std::size_t slot);
+RegistryEntryInfo entry_info(const Layout& layout, std::size_t slot);
 
 // Frees the entries of dead processes (their bytes return to the budget);
 // returns how many. Records the scan time for try_acquire's rate limit.

@@ -230,6 +230,28 @@ class EngineBlocks:
         self.manager.release_reserved()
         return int(self.manager.trim())
 
+    # ---- the memory policy: asked to hold less (docs/memory-policy.md) ---------------
+
+    def asked_to_shrink(self) -> bool:
+        """Whether a rank's entry holds more than the limit in force now (a higher-priority
+        instance's reclaim target, ``kvctl set-limit``, a lowered budget); lock-free reads."""
+        for budget in self.budgets:
+            limit = budget.external_limit_bytes
+            if limit is not None and budget.mapped_bytes > limit:
+                return True
+        return False
+
+    def pages_over_limit(self) -> int:
+        """Page ids with blocks in use beyond the limit in force: what the engine must free
+        (cached prefixes, then requests) before its memory can go back."""
+        stats = self.manager.stats()
+        return max(0, int(stats["used_pages"]) - int(stats["limit_pages"]))
+
+    def give_back_beyond_limit(self) -> None:
+        """Unmaps the free pages beyond the limit in force now, not at the end of the engine's
+        busy spell; their memory goes back once every rank has applied the unmaps."""
+        self.manager.maintain()
+
     # ---- ranks (decisions here, tensors in WorkerSpaces elsewhere) ----------------
 
     def take_page_ops(self) -> Any:

@@ -23,14 +23,21 @@ _logger = logging.getLogger(__name__)
 
 
 def register_rank(
-    name: str, rank: RankDevice, *, limit_bytes: Optional[int], logger: Optional[logging.Logger] = None
+    name: str,
+    rank: RankDevice,
+    *,
+    limit_bytes: Optional[int],
+    min_bytes: int = 0,
+    priority: int = 0,
+    logger: Optional[logging.Logger] = None,
 ) -> Any:
     """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
 
     The registry exists already: the rank's process created it
     (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
-    process never opens the device. The limit lives in the registry, so
-    ``kvctl set-limit`` can change it later.
+    process never opens the device. The memory policy (``limit_bytes`` is its
+    max, ``min_bytes``, ``priority``: ``docs/memory-policy.md``) lives in the
+    registry, so ``kvctl set-policy`` can change it later.
     """
     from kvcached import registry
 
@@ -41,26 +48,40 @@ def register_rank(
                 f"kvcached: no registry for {rank.device}; the rank holding it should have created it"
             )
         existing = registry.registry_for(rank.device)
-    budget = existing.register(name, limit_bytes=limit_bytes, local_device=rank.label)
+    budget = existing.register(
+        name, limit_bytes=limit_bytes, local_device=rank.label, min_bytes=min_bytes, priority=priority
+    )
     (logger or _logger).info(
-        "kvcached: registered %r (%s) on %s (device budget %d B, limit %s)",
+        "kvcached: registered %r (%s) on %s (device budget %d B, limit %s, min %d B, priority %d)",
         name,
         rank.label,
         rank.device,
         existing.budget_bytes,
         "none" if limit_bytes is None else f"{limit_bytes} B",
+        min_bytes,
+        priority,
     )
     return budget
 
 
 def register_ranks(
-    name: str, ranks: Sequence[RankDevice], *, limit_bytes: Optional[int], logger: Optional[logging.Logger] = None
+    name: str,
+    ranks: Sequence[RankDevice],
+    *,
+    limit_bytes: Optional[int],
+    min_bytes: int = 0,
+    priority: int = 0,
+    logger: Optional[logging.Logger] = None,
 ) -> list[Any]:
     """One entry per rank (see :func:`register_rank`), all or nothing."""
     budgets: list[Any] = []
     try:
         for rank in ranks:
-            budgets.append(register_rank(name, rank, limit_bytes=limit_bytes, logger=logger))
+            budgets.append(
+                register_rank(
+                    name, rank, limit_bytes=limit_bytes, min_bytes=min_bytes, priority=priority, logger=logger
+                )
+            )
     except BaseException:
         for budget in budgets:
             budget.unregister()

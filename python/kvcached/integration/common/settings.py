@@ -61,6 +61,10 @@ class Settings:
     #: Freed heap memory an engine computing on the CPU keeps for its next step
     #: (``KVCACHED_HOST_HEAP_KEEP_BYTES``; :mod:`kvcached.integration.common.heap`).
     host_heap_keep_bytes: int = 256 << 20
+    #: Memory guaranteed to each rank (``KVCACHED_MIN_BYTES``; ``docs/memory-policy.md``).
+    min_bytes: int = 0
+    #: Who gives memory back first: the lower (``KVCACHED_PRIORITY``).
+    priority: int = 0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -69,6 +73,8 @@ class Settings:
         return cls(
             virtual_bytes=config.get("virtual_capacity_bytes") or None,
             limit_bytes=config.get("limit_bytes"),
+            min_bytes=config.get("min_bytes"),
+            priority=config.get("priority"),
             page_bytes=config.get("page_bytes") or DEFAULT_PAGE_BYTES,
             name=config.get("name"),
             idle_cache_bytes=config.get("idle_cache_bytes"),

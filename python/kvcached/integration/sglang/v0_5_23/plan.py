@@ -69,7 +69,14 @@ class Plan:
         """
         if parse_device(self.device)[0] == "host":
             keep_freed_heap(self.settings.host_heap_keep_bytes)
-        budget = register_rank(self.name, self.rank, limit_bytes=self.settings.limit_bytes, logger=logger)
+        budget = register_rank(
+            self.name,
+            self.rank,
+            limit_bytes=self.settings.limit_bytes,
+            min_bytes=self.settings.min_bytes,
+            priority=self.settings.priority,
+            logger=logger,
+        )
         try:
             return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
         except BaseException:

@@ -188,6 +188,15 @@ def make_block_pool_class(base: type) -> type:
             self._evict_resident([self.blocks[i] for i in oldest])
             return len(oldest)
 
+        def drop_cached_blocks(self, num_blocks: int) -> int:
+            """Evicts up to ``num_blocks`` unused prefix-cache blocks, least recently used
+            first (a busy engine asked to shrink); returns how many."""
+            if self._blocks is None or num_blocks <= 0:
+                return 0
+            oldest = list(itertools.islice(self._resident_free, num_blocks))
+            self._evict_resident([self.blocks[i] for i in oldest])
+            return len(oldest)
+
         def reset_prefix_cache(self) -> bool:
             if self._blocks is None:
                 return super().reset_prefix_cache()

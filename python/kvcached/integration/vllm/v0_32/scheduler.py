@@ -16,7 +16,9 @@ and only once the idle hold has passed or the device wants the memory
 (:class:`~kvcached.integration.common.idle.IdleRelease`; the loop is woken by a
 ``WAKEUP`` on its input queue). An in-process EngineCore has no loop to wake:
 the same hold applies, and IdleRelease's thread runs the flush itself, under a
-lock its steps take too.
+lock its steps take too. A busy engine asked to hold less than it does (a
+higher-priority instance waits, ``docs/memory-policy.md``) drops cached
+prefixes, then preempts, before its next step (:mod:`.shrink`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvcached.integration.common.registration import register_ranks
 
 from .block_pool import KVCachePoolExhausted, building
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, EnginePlan, logger, refuse_unsupported, settings, take_board
+from .shrink import shrink_to_limit
 
 
 class EngineKV:
@@ -93,7 +96,14 @@ def wrap_scheduler_init(original: Any) -> Any:
         name = _engine_name(vllm_config)
         # One entry per rank in its device's registry; the limit lives there,
         # so that ``kvctl set-limit`` can change it while the engine runs.
-        budgets = register_ranks(name, plan.ranks, limit_bytes=_physical_limit(vllm_config), logger=logger)
+        budgets = register_ranks(
+            name,
+            plan.ranks,
+            limit_bytes=_physical_limit(vllm_config),
+            min_bytes=settings().min_bytes,
+            priority=settings().priority,
+            logger=logger,
+        )
         try:
             blocks = EngineBlocks.deciding(
                 plan.layouts,
@@ -161,6 +171,8 @@ def wrap_schedule(original: Any) -> Any:
         # What the ranks unmapped since the last step is released before this one allocates.
         engine.blocks.poll_acknowledgements()
         engine.block_pool.forget_available()
+        if engine.blocks.asked_to_shrink():  # a higher priority waits, or kvctl lowered the limit
+            shrink_to_limit(self, engine)
         output = original(self, *args, **kwargs)
         ops = engine.blocks.take_page_ops()
         if ops is not None:

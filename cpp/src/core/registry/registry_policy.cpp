@@ -1,0 +1,160 @@
+// The memory policy's arithmetic (registry_policy.hpp): room, reclaim targets, guarantee checks.
+#include "registry_policy.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvcached/error.hpp"
+#include "registry_table.hpp"
+
+namespace kvcached::registry_detail {
+
+namespace {
+
+bool refused_recently(const EntryRecord& entry, std::int64_t now_ns) noexcept {
+  return entry.wanted_bytes.load(std::memory_order_relaxed) > 0 &&
+         now_ns - entry.wanted_at_ns.load(std::memory_order_relaxed) < kPressureWindowNs;
+}
+
+// "3221225472 bytes (3072 MiB)": exact for scripts, readable for people.
+std::string bytes_text(std::size_t bytes) {
+  return std::to_string(bytes) + " bytes (" + std::to_string(bytes >> 20) + " MiB)";
+}
+
+struct Candidate {
+  std::size_t slot;
+  std::int64_t priority;
+  std::size_t mapped;
+  std::size_t free;     // mapped but holding no block in use, as the pool reported
+  std::size_t surplus;  // above its min
+  std::size_t take = 0;
+};
+
+}  // namespace
+
+std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept {
+  const EntryRecord& own = layout.entries[slot];
+  const std::int64_t own_priority = priority_of(own);
+  std::size_t guaranteed = 0;  // mapped by all, plus what the others' min may still claim
+  std::size_t waiting = 0;     // recently refused to higher priorities
+  for (std::size_t other = 0; other < kRegistryCapacity; ++other) {
+    const EntryRecord& entry = layout.entries[other];
+    if (!slot_active(entry)) continue;
+    const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
+    const std::size_t claim = other == slot ? 0 : saturating_sub(min_of(entry), mapped);
+    if (__builtin_add_overflow(guaranteed, mapped, &guaranteed) ||
+        __builtin_add_overflow(guaranteed, claim, &guaranteed)) {
+      return 0;
+    }
+    if (other != slot && priority_of(entry) > own_priority && refused_recently(entry, now_ns)) {
+      if (__builtin_add_overflow(waiting, entry.wanted_bytes.load(std::memory_order_relaxed), &waiting)) {
+        waiting = std::numeric_limits<std::size_t>::max();
+      }
+    }
+  }
+  const std::size_t budget = plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
+  const std::size_t beyond_guarantees = saturating_sub(budget, guaranteed);
+  // What a higher priority waits for is set aside, except this instance's own unclaimed
+  // min: a guarantee outranks every priority.
+  const std::size_t own_unclaimed = saturating_sub(min_of(own), own.mapped_bytes.load(std::memory_order_relaxed));
+  return std::max(saturating_sub(beyond_guarantees, waiting), std::min(beyond_guarantees, own_unclaimed));
+}
+
+std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,
+                                             std::int64_t now_ns) noexcept {
+  const std::uint64_t target = entry.reclaim_target_bytes.load(std::memory_order_relaxed);
+  if (target == kNoLimit) return std::nullopt;
+  const std::uint64_t requester_slot = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
+  if (requester_slot >= kRegistryCapacity) return std::nullopt;
+  const EntryRecord& requester = layout.entries[requester_slot];
+  if (!owns_entry(requester, entry.reclaim_requester_id.load(std::memory_order_relaxed))) return std::nullopt;
+  if (!refused_recently(requester, now_ns)) return std::nullopt;
+  if (priority_of(requester) <= priority_of(entry)) return std::nullopt;  // priorities changed since
+  return std::max<std::size_t>(target, min_of(entry));
+}
+
+std::size_t ask_lower_priority_to_shrink(Layout& layout, std::size_t requester_slot, std::size_t deficit_bytes,
+                                         std::int64_t now_ns) noexcept {
+  const EntryRecord& requester = layout.entries[requester_slot];
+  const std::int64_t requester_priority = priority_of(requester);
+  std::vector<Candidate> candidates;
+  try {
+    for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+      const EntryRecord& entry = layout.entries[slot];
+      if (slot == requester_slot || !slot_active(entry) || priority_of(entry) >= requester_priority) continue;
+      const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
+      const std::size_t surplus = saturating_sub(mapped, min_of(entry));
+      if (surplus == 0) continue;
+      const std::size_t free = saturating_sub(entry.reported_mapped_bytes.load(std::memory_order_relaxed),
+                                              entry.used_bytes.load(std::memory_order_relaxed));
+      candidates.push_back({slot, priority_of(entry), mapped, std::min(free, surplus), surplus});
+    }
+  } catch (...) {
+    return 0;  // no memory for the list: the refusal stands as plain pressure
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.priority != b.priority ? a.priority < b.priority : a.free > b.free;
+  });
+  std::size_t remaining = deficit_bytes;
+  // Memory nobody uses first (an idle holder's), from every lower priority; then used
+  // memory, lowest priority first.
+  for (Candidate& c : candidates) {
+    const std::size_t take = std::min(c.free, remaining);
+    c.take += take, remaining -= take;
+  }
+  for (Candidate& c : candidates) {
+    const std::size_t take = std::min(c.surplus - c.take, remaining);
+    c.take += take, remaining -= take;
+  }
+  const std::uint64_t requester_id = requester.instance_id.load(std::memory_order_relaxed);
+  for (const Candidate& c : candidates) {
+    if (c.take == 0) continue;
+    EntryRecord& entry = layout.entries[c.slot];
+    const std::size_t target = c.mapped - c.take;
+    const auto in_force = reclaim_target_of(layout, entry, now_ns);
+    if (in_force && *in_force <= target) continue;  // a tighter shrink is already asked for
+    // Requester first, target last: a lock-free reader never pairs a new target with
+    // an old requester for long, and both are checked again on every read.
+    entry.reclaim_requester_slot.store(requester_slot, std::memory_order_relaxed);
+    entry.reclaim_requester_id.store(requester_id, std::memory_order_relaxed);
+    entry.reclaim_target_bytes.store(target, std::memory_order_release);
+  }
+  return deficit_bytes - remaining;
+}
+
+std::size_t total_min_bytes(const Layout& layout) noexcept {
+  std::size_t total = 0;
+  for (const EntryRecord& entry : layout.entries) {
+    if (!slot_active(entry)) continue;
+    if (__builtin_add_overflow(total, min_of(entry), &total)) return std::numeric_limits<std::size_t>::max();
+  }
+  return total;
+}
+
+void check_guarantees_fit(std::size_t mins_bytes, std::size_t budget_bytes, const std::string& what) {
+  if (mins_bytes <= budget_bytes) return;
+  throw InvalidArgument(what +
+                        " is refused: the guaranteed minimums (min) of the instances on this device would "
+                        "sum to " +
+                        bytes_text(mins_bytes) + ", above the device budget of " + bytes_text(budget_bytes) +
+                        ". Lower a min (kvctl set-policy TARGET --min SIZE) or raise the budget "
+                        "(kvctl set-budget SIZE)");
+}
+
+void check_priority(std::int64_t priority) {
+  if (priority < kMinPriority || priority > kMaxPriority) {
+    throw InvalidArgument("priority " + std::to_string(priority) + " is out of range: expected a whole number from " +
+                          std::to_string(kMinPriority) + " to " + std::to_string(kMaxPriority));
+  }
+}
+
+void check_min_within_max(std::size_t min_bytes, std::optional<std::size_t> max_bytes, const std::string& name) {
+  if (max_bytes && min_bytes > *max_bytes) {
+    throw InvalidArgument("instance '" + name + "': min " + bytes_text(min_bytes) + " is above its max (limit) " +
+                          bytes_text(*max_bytes) + "; a guarantee above the cap could never be used");
+  }
+}
+
+}  // namespace kvcached::registry_detail

@@ -1,0 +1,75 @@
+// The memory policy's arithmetic over the instance table: guarantees (min) and priority reclaim.
+//
+// Rationale. A shared budget alone lets whoever asks first take everything. The policy
+// adds three numbers per instance: `min` (bytes it can always get back to), `max` (its
+// limit) and `priority` (higher wins when memory is short).
+//
+// Approach. Every decision is made under the registry lock from the table alone, so it
+// holds across processes. (1) Guarantee: an instance is granted only what leaves room for
+// what the other instances may still claim under their min (sum of max(0, min - mapped)),
+// and for what a higher-priority instance was recently refused. (2) Reclaim: an instance
+// refused for lack of room writes a *reclaim target* into the entries of lower-priority
+// instances (lowest priority first, their free mapped memory before their used memory,
+// never below their min); each pool reads it as an external limit and shrinks as it does
+// for `kvctl set-limit`. (3) A target is in force only while its requester's entry lives
+// and its refusal is recent (kPressureWindowNs): nobody clears it, so a requester that got
+// its memory, gave up or died cannot leave a shrink in force.
+//
+// Limitations. A target is a request, not a revocation: a busy engine shrinks as fast as
+// it can free blocks (cached prefixes first, then preemption). Liveness of a requester is
+// its table entry; a dead requester's entry lapses with its refusal's recency (1 s) or
+// when the stale scan frees the slot, whichever comes first.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "registry_format.hpp"
+
+namespace kvcached::registry_detail {
+
+// Priorities are stored as 64-bit, accepted as 32-bit: room to grow, none to overflow.
+inline constexpr std::int64_t kMinPriority = INT32_MIN;
+inline constexpr std::int64_t kMaxPriority = INT32_MAX;
+
+inline std::size_t min_of(const EntryRecord& entry) noexcept {
+  return static_cast<std::size_t>(entry.min_bytes.load(std::memory_order_relaxed));
+}
+
+inline std::int64_t priority_of(const EntryRecord& entry) noexcept {
+  return entry.priority.load(std::memory_order_relaxed);
+}
+
+// What `slot` may take now: the budget less every mapped byte, less what the other
+// instances' min may still claim, less what higher-priority instances were recently
+// refused, though never less than what remains of its own min (a guarantee outranks a
+// priority). Saturates at 0 (and at "no room" for a table whose sums overflow).
+std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept;
+
+// The reclaim target in force on `entry` (never below its min), or nullopt: none was
+// set, or its requester's entry is gone or its refusal is no longer recent.
+std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,
+                                             std::int64_t now_ns) noexcept;
+
+// After `requester_slot` was refused for want of `deficit_bytes`: lower-priority
+// instances are given reclaim targets covering as much of it as their surplus above min
+// allows. Lowest priority first; within it, free mapped memory (reported) before used
+// memory. A tighter target already in force stays. Returns the bytes asked for.
+std::size_t ask_lower_priority_to_shrink(Layout& layout, std::size_t requester_slot, std::size_t deficit_bytes,
+                                         std::int64_t now_ns) noexcept;
+
+// Sum of every active entry's min (saturating).
+std::size_t total_min_bytes(const Layout& layout) noexcept;
+
+// InvalidArgument unless mins summing to `mins_bytes` fit `budget_bytes`; `what` says
+// which change was asked ("registering 'a' with min 2 GiB").
+void check_guarantees_fit(std::size_t mins_bytes, std::size_t budget_bytes, const std::string& what);
+
+// InvalidArgument unless `priority` is within [kMinPriority, kMaxPriority].
+void check_priority(std::int64_t priority);
+
+// InvalidArgument unless min <= max (when there is a max).
+void check_min_within_max(std::size_t min_bytes, std::optional<std::size_t> max_bytes, const std::string& name);
+
+}  // namespace kvcached::registry_detail

@@ -1,0 +1,204 @@
+"""The memory policy across real processes, at the pool level: a min holds, priority takes memory back.
+
+Each low-priority holder runs in its own process with a real KVPool on the host backend and
+behaves like an engine: an idle one gives its memory back when the device wants it (the
+integrations' IdleRelease), a busy one "preempts" (frees blocks in use) while its pool holds
+more than the limit in force, which a higher-priority pool's refusal lowers
+(docs/memory-policy.md).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+import kvcached
+from kvcached.integration.common.idle import IdleRelease
+from kvcached.registry import DeviceRegistry
+
+PAGE_BYTES = 2 * 1024 * 1024
+BLOCK_BYTES = 256 * 1024
+BLOCKS_PER_PAGE = PAGE_BYTES // BLOCK_BYTES
+BUDGET_PAGES = 16
+DEVICE = "cpu"
+CHILD_TIMEOUT_S = 60.0
+# "At once" on a loaded 2-core machine: polls of 10 ms and a worker round of 50 ms, with room to spare.
+PROMPT_S = 3.0
+
+spawn = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path))
+    return tmp_path
+
+
+def make_pool(budget) -> kvcached.KVPool:
+    """One layer, one buffer: a page id is one 2 MiB page of 8 blocks; no reserve kept, so
+    what a pool maps is exactly what its blocks need."""
+    return kvcached.KVPool(
+        num_layers=1,
+        block_bytes=BLOCK_BYTES,
+        num_buffers=1,
+        num_blocks=4 * BUDGET_PAGES * BLOCKS_PER_PAGE,
+        page_bytes=PAGE_BYTES,
+        device=DEVICE,
+        budget=budget,
+        min_reserve_pages=0,
+        max_reserve_pages=0,
+    )
+
+
+# ---- children (module-level so spawn can find them) -------------------------
+
+
+def child_idle_low(pages: int, ready, stop, results) -> None:
+    """Fills `pages` with blocks (cached prefixes), then idles; gives them back when wanted."""
+    budget = DeviceRegistry(DEVICE).register("idle-low", priority=0)
+    pool = make_pool(budget)
+    held = pool.alloc(pages * BLOCKS_PER_PAGE).tolist()
+    idle = IdleRelease(60.0, [budget])  # a long hold: only the device's wanting ends it early
+    gave_back = []
+
+    def give_back() -> None:
+        pool.free(held)
+        pool.trim()
+        gave_back.append(time.monotonic())
+
+    assert not idle.due()
+    idle.wake_when_due(give_back)
+    ready.set()
+    stop.wait(CHILD_TIMEOUT_S)
+    idle.close()
+    results.put((len(gave_back), budget.mapped_bytes))
+    pool.close()
+
+
+def child_busy_low(pages: int, min_pages: int, ready, stop, results) -> None:
+    """Holds `pages` of blocks in use; while over the limit in force, preempts a page's worth."""
+    budget = DeviceRegistry(DEVICE).register("busy-low", min_bytes=min_pages * PAGE_BYTES, priority=0)
+    pool = make_pool(budget)
+    held = pool.alloc(pages * BLOCKS_PER_PAGE).tolist()
+    ready.set()
+    lowest_mapped = budget.mapped_bytes
+    preempted = 0
+    while not stop.is_set():
+        limit = budget.external_limit_bytes
+        if limit is not None and len(held) * BLOCK_BYTES > limit:
+            pool.free(held[-BLOCKS_PER_PAGE:])  # the newest request's blocks: one page
+            del held[-BLOCKS_PER_PAGE:]
+            preempted += 1
+        lowest_mapped = min(lowest_mapped, budget.mapped_bytes)
+        time.sleep(0.005)
+    results.put((lowest_mapped, preempted, len(held) // BLOCKS_PER_PAGE))
+    pool.close()
+
+
+def child_greedy(priority: int, ready, stop, results) -> None:
+    """Takes every page it can, then holds them."""
+    budget = DeviceRegistry(DEVICE).register("greedy", priority=priority)
+    pool = make_pool(budget)
+    pages = 0
+    while True:
+        try:
+            pool.alloc(BLOCKS_PER_PAGE)
+        except kvcached.OutOfMemoryError:
+            break
+        pages += 1
+    results.put(pages)
+    ready.set()
+    stop.wait(CHILD_TIMEOUT_S)
+    pool.close()
+
+
+def start(target, *args):
+    ready, stop, results = spawn.Event(), spawn.Event(), spawn.Queue()
+    process = spawn.Process(target=target, args=(*args, ready, stop, results))
+    process.start()
+    assert ready.wait(CHILD_TIMEOUT_S), "the child did not get ready"
+    return process, stop, results
+
+
+def finish(process, stop, results):
+    stop.set()
+    outcome = results.get(timeout=CHILD_TIMEOUT_S)
+    process.join(CHILD_TIMEOUT_S)
+    assert process.exitcode == 0
+    return outcome
+
+
+def low_entry(registry: DeviceRegistry, name: str) -> dict:
+    return next(entry for entry in registry.entries() if entry["name"] == name)
+
+
+# ---- the policy ---------------------------------------------------------------
+
+
+def test_a_min_holds_against_a_higher_priority_that_takes_all_it_can():
+    registry = DeviceRegistry(DEVICE, BUDGET_PAGES * PAGE_BYTES)
+    guaranteed = registry.register("guaranteed", min_bytes=6 * PAGE_BYTES, priority=0)
+    process, stop, results = start(child_greedy, 9)
+    try:
+        pool = make_pool(guaranteed)
+        blocks = pool.alloc(6 * BLOCKS_PER_PAGE)  # at once: no waiting for anybody
+        assert guaranteed.mapped_bytes == 6 * PAGE_BYTES
+        with pytest.raises(kvcached.OutOfMemoryError):
+            pool.alloc(BLOCKS_PER_PAGE)  # beyond its min it is like anyone else
+        pool.free(blocks)
+        pool.close()
+    finally:
+        greedy_pages = finish(process, stop, results)
+    assert greedy_pages == BUDGET_PAGES - 6, "the higher priority got everything but the min"
+
+
+def test_a_higher_priority_gets_an_idle_lower_prioritys_memory_at_once():
+    registry = DeviceRegistry(DEVICE, BUDGET_PAGES * PAGE_BYTES)
+    process, stop, results = start(child_idle_low, BUDGET_PAGES)
+    try:
+        assert registry.available_bytes == 0
+        pool = make_pool(registry.register("high", priority=5))
+        began = time.monotonic()
+        blocks = pool.alloc(8 * BLOCKS_PER_PAGE, timeout_s=CHILD_TIMEOUT_S)
+        waited_s = time.monotonic() - began
+        assert len(blocks) == 8 * BLOCKS_PER_PAGE
+        assert waited_s < PROMPT_S, f"an idle holder gives back at once, not after its hold ({waited_s:.2f} s)"
+        pool.free(blocks)
+        pool.close()
+    finally:
+        gave_back, mapped_after = finish(process, stop, results)
+    assert (gave_back, mapped_after) == (1, 0), "woken once, long before its 60 s hold, and gave everything"
+
+
+def test_a_busy_lower_priority_shrinks_to_what_is_asked_never_below_its_min_and_is_freed_after():
+    registry = DeviceRegistry(DEVICE, BUDGET_PAGES * PAGE_BYTES)
+    min_pages = 4
+    process, stop, results = start(child_busy_low, BUDGET_PAGES, min_pages)
+    try:
+        high = registry.register("high", priority=5)
+        pool = make_pool(high)
+        began = time.monotonic()
+        blocks = pool.alloc(8 * BLOCKS_PER_PAGE, timeout_s=CHILD_TIMEOUT_S)
+        first_s = time.monotonic() - began
+        assert first_s < PROMPT_S, f"took {first_s:.2f} s"
+        assert low_entry(registry, "busy-low")["mapped_bytes"] == (BUDGET_PAGES - 8) * PAGE_BYTES, "just enough"
+        # Everything but the low priority's min: it shrinks to the min and not a byte more.
+        more = pool.alloc((BUDGET_PAGES - 8 - min_pages) * BLOCKS_PER_PAGE, timeout_s=CHILD_TIMEOUT_S)
+        assert low_entry(registry, "busy-low")["mapped_bytes"] == min_pages * PAGE_BYTES
+        with pytest.raises(kvcached.OutOfMemoryError):
+            pool.alloc(BLOCKS_PER_PAGE, timeout_s=0.3)
+        assert low_entry(registry, "busy-low")["mapped_bytes"] == min_pages * PAGE_BYTES
+        # The pressure ends: the shrink is no longer in force (within the one-second window).
+        deadline = time.monotonic() + PROMPT_S
+        while low_entry(registry, "busy-low")["reclaim_target_bytes"] is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert low_entry(registry, "busy-low")["reclaim_target_bytes"] is None
+        pool.free(blocks)
+        pool.free(more)
+        pool.close()
+    finally:
+        lowest_mapped, preempted, kept_pages = finish(process, stop, results)
+    assert lowest_mapped == min_pages * PAGE_BYTES and kept_pages == min_pages
+    assert preempted == BUDGET_PAGES - min_pages
