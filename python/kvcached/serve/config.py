@@ -31,8 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+from kvcached.config import OPTIONS
 from kvcached.errors import KvcachedError, ServeConfigError
-from kvcached.option_values import InstanceName, Size
+from kvcached.option_values import InstanceName, Size, describe
 from kvcached.serve.engines import ENGINES, OWNED_ARGUMENTS, POLICY_VARIABLES
 from kvcached.sizes import format_bytes
 
@@ -40,8 +41,6 @@ DEFAULT_LISTEN = "127.0.0.1:8000"
 # A tiny random model starts in under a minute on a CPU; a 70B model from a slow disk can take many.
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
-# The registry's range for a priority (a signed 32-bit number; higher keeps memory longer).
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 _TOP_KEYS = ("listen", "device", "budget", "log_dir", "startup_timeout_s", "stop_timeout_s", "restart", "models")
 _MODEL_KEYS = ("name", "engine", "model", "python", "module", "args", "env", "memory")
@@ -165,11 +164,21 @@ def _device(value: Any) -> str:
     return "cpu" if backend == "host" else f"{text.split(':')[0].lower()}:{ordinal}"
 
 
+def _option(name: str, value: Any, key: str) -> Any:
+    """``value`` read by the grammar of the ``KVCACHED_*`` option the engine gets it through."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _fail(key, f"expected {describe(OPTIONS[name].parse)}, got {value!r}")
+    try:
+        return OPTIONS[name].parse(str(value).strip())
+    except ValueError as exc:
+        raise _fail(key, f"{value!r} is {exc}") from None
+
+
 def _memory(value: Any, key: str) -> MemoryPolicy:
     section = _check_keys(value, _MEMORY_KEYS, key)
-    min_bytes = _size(section["min"], f"{key}.min") if "min" in section else 0
-    max_bytes = _size(section["max"], f"{key}.max") if "max" in section else None
-    priority = _whole(section.get("priority", 0), f"{key}.priority", *PRIORITY_RANGE)
+    min_bytes = _option("min_bytes", section["min"], f"{key}.min") if "min" in section else 0
+    max_bytes = _option("limit_bytes", section["max"], f"{key}.max") if "max" in section else None
+    priority = _option("priority", section["priority"], f"{key}.priority") if "priority" in section else 0
     if max_bytes is not None and min_bytes > max_bytes:
         raise _fail(key, f"min ({format_bytes(min_bytes)}) is above max ({format_bytes(max_bytes)})")
     return MemoryPolicy(min_bytes, max_bytes, priority)
