@@ -138,3 +138,13 @@ def metric_value(text: str, name: str, **labels: str) -> Optional[float]:
         if all(f'{key}="{want}"' in head for key, want in labels.items()):
             return float(value)
     return None
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{key}="{want}"' in head for key, want in labels.items()):
+            total += float(value)
+    return total

@@ -1,17 +1,21 @@
 """``kvcached serve`` with the real engines: two vLLM models and one SGLang model (tiny random-weight
 Llamas, CPU builds) behind one endpoint, driven with the real ``openai`` client.
 
-One serve process runs through the module, in the order written: the router's answers equal the
-engines' own; a client that leaves cancels its request in the engine; kvtop and /metrics show the
-models; a burst on one model takes the memory an idle one holds (the hand-over time is printed);
-kill -9 of one engine gives 503 for it only until it is back; SIGTERM stops everything cleanly.
-Needs vLLM in this Python, the serve extra, and SGLang's environment in ``KVCACHED_SGLANG_PYTHON``.
+One serve process runs through the module, in the order written: nothing is accepted while the
+engines load; the router's answers equal the engines' own; a client that leaves cancels its request
+in the engine; kvtop and /metrics show the models; a burst on one model takes the memory an idle one
+holds; a model's min stays free while a higher priority takes all it can; a higher-priority model
+gets memory from a busy lower-priority one, which shrinks no lower than its min; kill -9 of one
+engine gives 503 for it only until it is back; SIGTERM stops everything cleanly. The measured
+hand-over times are printed. Needs vLLM in this Python, the serve extra, and SGLang's environment in
+``KVCACHED_SGLANG_PYTHON``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +37,7 @@ import openai  # noqa: E402
 from kvcached.serve.processes import free_port, group_members  # noqa: E402
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from kvcached.testing.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
-from serve_session import ServeProcess, metric_value, registry_entries, serve_config  # noqa: E402
+from serve_session import ServeProcess, metric_sum, metric_value, registry_entries, serve_config  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
@@ -45,6 +49,13 @@ BUDGET = "88MiB"
 BURST = prompt_ids(16, 500, seed=11)
 BURST_TOKENS = 32
 RESTART_TIMEOUT_S = 300
+# tiny-b's guaranteed memory; tiny-a (priority 1) outranks it (priority 0).
+B_MIN_MIB = 24
+# 16 sequences of 500 + 400 tokens: 8 blocks each, more than a model's 64 MiB max; busy for many steps.
+LONG_LOAD = prompt_ids(16, 500, seed=12)
+LONG_TOKENS = 400
+# 4 sequences of 500 + 32 tokens: 20 blocks (+ the null block) = 3 page ids, within tiny-b's min.
+SMALL = prompt_ids(4, 500, seed=13)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +72,23 @@ def serve(tmp_path_factory):
         {
             # tiny-b keeps what it mapped while idle (until someone is refused), the others give it back at once.
             "tiny-a": {"env": {"KVCACHED_IDLE_RELEASE_S": "0"}},
-            "tiny-b": {"env": {"KVCACHED_IDLE_RELEASE_S": "600", "KVCACHED_IDLE_RELEASE_MAX_S": "600"}},
+            "tiny-b": {
+                "env": {"KVCACHED_IDLE_RELEASE_S": "600", "KVCACHED_IDLE_RELEASE_MAX_S": "600"},
+                "memory": {"min": f"{B_MIN_MIB}MiB"},
+            },
             "tiny-s": {"env": {"KVCACHED_IDLE_RELEASE_S": "0"}},
         },
     )
     process = ServeProcess(workdir, config, registry)
     process.start()
     try:
+        # While the engines load, the address is taken but nothing is accepted yet.
+        deadline = time.monotonic() + 120
+        while "started" not in process.log():
+            assert process.process.poll() is None and time.monotonic() < deadline, process.log()
+            time.sleep(0.1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", process.port), timeout=5).close()
         process.wait_healthy()
         yield process
     finally:
@@ -208,8 +229,8 @@ def test_a_burst_takes_the_memory_an_idle_model_holds(serve, capsys):
         watcher.join()
     after = registry_usage(serve)
     text = serve.metrics()
-    count = metric_value(text, "kvcached_serve_memory_handover_seconds_count", to_model="tiny-a", from_model="tiny-b")
-    total = metric_value(text, "kvcached_serve_memory_handover_seconds_sum", to_model="tiny-a", from_model="tiny-b")
+    count = metric_sum(text, "kvcached_serve_memory_handover_seconds_count", to_model="tiny-a")
+    total = metric_sum(text, "kvcached_serve_memory_handover_seconds_sum", to_model="tiny-a")
     assert after["tiny-b"]["mapped"] < held, "the idle model gave nothing back"
     assert peaks["tiny-a"] > 88 * MiB - held - 8 * MiB, "the burst got no more than was free"
     assert count and count >= 1, text
@@ -217,8 +238,113 @@ def test_a_burst_takes_the_memory_an_idle_model_holds(serve, capsys):
     with capsys.disabled():
         print(
             f"\nserve hand-over: tiny-b held {held / MiB:.0f} MiB idle; tiny-a's burst peaked at "
-            f"{peaks['tiny-a'] / MiB:.0f} MiB; {count:.0f} hand-over(s) from tiny-b, mean {total / count * 1000:.0f} ms "
+            f"{peaks['tiny-a'] / MiB:.0f} MiB; {count:.0f} hand-over(s) to tiny-a, mean {total / count * 1000:.0f} ms "
             f"from refusal to memory (sampled every 10 ms)"
+        )
+
+
+class Sampler:
+    """Samples every model's mapped bytes from the registry every 10 ms while a block runs."""
+
+    def __init__(self, serve) -> None:
+        self.serve, self.samples, self._done = serve, [], threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            usage = registry_usage(self.serve)
+            self.samples.append((time.monotonic(), {name: usage[name]["mapped"] for name in MODELS}))
+            time.sleep(0.01)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def peak(self, name: str) -> int:
+        return max(sample[name] for _, sample in self.samples)
+
+    def low(self, name: str, since: float) -> int:
+        return min(sample[name] for at, sample in self.samples if at >= since)
+
+
+def _in_background(model: str, serve, prompts, tokens: int) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def work() -> None:
+        answer = client(serve.url).completions.create(
+            model=model, prompt=prompts, max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
+        box["tokens"] = [choice.text for choice in answer.choices]
+        box["usage"] = answer.usage.completion_tokens
+        box["finished_at"] = time.monotonic()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread, box
+
+
+def test_a_min_holds_while_a_higher_priority_model_takes_all_it_can(serve, capsys):
+    budget = 88 * MiB
+    with Sampler(serve) as sampler:
+        greedy, result = _in_background("tiny-a", serve, LONG_LOAD, LONG_TOKENS)
+        deadline = time.monotonic() + 120
+        while registry_usage(serve)["tiny-a"]["mapped"] < 32 * MiB:
+            assert greedy.is_alive() and time.monotonic() < deadline, "tiny-a's load never grew"
+            time.sleep(0.05)
+        asked = time.monotonic()
+        _burst_of(serve, "tiny-b", SMALL)
+        got_s = time.monotonic() - asked
+        greedy.join()
+    assert result["usage"] == 16 * LONG_TOKENS
+    sglang = max(sample["tiny-s"] for _, sample in sampler.samples)
+    # tiny-a wants more than its 64 MiB max, but never gets into the room kept for tiny-b's min
+    # (one 4 MiB page id of slack for a sample taken mid-change).
+    assert sampler.peak("tiny-a") <= budget - B_MIN_MIB * MiB - sglang + 4 * MiB, sampler.peak("tiny-a")
+    # And tiny-b got its memory while tiny-a held most of the rest.
+    assert any(s["tiny-b"] >= 12 * MiB and s["tiny-a"] >= 40 * MiB for _, s in sampler.samples)
+    with capsys.disabled():
+        print(
+            f"\nserve min: tiny-a peaked at {sampler.peak('tiny-a') / MiB:.0f} MiB of {budget / MiB:.0f}; "
+            f"tiny-b's {B_MIN_MIB} MiB min stayed free; its burst took {got_s:.1f} s"
+        )
+
+
+def _burst_of(serve, model: str, prompts) -> None:
+    client(serve.url).completions.create(
+        model=model, prompt=prompts, max_tokens=BURST_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
+
+
+def test_a_higher_priority_model_gets_memory_from_a_busy_lower_priority_one(serve, capsys):
+    before = metric_sum(serve.metrics(), "kvcached_serve_memory_handover_seconds_count", to_model="tiny-a")
+    with Sampler(serve) as sampler:
+        busy, result = _in_background("tiny-b", serve, LONG_LOAD, LONG_TOKENS)
+        deadline = time.monotonic() + 120
+        while registry_usage(serve)["tiny-b"]["mapped"] < 48 * MiB:
+            assert busy.is_alive() and time.monotonic() < deadline, "tiny-b's load never grew"
+            time.sleep(0.05)
+        held = registry_usage(serve)["tiny-b"]["mapped"]
+        asked = time.monotonic()
+        _burst("tiny-a", serve)
+        took_s = time.monotonic() - asked
+        busy.join()
+    assert result["usage"] == 16 * LONG_TOKENS  # preempted, not failed
+    lowest = sampler.low("tiny-b", asked)
+    assert B_MIN_MIB * MiB <= lowest < held, (lowest, held)
+    shrank_at = next(at for at, sample in sampler.samples if at >= asked and sample["tiny-b"] < held)
+    assert shrank_at < result["finished_at"], "tiny-b gave memory back only once its load was done"
+    assert sampler.peak("tiny-a") >= 40 * MiB
+    text = serve.metrics()
+    after = metric_sum(text, "kvcached_serve_memory_handover_seconds_count", to_model="tiny-a")
+    assert after > before, text
+    with capsys.disabled():
+        print(
+            f"\nserve priority: busy tiny-b held {held / MiB:.0f} MiB and shrank to {lowest / MiB:.0f} MiB "
+            f"(its min {B_MIN_MIB} MiB) for tiny-a's burst, which took {took_s:.1f} s"
         )
 
 
