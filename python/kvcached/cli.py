@@ -22,6 +22,8 @@ from kvcached.demo.command import run_command as run_demo_command
 from kvcached.devices import backends, canonical_device_name, open_device
 from kvcached.errors import KvcachedError
 from kvcached.layout import default_layout
+from kvcached.serve.command import add_arguments as add_serve_arguments
+from kvcached.serve.command import run_command as run_serve_command
 
 
 def _format_bytes(count: int) -> str:
@@ -127,6 +129,9 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="engines sharing one device elastically vs a static split, live")
     add_demo_arguments(demo)
     demo.set_defaults(func=run_demo_command)
+    serve = sub.add_parser("serve", help="several models on one device behind one OpenAI-compatible endpoint")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve_command)
     return parser
 
 

@@ -59,6 +59,14 @@ class DemoError(KvcachedError, RuntimeError):
     """``kvcached demo``: an engine process failed, exited or did not finish in time."""
 
 
+class ServeConfigError(KvcachedError, ValueError):
+    """``kvcached serve``'s configuration cannot be used; the message names the key and what is expected."""
+
+
+class ServeError(KvcachedError, RuntimeError):
+    """``kvcached serve`` could not start or keep its engines; the message says which and why."""
+
+
 class ConfigurationError(KvcachedError, ValueError):
     """A ``KVCACHED_*`` setting cannot be used; the message names the variable, its value and what is expected."""
 
@@ -102,6 +110,8 @@ __all__ = [
     "ConfigurationError",
     "IntegrationError",
     "DemoError",
+    "ServeConfigError",
+    "ServeError",
     "BackendUnavailableError",
     "RegistryError",
     "RegistryNotFoundError",

@@ -1,0 +1,169 @@
+"""The engines ``kvcached serve`` starts: each one's command line, environment and health check.
+
+Every engine is the engine's own OpenAI-compatible server, started as ``python -m MODULE``
+in its own environment (``python:``), with kvcached switched on and named after the model,
+listening on a free local port that only the router uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from kvcached.errors import ServeConfigError
+
+if TYPE_CHECKING:
+    from kvcached.serve.config import ModelSpec, ServeConfig
+
+ENGINE_HOST = "127.0.0.1"
+# A Python that cannot even answer which modules it has is broken; this is generous for a cold disk.
+IMPORT_CHECK_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKind:
+    """How one engine's server is started and asked whether it is ready."""
+
+    name: str
+    package: str  # what its Python must be able to import
+    module: str  # its OpenAI-compatible server, run as ``python -m``
+    model_flag: str
+    #: Answers 200 only once the engine can generate (SGLang's /health answers before its scheduler is warm).
+    ready_path: str
+    owned_flags: tuple[str, ...]
+
+    def command(self, spec: ModelSpec, port: int) -> list[str]:
+        """The engine's command line: the model, its OpenAI name, the port serve chose, then ``args``."""
+        return [
+            spec.python,
+            "-m",
+            spec.module,
+            self.model_flag,
+            spec.model,
+            "--served-model-name",
+            spec.name,
+            "--host",
+            ENGINE_HOST,
+            "--port",
+            str(port),
+            *spec.args,
+        ]
+
+
+ENGINES: dict[str, EngineKind] = {
+    "vllm": EngineKind(
+        name="vllm",
+        package="vllm",
+        module="vllm.entrypoints.openai.api_server",
+        model_flag="--model",
+        ready_path="/health",
+        owned_flags=("--model", "--served-model-name", "--host", "--port"),
+    ),
+    "sglang": EngineKind(
+        name="sglang",
+        package="sglang",
+        module="sglang.launch_server",
+        model_flag="--model-path",
+        ready_path="/health_generate",
+        owned_flags=("--model-path", "--model", "--served-model-name", "--host", "--port"),
+    ),
+}
+OWNED_ARGUMENTS: dict[str, tuple[str, ...]] = {name: kind.owned_flags for name, kind in ENGINES.items()}
+
+# Settings serve decides for every engine; inherited values would name or size the wrong instance.
+POLICY_VARIABLES = (
+    "KVCACHED_ENABLE",
+    "ENABLE_KVCACHED",
+    "KVCACHED_NAME",
+    "KVCACHED_LIMIT_BYTES",
+    "KVCACHED_MIN_BYTES",
+    "KVCACHED_PRIORITY",
+)
+_VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "hip": "HIP_VISIBLE_DEVICES"}
+
+
+def _visible_device(base: Mapping[str, str], variable: str, ordinal: int) -> str:
+    """The value that shows the engine only GPU ``ordinal`` of the ones serve sees."""
+    visible = [d.strip() for d in base.get(variable, "").split(",") if d.strip()]
+    if not visible:
+        return str(ordinal)
+    if ordinal >= len(visible):
+        raise ServeConfigError(f"device: {variable}={base[variable]!r} shows no GPU {ordinal}")
+    return visible[ordinal]
+
+
+def engine_environment(spec: ModelSpec, device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: ``base`` (default: serve's own) without inherited policy settings,
+    kvcached on under the model's name with its memory policy, the one device, then ``env:``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in POLICY_VARIABLES}
+    env["KVCACHED_ENABLE"] = "1"
+    env["KVCACHED_NAME"] = spec.name
+    env["KVCACHED_MIN_BYTES"] = str(spec.memory.min_bytes)
+    env["KVCACHED_PRIORITY"] = str(spec.memory.priority)
+    if spec.memory.max_bytes is not None:
+        env["KVCACHED_LIMIT_BYTES"] = str(spec.memory.max_bytes)
+    kind, _, ordinal = device.partition(":")
+    if kind in _VISIBLE_DEVICES:
+        env[_VISIBLE_DEVICES[kind]] = _visible_device(env, _VISIBLE_DEVICES[kind], int(ordinal or 0))
+    env.update(spec.env)
+    return env
+
+
+_FIND_MODULES = (
+    "import importlib.util, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    try:\n"
+    "        found = importlib.util.find_spec(name) is not None\n"
+    "    except (ImportError, ValueError):\n"
+    "        found = False\n"
+    "    if not found:\n"
+    "        print(name)\n"
+)
+
+
+def check_environment(spec: ModelSpec, index: int, device: str) -> None:
+    """Refuses a ``python`` that cannot run the engine: it must start and find the engine's package,
+    kvcached (the engine's plugin) and the top package of ``module``, with the model's own environment."""
+    key = f"models[{index}].python"
+    wanted = list(dict.fromkeys([ENGINES[spec.engine].package, "kvcached", spec.module.split(".")[0]]))
+    try:
+        done = subprocess.run(
+            [spec.python, "-c", _FIND_MODULES, *wanted],
+            env=engine_environment(spec, device),
+            capture_output=True,
+            text=True,
+            timeout=IMPORT_CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServeConfigError(f"{key}: {spec.python!r} cannot be run: {exc}") from None
+    if done.returncode != 0:
+        tail = " ".join(done.stderr.split()[-30:])
+        raise ServeConfigError(f"{key}: {spec.python!r} failed to start (exit {done.returncode}): {tail}")
+    missing = done.stdout.split()
+    if missing:
+        raise ServeConfigError(
+            f"{key}: {spec.python!r} cannot import {', '.join(missing)} (needed to run {spec.engine} with "
+            f"kvcached as `python -m {spec.module}`); install them there or point python at the engine's environment"
+        )
+
+
+def check_environments(config: ServeConfig) -> None:
+    """:func:`check_environment` for every model, in order."""
+    for index, spec in enumerate(config.models):
+        check_environment(spec, index, config.device)
+
+
+__all__ = [
+    "ENGINES",
+    "ENGINE_HOST",
+    "OWNED_ARGUMENTS",
+    "POLICY_VARIABLES",
+    "EngineKind",
+    "check_environment",
+    "check_environments",
+    "engine_environment",
+]

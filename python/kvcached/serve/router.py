@@ -1,0 +1,217 @@
+"""The OpenAI-compatible endpoint of ``kvcached serve``: one port, requests routed on ``model``.
+
+Request and response bodies pass through unchanged (the body is parsed only to read ``model``);
+streaming responses are passed on chunk by chunk. A model not configured is a 404 and a model whose
+engine is not ready a 503 (with ``Retry-After``), both as OpenAI-style error JSON. A client that
+goes away cancels its request: the connection to the engine is closed, and vLLM and SGLang abort a
+request whose client disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Optional, Protocol
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvcached.serve.metrics import ServeMetrics
+
+logger = logging.getLogger(__name__)
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+RETRY_AFTER_S = 5
+# No read timeout: a long generation streams (or thinks) for as long as it needs.
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
+# Headers that belong to one connection, not to the request or response passed on.
+_HOP_BY_HOP = frozenset(
+    (
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    )
+)
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client that went away; logged, never sent
+ENGINE_BROKE_OFF = 502  # counted for a stream the engine ended early (the client already has a 200)
+
+
+class Route(Protocol):
+    """What the router needs of one model's engine."""
+
+    @property
+    def url(self) -> Optional[str]: ...  # the engine's base URL while it is ready, else None
+
+    @property
+    def state(self) -> Any: ...  # shown in 503 messages and /health
+
+
+class Routes(Protocol):
+    """Model name -> its engine; :class:`kvcached.serve.supervisor.Supervisor` is one."""
+
+    def route(self, name: str) -> Optional[Route]: ...
+
+
+def openai_error(status: int, message: str, error_type: str, code: str, param: Optional[str] = None) -> JSONResponse:
+    """An error in the OpenAI API's shape (what vLLM and SGLang send too)."""
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _state_text(state: Any) -> str:
+    return str(getattr(state, "value", state))
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _passed_headers(headers: Any) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+class Router:
+    """The app's request handling, around one shared HTTP client."""
+
+    def __init__(self, routes: Routes, model_names: list[str], metrics: ServeMetrics) -> None:
+        self.routes = routes
+        self.model_names = model_names
+        self.metrics = metrics
+        self.client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        data = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "kvcached"}
+            for name in self.model_names
+        ]
+        return {"object": "list", "data": data}
+
+    def health(self) -> JSONResponse:
+        """200 while every model is ready, else 503; the body gives each model's state."""
+        states = {name: _state_text(self.routes.route(name).state) for name in self.model_names}  # type: ignore[union-attr]
+        ready = all(state == "ready" for state in states.values())
+        return JSONResponse(
+            {"status": "ok" if ready else "degraded", "models": states}, status_code=200 if ready else 503
+        )
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Passes one OpenAI request to its model's engine and the answer back."""
+        started = time.monotonic()
+        body = await request.body()
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            return openai_error(400, "the request body is not a JSON object", "BadRequestError", "invalid_json")
+        if not isinstance(model, str):
+            return openai_error(400, "the request names no `model`", "BadRequestError", "model_missing", "model")
+        route = self.routes.route(model)
+        if route is None:
+            message = f"The model `{model}` does not exist. Served models: {', '.join(self.model_names)}."
+            self.metrics.request_done(model, path, 404, started, known=False)
+            return openai_error(404, message, "NotFoundError", "model_not_found", "model")
+        url = route.url
+        if url is None:
+            self.metrics.request_done(model, path, 503, started)
+            return self._unavailable(model, route)
+        upstream = self.client.build_request("POST", url + path, content=body, headers=_passed_headers(request.headers))
+        sending = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        gone = asyncio.ensure_future(_client_gone(request))
+        await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()  # a streaming response watches for the disconnect itself from here
+        if not sending.done():
+            sending.cancel()  # closes the connection: the engine aborts the request
+            self.metrics.request_done(model, path, CLIENT_CLOSED_REQUEST, started)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:
+            answer = sending.result()
+        except httpx.HTTPError as exc:
+            logger.warning("%s: engine did not answer %s: %s", model, path, str(exc) or type(exc).__name__)
+            self.metrics.request_done(model, path, 503, started)
+            return self._unavailable(model, route)
+        headers = _passed_headers(answer.headers)
+        if answer.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(
+                self._relay(answer, model, path, started), status_code=answer.status_code, headers=headers
+            )
+        try:
+            content = b"".join([chunk async for chunk in answer.aiter_raw()])
+        finally:
+            await answer.aclose()
+        self.metrics.request_done(model, path, answer.status_code, started)
+        return Response(content, status_code=answer.status_code, headers=headers)
+
+    async def _relay(self, answer: httpx.Response, model: str, path: str, started: float) -> AsyncIterator[bytes]:
+        status = answer.status_code
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:  # the engine died mid-stream: the client sees the stream end
+            status = ENGINE_BROKE_OFF
+            logger.warning("%s: engine broke off a stream on %s: %s", model, path, str(exc) or type(exc).__name__)
+        except BaseException:
+            status = CLIENT_CLOSED_REQUEST  # cancelled: the client went away mid-stream
+            raise
+        finally:
+            await answer.aclose()
+            self.metrics.request_done(model, path, status, started)
+
+    def _unavailable(self, model: str, route: Route) -> JSONResponse:
+        state = _state_text(route.state)
+        message = f"The model `{model}` is not available now (its engine is {state}); retry in a few seconds."
+        return openai_error(503, message, "ServiceUnavailableError", f"engine_{state}", "model")
+
+
+def create_app(routes: Routes, model_names: list[str], metrics: ServeMetrics) -> FastAPI:
+    """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``."""
+    router = Router(routes, model_names, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(title="kvcached serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return router.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return router.health()
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        content, content_type = metrics.exposition()
+        return Response(content, media_type=content_type)
+
+    for path in ROUTED_PATHS:
+
+        async def routed(request: Request, _path: str = path) -> Response:
+            return await router.forward(request, _path)
+
+        app.add_api_route(path, routed, methods=["POST"])
+
+    return app
+
+
+__all__ = ["ROUTED_PATHS", "Route", "Router", "Routes", "create_app", "openai_error"]

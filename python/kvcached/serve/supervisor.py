@@ -1,0 +1,258 @@
+"""Keeps every model's engine running: start, wait until it answers, watch, restart after a crash.
+
+Each model has one :class:`Engine`, whose own thread runs its life: launch the engine's server
+(its own process group, a fresh port), wait until it answers its readiness check, then wait for
+it to exit. An engine that dies is reported, the rest of its process group is killed, its registry
+entries are reclaimed (its memory returns to the budget) and it is started again after a backoff,
+at most ``restart.max_attempts`` times in a row; meanwhile the router answers 503 for it and the
+other models keep serving. An engine that fails before it was ever ready is not restarted: a bad
+model or argument would fail again, so the start of ``kvcached serve`` fails and says why.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+
+from kvcached.serve.config import ModelSpec, ServeConfig
+from kvcached.serve.engines import ENGINE_HOST, ENGINES, engine_environment
+from kvcached.serve.memory import DeviceMemory
+from kvcached.serve.processes import free_port, stop_group
+from kvcached.sizes import format_bytes
+
+logger = logging.getLogger(__name__)
+
+READY_POLL_S = 1.0
+READY_REQUEST_TIMEOUT_S = 30.0
+# An engine that served this long before it died counts as healthy: its restart count starts over.
+STABLE_AFTER_S = 300.0
+LOG_TAIL_LINES = 30
+STARTING_GRACE_S = 5.0
+
+
+class EngineState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"  # died; waiting out the backoff or starting again
+    FAILED = "failed"  # given up: never ready, or too many restarts
+    STOPPED = "stopped"
+
+
+class Engine:
+    """One model's engine process and the thread that keeps it running."""
+
+    def __init__(self, spec: ModelSpec, config: ServeConfig, memory: DeviceMemory, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self._config = config
+        self._memory = memory
+        self._kind = ENGINES[spec.engine]
+        self._stopping = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._process: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+        self.state = EngineState.STARTING
+        self.port: Optional[int] = None
+        self.started_at = time.monotonic()  # of the current launch
+        self.ready_after_s: Optional[float] = None  # of the current launch
+        self.restarts = 0  # launches after the first
+        self.crashes = 0
+        self.failure: Optional[str] = None
+        self.ever_ready = False
+
+    @property
+    def url(self) -> Optional[str]:
+        """The engine's base URL while it is ready, else None."""
+        return f"http://{ENGINE_HOST}:{self.port}" if self.state is EngineState.READY else None
+
+    @property
+    def pid(self) -> Optional[int]:
+        process = self._process
+        return process.pid if process is not None else None
+
+    def start(self) -> None:
+        """Starts the engine's thread (which launches the engine at once)."""
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.spec.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the engine's whole process group and its thread; reclaims its registry entries."""
+        self._stopping.set()
+        with self._lock:
+            process = self._process
+        if process is not None:
+            # An engine still loading has nothing to finish: it gets a short grace.
+            grace_s = self._config.stop_timeout_s if self.state is EngineState.READY else STARTING_GRACE_S
+            stop_group(process.pid, min(grace_s, self._config.stop_timeout_s))
+            process.wait()
+            self._memory.reclaim(self.spec.name)
+        if self._thread is not None:
+            self._thread.join()
+        self.state = EngineState.STOPPED
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the engine's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _launch(self) -> subprocess.Popen:
+        self.port = free_port(ENGINE_HOST)
+        command = self._kind.command(self.spec, self.port)
+        env = engine_environment(self.spec, self._config.device)
+        self.started_at = time.monotonic()
+        self.ready_after_s = None
+        with open(self.log_path, "a") as log:
+            log.write(f"\n=== kvcached serve: {' '.join(command)} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===\n")
+            log.flush()
+            process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        logger.info(
+            "%s: started %s (pid %d, port %d, log %s)",
+            self.spec.name,
+            self.spec.engine,
+            process.pid,
+            self.port,
+            self.log_path,
+        )
+        return process
+
+    def _answers(self, client: httpx.Client) -> bool:
+        try:
+            response = client.get(f"http://{ENGINE_HOST}:{self.port}{self._kind.ready_path}")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _wait_ready(self, process: subprocess.Popen) -> Optional[str]:
+        """Waits until the engine answers its readiness check; None when it does, else why not."""
+        deadline = self.started_at + self._config.startup_timeout_s
+        with httpx.Client(timeout=READY_REQUEST_TIMEOUT_S) as client:
+            while not self._stopping.is_set():
+                if process.poll() is not None:
+                    return f"exited with {_exit_text(process.returncode)} while starting"
+                if self._answers(client):
+                    return None
+                if time.monotonic() > deadline:
+                    return f"not ready within startup_timeout_s ({self._config.startup_timeout_s:.0f} s)"
+                self._stopping.wait(READY_POLL_S)
+        return "stopped"
+
+    def _clean_up(self, process: subprocess.Popen) -> None:
+        """Kills what is left of the engine's group and returns its memory to the budget."""
+        stop_group(process.pid, self._config.stop_timeout_s, force=True)
+        process.wait()
+        returned = self._memory.reclaim(self.spec.name)
+        if returned:
+            logger.warning("%s: %s of KV memory returned to the device budget", self.spec.name, format_bytes(returned))
+
+    def _run(self) -> None:
+        attempts = 0
+        while not self._stopping.is_set():
+            with self._lock:
+                if self._stopping.is_set():
+                    break
+                process = self._process = self._launch()
+            self.state = EngineState.STARTING
+            problem = self._wait_ready(process)
+            if self._stopping.is_set():
+                return
+            if problem is None:
+                self.ready_after_s = time.monotonic() - self.started_at
+                self.state, self.ever_ready = EngineState.READY, True
+                logger.info("%s: ready after %.1f s", self.spec.name, self.ready_after_s)
+                process.wait()
+                if self._stopping.is_set():
+                    return
+                self.state = EngineState.RESTARTING
+                self.crashes += 1
+                served_s = time.monotonic() - self.started_at
+                logger.error(
+                    "%s: engine exited with %s after %.0f s", self.spec.name, _exit_text(process.returncode), served_s
+                )
+                if served_s >= STABLE_AFTER_S:
+                    attempts = 0
+            else:
+                logger.error(
+                    "%s: engine %s; last lines of %s:\n%s", self.spec.name, problem, self.log_path, self.log_tail()
+                )
+            self._clean_up(process)
+            if problem is not None and not self.ever_ready:
+                self.failure, self.state = (
+                    f"{self.spec.name}: engine {problem} (log: {self.log_path})",
+                    EngineState.FAILED,
+                )
+                return
+            attempts += 1
+            if attempts > self._config.restart.max_attempts:
+                self.failure = f"{self.spec.name}: gave up after {attempts - 1} restarts (log: {self.log_path})"
+                self.state = EngineState.FAILED
+                logger.error("%s", self.failure)
+                return
+            delay_s = self._config.restart.delay_s(attempts)
+            self.state = EngineState.RESTARTING
+            logger.warning(
+                "%s: restarting in %.1f s (attempt %d of %d)",
+                self.spec.name,
+                delay_s,
+                attempts,
+                self._config.restart.max_attempts,
+            )
+            if self._stopping.wait(delay_s):
+                return
+            self.restarts += 1
+
+
+def _exit_text(returncode: Optional[int]) -> str:
+    if returncode is not None and returncode < 0:
+        return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class Supervisor:
+    """Every model's :class:`Engine`, started together and stopped together."""
+
+    def __init__(self, config: ServeConfig, memory: DeviceMemory, log_dir: Path) -> None:
+        self.config = config
+        self.engines = {spec.name: Engine(spec, config, memory, log_dir / f"{spec.name}.log") for spec in config.models}
+
+    def start(self) -> None:
+        for engine in self.engines.values():
+            engine.start()
+
+    def wait_ready(self, should_stop: Callable[[], bool], on_tick: Callable[[], None] = lambda: None) -> Optional[str]:
+        """Waits until every engine is ready; None then, else why not (a failure, or a stop request)."""
+        while True:
+            on_tick()
+            failed = [e.failure for e in self.engines.values() if e.state is EngineState.FAILED]
+            if failed:
+                return "; ".join(str(f) for f in failed)
+            if should_stop():
+                return "stopped by a signal while starting"
+            if all(e.state is EngineState.READY for e in self.engines.values()):
+                return None
+            time.sleep(0.2)
+
+    def route(self, name: str) -> Optional[Engine]:
+        """The engine serving model ``name``, or None for a model not configured."""
+        return self.engines.get(name)
+
+    def stop(self) -> None:
+        """Stops every engine at once (SIGTERM to every group, then SIGKILL after stop_timeout_s)."""
+        threads = [threading.Thread(target=engine.stop) for engine in self.engines.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
+__all__ = ["Engine", "EngineState", "Supervisor"]

@@ -1,0 +1,150 @@
+"""One ``kvcached serve`` process for the serve tests: its config (from ``examples/serve-cpu.yaml``),
+its log, and the engines it started, as its log names them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-cpu.yaml"
+START_TIMEOUT_S = 600
+_STARTED = re.compile(r"kvcached serve: (\S+): started (\w+) \(pid (\d+), port (\d+)")
+
+
+def serve_config(model_dir: Path, sglang_python: str, port: int, budget: str, models: dict[str, dict]) -> dict:
+    """examples/serve-cpu.yaml with this machine's tiny model, SGLang environment and port; ``models``
+    updates each model's keys (``env`` and ``memory`` are merged)."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config.update(listen=f"127.0.0.1:{port}", budget=budget)
+    for model in config["models"]:
+        model["model"] = str(model_dir)
+        if model["engine"] == "sglang":
+            model["python"] = sglang_python
+        extra = models.get(model["name"], {})
+        model.setdefault("env", {}).update(extra.get("env", {}))
+        model.setdefault("memory", {}).update(extra.get("memory", {}))
+    return config
+
+
+class ServeProcess:
+    """``python -m kvcached serve CONFIG`` in its own session, with a private registry."""
+
+    def __init__(self, workdir: Path, config: dict, registry_dir: Path) -> None:
+        self.workdir = workdir
+        self.config_path = workdir / "serve.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.port = int(config["listen"].rsplit(":", 1)[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "serve.log"
+        self.registry_dir = registry_dir
+        self.env = {**os.environ, "KVCACHED_REGISTRY_DIR": str(registry_dir)}
+        self.process: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvcached",
+                    "serve",
+                    str(self.config_path),
+                    "--log-dir",
+                    str(self.workdir / "logs"),
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        """Each model's latest engine as the log names it: pid (= its process group) and port."""
+        found: dict[str, dict[str, Any]] = {}
+        for name, engine, pid, port in _STARTED.findall(self.log()):
+            found[name] = {"engine": engine, "pid": int(pid), "port": int(port)}
+        return found
+
+    def all_pids(self) -> set[int]:
+        """Every engine process group serve ever started."""
+        return {int(pid) for _, _, pid, _ in _STARTED.findall(self.log())}
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+        except OSError:
+            return 0, {}
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.health()[0] != 200:
+            assert self.process.poll() is None, f"kvcached serve exited:\n{self.log()[-8000:]}"
+            assert time.monotonic() < deadline, f"kvcached serve not healthy in {timeout_s} s:\n{self.log()[-8000:]}"
+            time.sleep(1.0)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
+            return answer.read().decode()
+
+    def stop(self, timeout_s: float = 120) -> int:
+        """SIGTERM, as a service manager stops it; its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise
+
+
+def registry_entries(registry_dir: Path) -> list[dict]:
+    """The entries of the cpu registry in ``registry_dir`` (as kvctl reads them)."""
+    from kvcached.registry import open_existing
+
+    previous = os.environ.get("KVCACHED_REGISTRY_DIR")
+    os.environ["KVCACHED_REGISTRY_DIR"] = str(registry_dir)
+    try:
+        registry = open_existing("cpu")
+        return registry.entries() if registry is not None else []
+    finally:
+        if previous is None:
+            os.environ.pop("KVCACHED_REGISTRY_DIR")
+        else:
+            os.environ["KVCACHED_REGISTRY_DIR"] = previous
+
+
+def metric_value(text: str, name: str, **labels: str) -> Optional[float]:
+    """The value of one sample in Prometheus text, or None."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and line.split(" ")[0] != name:
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{key}="{want}"' in head for key, want in labels.items()):
+            return float(value)
+    return None
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{key}="{want}"' in head for key, want in labels.items()):
+            total += float(value)
+    return total

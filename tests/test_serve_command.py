@@ -1,0 +1,31 @@
+"""``kvcached serve`` without its extra installed: one line saying what to install, never a traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvcached import cli
+from kvcached.serve import command
+
+
+def test_a_missing_extra_is_one_line_naming_what_to_install(monkeypatch, capsys, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        command.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("fastapi", "yaml") else real_find_spec(name, *a),
+    )
+    assert command.missing_requirements() == ["fastapi", "PyYAML"]
+    assert cli.main(["serve", str(tmp_path / "serve.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert err == "kvcached: error: kvcached serve needs fastapi, PyYAML: pip install 'kvcached[serve]'\n"
+
+
+def test_serve_is_a_subcommand_of_kvcached(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "CONFIG.yaml" in out and "--check" in out and "--log-dir" in out
