@@ -23,9 +23,18 @@ _logger = logging.getLogger(__name__)
 
 
 def register_rank(
-    name: str, rank: RankDevice, *, limit_bytes: Optional[int], logger: Optional[logging.Logger] = None
+    name: str,
+    rank: RankDevice,
+    *,
+    limit_bytes: Optional[int],
+    logger: Optional[logging.Logger] = None,
+    owned_by_rank: bool = False,
 ) -> Any:
     """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
+
+    With ``owned_by_rank`` the entry carries the rank's own process id (not
+    this process's): ``kvctl set-limit pid:N`` then steers that rank alone,
+    and the entry goes stale when the rank's process dies.
 
     The registry exists already: the rank's process created it
     (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
@@ -41,7 +50,8 @@ def register_rank(
                 f"kvcached: no registry for {rank.device}; the rank holding it should have created it"
             )
         existing = registry.registry_for(rank.device)
-    budget = existing.register(name, limit_bytes=limit_bytes, local_device=rank.label)
+    pid = rank.pid if owned_by_rank else None
+    budget = existing.register(name, pid=pid, limit_bytes=limit_bytes, local_device=rank.label)
     (logger or _logger).info(
         "kvcached: registered %r (%s) on %s (device budget %d B, limit %s)",
         name,
@@ -54,13 +64,20 @@ def register_rank(
 
 
 def register_ranks(
-    name: str, ranks: Sequence[RankDevice], *, limit_bytes: Optional[int], logger: Optional[logging.Logger] = None
+    name: str,
+    ranks: Sequence[RankDevice],
+    *,
+    limit_bytes: Optional[int],
+    logger: Optional[logging.Logger] = None,
+    owned_by_ranks: bool = False,
 ) -> list[Any]:
     """One entry per rank (see :func:`register_rank`), all or nothing."""
     budgets: list[Any] = []
     try:
         for rank in ranks:
-            budgets.append(register_rank(name, rank, limit_bytes=limit_bytes, logger=logger))
+            budgets.append(
+                register_rank(name, rank, limit_bytes=limit_bytes, logger=logger, owned_by_rank=owned_by_ranks)
+            )
     except BaseException:
         for budget in budgets:
             budget.unregister()

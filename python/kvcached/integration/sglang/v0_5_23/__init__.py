@@ -85,6 +85,7 @@ from typing import Any, Optional
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached.errors import IntegrationError
+from kvcached.integration.common.agreed_blocks import FollowerBlocks, LeaderBlocks
 from kvcached.integration.common.front_door import PatchPoint
 from kvcached.integration.common.settings import Settings
 
@@ -97,6 +98,7 @@ from .allocators import (
 )
 from .plan import Plan, building, logger, plan_for, refusals
 from .pools import KvcachedMHATokenToKVPool, KvcachedMLATokenToKVPool
+from .ranks import AgreedPagedTokenToKVPoolAllocator, AgreedTokenToKVPoolAllocator
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -147,11 +149,14 @@ def _hook_build_allocator(
     common = dict(
         dtype=configurator.kv_cache_dtype, device=configurator.device, kvcache=token_to_kv_pool, need_sort=False
     )
-    if page_size == 1:
-        allocator = KvcachedTokenToKVPoolAllocator(sizes.max_total_num_tokens, **common)
-    else:
-        allocator = KvcachedPagedTokenToKVPoolAllocator(sizes.max_total_num_tokens, page_size=page_size, **common)
     blocks = token_to_kv_pool.kvcached_blocks
+    agreed = isinstance(blocks, (LeaderBlocks, FollowerBlocks))  # one of several ranks
+    if page_size == 1:
+        cls = AgreedTokenToKVPoolAllocator if agreed else KvcachedTokenToKVPoolAllocator
+        allocator = cls(sizes.max_total_num_tokens, **common)
+    else:
+        cls = AgreedPagedTokenToKVPoolAllocator if agreed else KvcachedPagedTokenToKVPoolAllocator
+        allocator = cls(sizes.max_total_num_tokens, page_size=page_size, **common)
     logger.info(
         "kvcached: SGLang's KV cache is %d pages of %d tokens over a virtual %d-byte space (%s)",
         blocks.num_blocks - 1,

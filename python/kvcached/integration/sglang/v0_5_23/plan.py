@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 # ServerArgs attribute -> (unsupported when, what it is). Checked before sizing,
 # so a refused engine is sized and built by SGLang alone.
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tp_size": (lambda v: (v or 1) > 1, "tensor parallelism"),
-    "pp_size": (lambda v: (v or 1) > 1, "pipeline parallelism"),
     "dp_size": (lambda v: (v or 1) > 1, "data parallelism"),
     "attn_cp_size": (lambda v: (v or 1) > 1, "context parallelism"),
     "dcp_size": (lambda v: (v or 1) > 1, "decode context parallelism"),
@@ -55,6 +53,7 @@ class Plan:
     rank: RankDevice  # the scheduler's device: the physical identity and the index it sees
     name: str
     virtual_bytes: int
+    num_ranks: int = 1  # schedulers deciding the same blocks (tensor ranks x pipeline stages)
 
     @property
     def device(self) -> str:
@@ -69,6 +68,10 @@ class Plan:
         """
         if parse_device(self.device)[0] == "host":
             keep_freed_heap(self.settings.host_heap_keep_bytes)
+        if self.num_ranks > 1:
+            from .ranks import open_agreed_blocks
+
+            return open_agreed_blocks(self, layout)
         budget = register_rank(self.name, self.rank, limit_bytes=self.settings.limit_bytes, logger=logger)
         try:
             return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
@@ -132,13 +135,19 @@ def plan_for(configurator: Any) -> Optional[Plan]:
         return None
     engine_settings = settings()
     torch_device = torch.device("cpu") if configurator.device == "cpu" else torch.device("cuda", configurator.gpu_id)
-    rank = describe_rank(torch_device, 0)  # one rank: parallel engines are refused above
+    from .ranks import agreed_virtual_bytes, engine_ranks
+
+    index, num_ranks = engine_ranks(configurator.server_args)
+    rank = describe_rank(torch_device, index)
     model = os.path.basename(str(configurator.server_args.model_path).rstrip("/")) or "model"
+    virtual_bytes = engine_settings.virtual_bytes or rank.total_bytes
     plan = Plan(
         settings=engine_settings,
         rank=rank,
         name=engine_settings.name or f"sglang:{model}:{os.getpid()}",
-        virtual_bytes=engine_settings.virtual_bytes or rank.total_bytes,
+        # Every rank must size the same pool (SGLang takes the smallest free memory of all ranks too).
+        virtual_bytes=agreed_virtual_bytes(virtual_bytes) if num_ranks > 1 else virtual_bytes,
+        num_ranks=num_ranks,
     )
     _plans[id(configurator)] = (configurator, plan)
     return plan
