@@ -156,6 +156,7 @@ class LeaderBlocks(_AgreedBlocks):
     def _apply_own(self, ops: Any) -> None:
         if ops is not None:
             self._board.publish(0, self.own.apply(ops))
+            self.blocks.poll_acknowledgements()  # this rank's unmaps go back to its budget at once
 
     def _answer(self, kind: str, value: Any) -> Any:
         ops = self.blocks.take_page_ops()
