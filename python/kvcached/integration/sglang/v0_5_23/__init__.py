@@ -10,6 +10,8 @@ retraction) and its in-process model runner holds the KV tensors
 vLLM, block ids are decided where the tensors live: one kvcached ``KVPool`` per
 scheduler process decides and maps locally, with no page-op messages.
 Its device is the rank's own GPU, or the host for SGLang's CPU engine.
+With several ranks (tensor parallelism, pipeline stages) the first rank
+decides for all of them and the others replay its answers (``ranks``).
 
 Approach
 --------
@@ -59,10 +61,9 @@ Approach
 
 Limitations
 -----------
-Refused with a logged error (SGLang then runs without kvcached): tensor, pipeline,
-data or context parallelism (each rank decides for itself, and the ranks'
-decisions must stay identical while kvcached's answers depend on each rank's own
-device budget), speculative decoding, hybrid SWA / Mamba / DSA models, HiCache,
+Refused with a logged error (SGLang then runs without kvcached): data
+parallelism and DP attention (not run: SGLang 0.5.23's CPU build fails with DP
+attention by itself), context parallelism, multi-host engines, speculative decoding, hybrid SWA / Mamba / DSA models, HiCache,
 LMCache, PD disaggregation, HiSparse, the unified memory pool, memory saver, KV
 sharding, page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
 different head dimensions. Allocations outside the scheduler's checks (none in
@@ -72,6 +73,7 @@ ROCm paths are written for but have not run.
 
 Files: ``plan`` (refusals, where and as what an engine runs), ``pools`` (KV
 pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
+``ranks`` (several ranks: one decision, replayed everywhere),
 ``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
 here the hooks that put them in SGLang's way.
 """

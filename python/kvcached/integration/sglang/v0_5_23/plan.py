@@ -30,6 +30,9 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "dp_size": (lambda v: (v or 1) > 1, "data parallelism"),
     "attn_cp_size": (lambda v: (v or 1) > 1, "context parallelism"),
     "dcp_size": (lambda v: (v or 1) > 1, "decode context parallelism"),
+    # Each attention-DP replica would decide its own blocks; not run: SGLang 0.5.23's CPU build
+    # fails with DP attention by itself ('TorchNativeAttnBackend' object has no attribute
+    # 'get_cpu_graph_seq_len_fill_value').
     "enable_dp_attention": (bool, "DP attention"),
     "speculative_algorithm": (bool, "speculative decoding"),
     "disaggregation_mode": (lambda v: str(v or "null") != "null", "PD disaggregation"),
