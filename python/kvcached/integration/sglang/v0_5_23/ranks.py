@@ -33,7 +33,7 @@ from .allocators import KvcachedPagedTokenToKVPoolAllocator, KvcachedTokenToKVPo
 
 def engine_ranks(server_args: Any) -> tuple[int, int]:
     """(this scheduler's index, the number of schedulers deciding the same KV blocks)."""
-    if (server_args.tp_size or 1) * (server_args.pp_size or 1) == 1:
+    if (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1) == 1:
         return 0, 1
     from sglang.srt.runtime_context import get_parallel
 
