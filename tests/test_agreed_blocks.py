@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 
+from follower_process import FollowerProcess
 from kvcached.errors import IntegrationError, OutOfMemoryError
 from kvcached.integration.common.agreed_blocks import LeaderBlocks
 from kvcached.integration.common.decision_channel import DecisionReceiver, DecisionSender
 from kvcached.integration.common.engine_layout import engine_layout, stage_layout
 from kvcached.integration.common.rank_devices import describe_rank
 from kvcached.registry import registry_for
-from follower_process import FollowerProcess
 
 KiB = 1 << 10
 # 100 blocks of 4 KiB in 64 KiB pages (16 blocks a page); rank 1 is a pipeline stage holding one of the two layers.

@@ -130,8 +130,7 @@ def main() -> None:
         return EngineProcess(__file__, out, spec, env, on)
 
     threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
-    if args.tp > 1:
-        threads_note = "; ".join(filter(None, [threads_note, f"tp_size={args.tp}", " ".join(f"{k}={v}" for k, v in binding.items())]))
+    tp_note = f"tp_size={args.tp}" + "".join(f", {k}={v}" for k, v in binding.items()) if args.tp > 1 else ""
     run_paired(
         out,
         "sglang_e2e_paired",
@@ -139,7 +138,7 @@ def main() -> None:
         args.passes,
         args.gap_s,
         args.timeout_s,
-        note="; ".join(filter(None, [threads_note, settings_note(args)])),
+        note="; ".join(filter(None, [threads_note, tp_note, settings_note(args)])),
         restarts=args.restarts,
     )
 

@@ -179,7 +179,9 @@ def tp2_beside_one(sglang_workdir):
             workdir,
             label,
             {"engine": engine, "phases": phases},
-            engine_env(True, registry, KVCACHED_NAME=label.replace("_", "-"), KVCACHED_IDLE_RELEASE_S=holds[label], **TWO_CORES),
+            engine_env(
+                True, registry, KVCACHED_NAME=label.replace("_", "-"), KVCACHED_IDLE_RELEASE_S=holds[label], **TWO_CORES
+            ),
         )
         for label, (engine, phases) in specs.items()
     }

@@ -92,7 +92,12 @@ class LeaderBlocks(_AgreedBlocks):
     """The deciding rank: decides with a device-less manager and sends every answer to the followers."""
 
     def __init__(
-        self, blocks: EngineBlocks, own: WorkerSpace, board: AckBoard, sender: DecisionSender, ranks: Sequence[RankDevice]
+        self,
+        blocks: EngineBlocks,
+        own: WorkerSpace,
+        board: AckBoard,
+        sender: DecisionSender,
+        ranks: Sequence[RankDevice],
     ) -> None:
         super().__init__(blocks.layout, own, ranks[0])
         self.blocks = blocks
@@ -280,7 +285,9 @@ class FollowerBlocks(_AgreedBlocks):
         if ids is None:
             raise OutOfMemoryError(f"kvcached: the deciding rank could not allocate {n} blocks for every rank")
         if len(ids) != n:
-            raise IntegrationError(f"kvcached: rank {self.rank.rank} asked for {n} blocks, the deciding rank gave {len(ids)}")
+            raise IntegrationError(
+                f"kvcached: rank {self.rank.rank} asked for {n} blocks, the deciding rank gave {len(ids)}"
+            )
         self._handed_out += len(ids)
         return ids
 
