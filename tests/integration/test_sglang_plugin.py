@@ -367,17 +367,16 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
         device="cpu",
         gpu_id=0,
     )
-    # Tensor and pipeline ranks are served (test_sglang_parallel.py); data parallelism is not.
-    assert v.refusals(configurator) == ["data parallelism", "speculative decoding"]
+    server_args.enable_dp_attention = True
+    # Tensor and pipeline ranks and data-parallel replicas are served (test_sglang_parallel.py); DP attention is not.
+    assert v.refusals(configurator) == ["DP attention", "speculative decoding"]
     with caplog.at_level(logging.ERROR, logger="kvcached.integration.sglang"):
         assert v.plan_for(configurator) is None
         assert v.plan_for(configurator) is None  # decided once
     assert caplog.text.count("kvcached is NOT active for this engine") == 1
-    assert "data parallelism, speculative decoding" in caplog.text
-    server_args.dp_size, server_args.speculative_algorithm = 1, None
+    assert "DP attention, speculative decoding" in caplog.text
+    server_args.enable_dp_attention, server_args.speculative_algorithm = False, None
     assert v.refusals(configurator) == []
-    server_args.enable_dp_attention = True
-    assert v.refusals(configurator) == ["DP attention"]
 
 
 def test_idle_engine_holds_its_memory_until_the_hold_ends_or_the_device_wants_it(v):

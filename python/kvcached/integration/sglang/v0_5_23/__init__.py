@@ -61,9 +61,9 @@ Approach
 
 Limitations
 -----------
-Refused with a logged error (SGLang then runs without kvcached): data
-parallelism and DP attention (not run: SGLang 0.5.23's CPU build fails with DP
-attention by itself), context parallelism, multi-host engines, speculative decoding, hybrid SWA / Mamba / DSA models, HiCache,
+Refused with a logged error (SGLang then runs without kvcached): DP attention
+(not run: SGLang 0.5.23's CPU build fails with it by itself), context
+parallelism, multi-host engines, speculative decoding, hybrid SWA / Mamba / DSA models, HiCache,
 LMCache, PD disaggregation, HiSparse, the unified memory pool, memory saver, KV
 sharding, page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
 different head dimensions. Allocations outside the scheduler's checks (none in

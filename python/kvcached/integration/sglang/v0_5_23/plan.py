@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 # ServerArgs attribute -> (unsupported when, what it is). Checked before sizing,
 # so a refused engine is sized and built by SGLang alone.
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "dp_size": (lambda v: (v or 1) > 1, "data parallelism"),
     "attn_cp_size": (lambda v: (v or 1) > 1, "context parallelism"),
     "dcp_size": (lambda v: (v or 1) > 1, "decode context parallelism"),
     # Each attention-DP replica would decide its own blocks; not run: SGLang 0.5.23's CPU build
