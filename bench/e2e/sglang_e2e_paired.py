@@ -26,7 +26,11 @@ model of another family from ``kvcached.testing.tiny_hybrids`` written next to
 plain pool) or ``deepseek_v2`` (MLA; on a CPU with the absorbed MLA path of
 ``kvcached.testing.sglang_mla_cpu`` in both engines).
 
-    python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1] [--model gemma3_attending]
+``--tp N`` runs both engines with N tensor-parallel ranks (``tp_size``); on a CPU
+each rank computes on its own share of the cores (``SGLANG_CPU_OMP_THREADS_BIND``,
+unless it is set already), and under kvcached the first rank decides for all of them.
+
+    python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1] [--model gemma3_attending] [--tp 2]
 
 Needs SGLang 0.5.23 and transformers in the interpreter (see bench/README.md).
 """
@@ -71,7 +75,11 @@ def serve(spec_path: str, result_fd: int) -> None:
     import sglang as sgl
 
     llm = sgl.Engine(
-        model_path=spec["model"], sleep_on_idle=True, **ENGINE, **(CPU_ENGINE if spec["cpu"] else {"dtype": "bfloat16"})
+        model_path=spec["model"],
+        sleep_on_idle=True,
+        tp_size=spec.get("tp", 1),
+        **ENGINE,
+        **(CPU_ENGINE if spec["cpu"] else {"dtype": "bfloat16"}),
     )
     llm.loop.run_until_complete(stream_all(llm, make_prompts(WARMUP_REQUESTS, 32, 128, seed=1), 8))
 
@@ -91,6 +99,15 @@ def serve(spec_path: str, result_fd: int) -> None:
     llm.shutdown()
 
 
+def cpu_binding(ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` CPU ranks an equal share of this process's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise SystemExit(f"--tp {ranks} needs at least {ranks} cores; this process may use {len(cores)}")
+    share = len(cores) // ranks
+    return "|".join(",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in range(ranks))
+
+
 def main() -> None:
     serve_if_child(serve)
     parser = paired_parser(__doc__, passes=30, timeout_s=600.0, gap_help="idle time before each pass")
@@ -108,23 +125,34 @@ def main() -> None:
         help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores)",
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model both engines serve")
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks of both engines (default 1)"
+    )
     add_setting_options(parser)
     args, out = parse_paired(parser)
     if args.torch_threads is not None and args.torch_threads < 1:
         parser.error("--torch-threads must be at least 1")
+    if args.tp < 1:
+        parser.error("--tp must be at least 1")
     model, cpu = prepare_model(out)
     if args.model != "llama":
         from kvcached.testing.tiny_hybrids import make_tiny_hybrid
 
         model = make_tiny_hybrid(args.model, out.parent / f"e2e-{args.model}")
 
+    binding = {}
+    if cpu and args.tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        binding = {"SGLANG_CPU_OMP_THREADS_BIND": cpu_binding(args.tp)}
+
     def start_engine(on: bool) -> EngineProcess:
         kvcached_on, extra = engine_settings(args, on)
         threads = {} if args.torch_threads is None else {"OMP_NUM_THREADS": str(args.torch_threads)}
-        env = dict(engine_env(kvcached_on), **threads, **MODELS[args.model], **extra)
-        return EngineProcess(__file__, out, dict(model=model, cpu=cpu, flush_cache=args.flush_cache), env, on)
+        env = dict(engine_env(kvcached_on), **threads, **MODELS[args.model], **binding, **extra)
+        spec = dict(model=model, cpu=cpu, flush_cache=args.flush_cache, tp=args.tp)
+        return EngineProcess(__file__, out, spec, env, on)
 
     threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
+    tp_note = f"tp_size={args.tp}" + "".join(f", {k}={v}" for k, v in binding.items()) if args.tp > 1 else ""
     model_note = f"model: tiny {args.model}" if args.model != "llama" else ""
     run_paired(
         out,
@@ -133,7 +161,7 @@ def main() -> None:
         args.passes,
         args.gap_s,
         args.timeout_s,
-        note="; ".join(filter(None, [model_note, threads_note, settings_note(args)])),
+        note="; ".join(filter(None, [model_note, threads_note, tp_note, settings_note(args)])),
         restarts=args.restarts,
     )
 

@@ -54,6 +54,18 @@ def registry_mapped_bytes(name: str | None) -> int | None:
     return sizes[0] if sizes else None
 
 
+def registry_rank_bytes(name: str | None) -> dict[str, int]:
+    """Bytes each rank of the instance ``name`` has mapped, by its local device ("rank1-cpu")."""
+    if not name:
+        return {}
+    from kvcached.registry import open_existing
+
+    registry = open_existing("cpu")
+    if registry is None:
+        return {}
+    return {e["local_device"]: e["mapped_bytes"] for e in registry.entries() if e["name"] == name and e["alive"]}
+
+
 def kvcached_stats(llm) -> dict | None:
     """kvcached's counters in the scheduler process (None when kvcached is not active there)."""
     states = llm.get_server_info().get("internal_states") or [{}]
@@ -73,8 +85,8 @@ def _touch(path: str | None) -> None:
         Path(path).write_text("done")
 
 
-def _generate_probing(llm, prompts, params, name: str | None) -> tuple[list, list[int]]:
-    """Generates in a thread while sampling this engine's mapped bytes every 20 ms."""
+def _generate_probing(llm, prompts, params, name: str | None) -> tuple[list, list[int], dict[str, int]]:
+    """Generates in a thread while sampling this engine's mapped bytes every 20 ms (and each rank's peak)."""
     box: dict = {}
 
     def work() -> None:
@@ -85,15 +97,18 @@ def _generate_probing(llm, prompts, params, name: str | None) -> tuple[list, lis
 
     thread = threading.Thread(target=work)
     samples: list[int] = []
+    rank_peaks: dict[str, int] = {}
     thread.start()
     while thread.is_alive():
         mapped = registry_mapped_bytes(name)
         if mapped is not None:
             samples.append(mapped)
+        for rank, size in registry_rank_bytes(name).items():
+            rank_peaks[rank] = max(size, rank_peaks.get(rank, 0))
         thread.join(0.02)
     if "error" in box:
         raise box["error"]
-    return box["outputs"], samples
+    return box["outputs"], samples, rank_peaks
 
 
 def run(spec: dict) -> dict:
@@ -113,8 +128,15 @@ def run(spec: dict) -> dict:
     llm = sgl.Engine(**kwargs)
     init_s = time.time() - t0
     info = llm.get_server_info()
-    probes = [{"label": "after_init", "mapped_bytes": registry_mapped_bytes(name), "kvcached": kvcached_stats(llm)}]
-    outputs, cached, peaks = [], [], []
+    probes = [
+        {
+            "label": "after_init",
+            "mapped_bytes": registry_mapped_bytes(name),
+            "rank_bytes": registry_rank_bytes(name),
+            "kvcached": kvcached_stats(llm),
+        }
+    ]
+    outputs, cached, peaks, rank_peaks = [], [], [], []
     for i, phase in enumerate(spec["phases"]):
         _wait_for(phase.get("wait_for"))
         if not phase.get("prompts"):  # a pure synchronisation phase; with settle_s, a probe after it
@@ -124,6 +146,7 @@ def run(spec: dict) -> dict:
                     {
                         "label": f"phase{i}_done",
                         "mapped_bytes": registry_mapped_bytes(name),
+                        "rank_bytes": registry_rank_bytes(name),
                         "kvcached": kvcached_stats(llm),
                     }
                 )
@@ -131,21 +154,29 @@ def run(spec: dict) -> dict:
             outputs.append([])
             cached.append([])
             peaks.append(None)
+            rank_peaks.append({})
             continue
         params = {"temperature": 0.0, "max_new_tokens": phase.get("max_new_tokens", 16), "ignore_eos": True}
-        result, samples = _generate_probing(llm, phase["prompts"], params, name)
+        result, samples, peaks_by_rank = _generate_probing(llm, phase["prompts"], params, name)
         outputs.append([list(r["output_ids"]) for r in result])
         cached.append([r["meta_info"].get("cached_tokens", 0) for r in result])
         peaks.append(max(samples) if samples else None)
+        rank_peaks.append(peaks_by_rank)
         time.sleep(phase.get("settle_s", 1.0))  # the scheduler goes idle and gives memory back
         probes.append(
-            {"label": f"phase{i}_done", "mapped_bytes": registry_mapped_bytes(name), "kvcached": kvcached_stats(llm)}
+            {
+                "label": f"phase{i}_done",
+                "mapped_bytes": registry_mapped_bytes(name),
+                "rank_bytes": registry_rank_bytes(name),
+                "kvcached": kvcached_stats(llm),
+            }
         )
         _touch(phase.get("signal"))
     result = {
         "outputs": outputs,
         "cached_tokens": cached,
         "peak_mapped_bytes": peaks,
+        "peak_rank_bytes": rank_peaks,
         "probes": probes,
         "max_total_num_tokens": info.get("max_total_num_tokens"),
         "init_s": init_s,

@@ -347,6 +347,8 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
 
     server_args = SimpleNamespace(
         tp_size=2,
+        pp_size=2,
+        dp_size=2,
         speculative_algorithm="EAGLE",
         enable_hierarchical_cache=False,
         disaggregation_mode="null",
@@ -365,13 +367,15 @@ def test_unsupported_configurations_are_refused_before_sizing(v, caplog):
         device="cpu",
         gpu_id=0,
     )
-    assert v.refusals(configurator) == ["tensor parallelism", "speculative decoding"]
+    server_args.enable_dp_attention = True
+    # Tensor and pipeline ranks and data-parallel replicas are served (test_sglang_parallel.py); DP attention is not.
+    assert v.refusals(configurator) == ["DP attention", "speculative decoding"]
     with caplog.at_level(logging.ERROR, logger="kvcached.integration.sglang"):
         assert v.plan_for(configurator) is None
         assert v.plan_for(configurator) is None  # decided once
     assert caplog.text.count("kvcached is NOT active for this engine") == 1
-    assert "tensor parallelism, speculative decoding" in caplog.text
-    server_args.tp_size, server_args.speculative_algorithm = 1, None
+    assert "DP attention, speculative decoding" in caplog.text
+    server_args.enable_dp_attention, server_args.speculative_algorithm = False, None
     assert v.refusals(configurator) == []
 
 

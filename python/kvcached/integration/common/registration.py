@@ -30,8 +30,13 @@ def register_rank(
     min_bytes: int = 0,
     priority: int = 0,
     logger: Optional[logging.Logger] = None,
+    owned_by_rank: bool = False,
 ) -> Any:
     """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
+
+    With ``owned_by_rank`` the entry carries the rank's own process id (not
+    this process's): ``kvctl set-limit pid:N`` then steers that rank alone,
+    and the entry goes stale when the rank's process dies.
 
     The registry exists already: the rank's process created it
     (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
@@ -48,8 +53,9 @@ def register_rank(
                 f"kvcached: no registry for {rank.device}; the rank holding it should have created it"
             )
         existing = registry.registry_for(rank.device)
+    pid = rank.pid if owned_by_rank else None
     budget = existing.register(
-        name, limit_bytes=limit_bytes, local_device=rank.label, min_bytes=min_bytes, priority=priority
+        name, pid=pid, limit_bytes=limit_bytes, local_device=rank.label, min_bytes=min_bytes, priority=priority
     )
     (logger or _logger).info(
         "kvcached: registered %r (%s) on %s (device budget %d B, limit %s, min %d B, priority %d)",
@@ -72,6 +78,7 @@ def register_ranks(
     min_bytes: int = 0,
     priority: int = 0,
     logger: Optional[logging.Logger] = None,
+    owned_by_ranks: bool = False,
 ) -> list[Any]:
     """One entry per rank (see :func:`register_rank`), all or nothing."""
     budgets: list[Any] = []
@@ -79,7 +86,13 @@ def register_ranks(
         for rank in ranks:
             budgets.append(
                 register_rank(
-                    name, rank, limit_bytes=limit_bytes, min_bytes=min_bytes, priority=priority, logger=logger
+                    name,
+                    rank,
+                    limit_bytes=limit_bytes,
+                    min_bytes=min_bytes,
+                    priority=priority,
+                    logger=logger,
+                    owned_by_rank=owned_by_ranks,
                 )
             )
     except BaseException:

@@ -10,6 +10,8 @@ retraction) and its in-process model runner holds the KV tensors
 vLLM, block ids are decided where the tensors live: one kvcached ``KVPool`` per
 scheduler process decides and maps locally, with no page-op messages.
 Its device is the rank's own GPU, or the host for SGLang's CPU engine.
+With several ranks (tensor parallelism, pipeline stages) the first rank
+decides for all of them and the others replay its answers (``ranks``).
 
 Approach
 --------
@@ -59,11 +61,10 @@ Approach
 
 Limitations
 -----------
-Refused with a logged error (SGLang then runs without kvcached): tensor, pipeline,
-data or context parallelism (each rank decides for itself, and the ranks'
-decisions must stay identical while kvcached's answers depend on each rank's own
-device budget), speculative decoding, SGLang's hybrid SWA and Mamba / linear-attention
-pools (``model_families`` says why), DSA models, HiCache,
+Refused with a logged error (SGLang then runs without kvcached): DP attention
+(not run: SGLang 0.5.23's CPU build fails with it by itself), context
+parallelism, multi-host engines, speculative decoding, SGLang's hybrid SWA and
+Mamba / linear-attention pools (``model_families`` says why), DSA models, HiCache,
 LMCache, PD disaggregation, HiSparse, the unified memory pool, memory saver, KV
 sharding, page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
 different head dimensions. Allocations outside the scheduler's checks (none in
@@ -74,6 +75,7 @@ ROCm paths are written for but have not run.
 Files: ``plan`` (refusals, where and as what an engine runs), ``model_families``
 (which pool families are backed, and why not the others), ``pools`` (KV
 pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
+``ranks`` (several ranks: one decision, replayed everywhere),
 ``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
 here the hooks that put them in SGLang's way.
 """
@@ -87,6 +89,7 @@ from typing import Any, Optional
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached.errors import IntegrationError
+from kvcached.integration.common.agreed_blocks import FollowerBlocks, LeaderBlocks
 from kvcached.integration.common.front_door import PatchPoint
 from kvcached.integration.common.settings import Settings
 
@@ -99,6 +102,7 @@ from .allocators import (
 )
 from .plan import Plan, building, logger, plan_for, refusals
 from .pools import KvcachedMHATokenToKVPool, KvcachedMLATokenToKVPool
+from .ranks import AgreedPagedTokenToKVPoolAllocator, AgreedTokenToKVPoolAllocator
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -149,11 +153,14 @@ def _hook_build_allocator(
     common = dict(
         dtype=configurator.kv_cache_dtype, device=configurator.device, kvcache=token_to_kv_pool, need_sort=False
     )
-    if page_size == 1:
-        allocator = KvcachedTokenToKVPoolAllocator(sizes.max_total_num_tokens, **common)
-    else:
-        allocator = KvcachedPagedTokenToKVPoolAllocator(sizes.max_total_num_tokens, page_size=page_size, **common)
     blocks = token_to_kv_pool.kvcached_blocks
+    agreed = isinstance(blocks, (LeaderBlocks, FollowerBlocks))  # one of several ranks
+    if page_size == 1:
+        cls = AgreedTokenToKVPoolAllocator if agreed else KvcachedTokenToKVPoolAllocator
+        allocator = cls(sizes.max_total_num_tokens, **common)
+    else:
+        cls = AgreedPagedTokenToKVPoolAllocator if agreed else KvcachedPagedTokenToKVPoolAllocator
+        allocator = cls(sizes.max_total_num_tokens, page_size=page_size, **common)
     logger.info(
         "kvcached: SGLang's KV cache is %d pages of %d tokens over a virtual %d-byte space (%s)",
         blocks.num_blocks - 1,

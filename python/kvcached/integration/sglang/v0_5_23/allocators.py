@@ -68,7 +68,7 @@ class _KvcachedAllocator:
         # SGLang aborts its last request when even it cannot grow. Memory other
         # engines hold comes back as their requests finish: wait for it a while.
         deadline = time.monotonic() + LAST_REQUEST_WAIT_S
-        while time.monotonic() < deadline:
+        while self._keep_waiting(deadline):
             time.sleep(0.05)
             self.evict_to_free_tokens(tree_cache, num_tokens)
             if self.secure_tokens(num_tokens):
@@ -104,7 +104,7 @@ class _KvcachedAllocator:
         """
         if self._trimmed:
             return True
-        if not self.idle.due():
+        if not self._idle_due():
             return False
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -115,6 +115,12 @@ class _KvcachedAllocator:
         self.kvcached_blocks.trim()
         self._trimmed = True
         return True
+
+    def _idle_due(self) -> bool:
+        return self.idle.due()
+
+    def _keep_waiting(self, deadline: float) -> bool:
+        return time.monotonic() < deadline
 
     def kvcached_stats(self) -> dict:
         stats = self.kvcached_blocks.stats()

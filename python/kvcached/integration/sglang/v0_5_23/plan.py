@@ -29,11 +29,11 @@ logger = logging.getLogger(__name__)
 # ServerArgs attribute -> (unsupported when, what it is). Checked before sizing,
 # so a refused engine is sized and built by SGLang alone.
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tp_size": (lambda v: (v or 1) > 1, "tensor parallelism"),
-    "pp_size": (lambda v: (v or 1) > 1, "pipeline parallelism"),
-    "dp_size": (lambda v: (v or 1) > 1, "data parallelism"),
     "attn_cp_size": (lambda v: (v or 1) > 1, "context parallelism"),
     "dcp_size": (lambda v: (v or 1) > 1, "decode context parallelism"),
+    # Each attention-DP replica would decide its own blocks; not run: SGLang 0.5.23's CPU build
+    # fails with DP attention by itself ('TorchNativeAttnBackend' object has no attribute
+    # 'get_cpu_graph_seq_len_fill_value').
     "enable_dp_attention": (bool, "DP attention"),
     "speculative_algorithm": (bool, "speculative decoding"),
     "disaggregation_mode": (lambda v: str(v or "null") != "null", "PD disaggregation"),
@@ -57,6 +57,7 @@ class Plan:
     rank: RankDevice  # the scheduler's device: the physical identity and the index it sees
     name: str
     virtual_bytes: int
+    num_ranks: int = 1  # schedulers deciding the same blocks (tensor ranks x pipeline stages)
 
     @property
     def device(self) -> str:
@@ -71,6 +72,10 @@ class Plan:
         """
         if parse_device(self.device)[0] == "host":
             keep_freed_heap(self.settings.host_heap_keep_bytes)
+        if self.num_ranks > 1:
+            from .ranks import open_agreed_blocks
+
+            return open_agreed_blocks(self, layout)
         budget = register_rank(
             self.name,
             self.rank,
@@ -140,13 +145,19 @@ def plan_for(configurator: Any) -> Optional[Plan]:
         return None
     engine_settings = settings()
     torch_device = torch.device("cpu") if configurator.device == "cpu" else torch.device("cuda", configurator.gpu_id)
-    rank = describe_rank(torch_device, 0)  # one rank: parallel engines are refused above
+    from .ranks import agreed_virtual_bytes, engine_ranks
+
+    index, num_ranks = engine_ranks(configurator.server_args)
+    rank = describe_rank(torch_device, index)
     model = os.path.basename(str(configurator.server_args.model_path).rstrip("/")) or "model"
+    virtual_bytes = engine_settings.virtual_bytes or rank.total_bytes
     plan = Plan(
         settings=engine_settings,
         rank=rank,
         name=engine_settings.name or f"sglang:{model}:{os.getpid()}",
-        virtual_bytes=engine_settings.virtual_bytes or rank.total_bytes,
+        # Every rank must size the same pool (SGLang takes the smallest free memory of all ranks too).
+        virtual_bytes=agreed_virtual_bytes(virtual_bytes) if num_ranks > 1 else virtual_bytes,
+        num_ranks=num_ranks,
     )
     _plans[id(configurator)] = (configurator, plan)
     return plan
