@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.testing.tiny_hybrids import check_outputs_read_context, make_tiny_hybrid, with_context_changed
 from kvcached.testing.tiny_llama import prompt_ids
 
@@ -12,7 +13,7 @@ PROMPTS = with_context_changed(prompt_ids(4, 200, seed=1, shared_prefix=130))
 
 def test_the_last_prompt_is_the_first_prompts_last_token_in_the_second_prompts_context():
     assert len(PROMPTS) == 5 and PROMPTS[-1][-1] == PROMPTS[0][-1] and PROMPTS[-1][:-1] == PROMPTS[1][:-1]
-    with pytest.raises(ValueError, match="same token"):
+    with pytest.raises(InvalidArgumentError, match="same token"):
         with_context_changed([[5, 7], [6, 7]])
 
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.testing.tiny_llama import TINY_LLAMA
 
 #: Standard deviation of every weight matrix (conv kernels aside) of a tiny model.
@@ -306,7 +307,7 @@ def with_context_changed(prompts: list[list[int]]) -> list[list[int]]:
     so that greedy outputs show whether a model reads its KV cache (see
     :func:`check_outputs_read_context`)."""
     if prompts[0][-1] == prompts[1][-1]:
-        raise ValueError("the first two prompts end in the same token: they give no other context")
+        raise InvalidArgumentError("the first two prompts end in the same token: pass prompts that end differently")
     return [*prompts, prompts[1][:-1] + prompts[0][-1:]]
 
 
