@@ -21,14 +21,22 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 pytest.importorskip("transformers")
 
-from kvcached.testing.tiny_hybrids import SLIDING_WINDOW, WHISPER_DECODER_PROMPT, make_tiny_hybrid  # noqa: E402
+from kvcached.testing.tiny_hybrids import (  # noqa: E402
+    SLIDING_WINDOW,
+    WHISPER_DECODER_PROMPT,
+    check_outputs_read_context,
+    make_tiny_hybrid,
+    with_context_changed,
+)
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from kvcached.testing.vllm_runs import MiB, engine_env, peak, probe, run_side_by_side  # noqa: E402
 
 # A shared prefix (prefix hits across the groups), then long prompts: 500
 # tokens grow past 512 while decoding, so every sliding-window group drops the
-# blocks its window left behind while the requests still run.
-SHARED = {"prompts": prompt_ids(4, 200, seed=1, shared_prefix=130), "max_tokens": 8}
+# blocks its window left behind while the requests still run. The shared phase
+# ends with the first prompt's last token after the second's context: its output
+# must differ from the first's, or the model ignores its KV cache.
+SHARED = {"prompts": with_context_changed(prompt_ids(4, 200, seed=1, shared_prefix=130)), "max_tokens": 8}
 PROMPT_TOKENS, NEW_TOKENS = 500, 32
 #: Per family: how many long requests (enough to fill several kvcached pages), a
 #: limit below their peak, whether vLLM caches prefixes, the KV dtype its CPU
@@ -74,6 +82,7 @@ def _run_family(workdir: Path, family: str) -> dict[str, dict]:
         "dtype": options.get("dtype", "float32"),
     }
     if options.get("audio"):  # the decoder's prompt is Whisper's task tokens; the encoder's a clip
+        # (the context that differs between the two requests: their clips, read by cross attention)
         shared = {"prompts": [WHISPER_DECODER_PROMPT] * 2, "audio_seconds": [3, 4], "max_tokens": 8}
         load = {**load, "prompts": [WHISPER_DECODER_PROMPT] * options["requests"]}
         load["audio_seconds"] = [2 + j for j in range(options["requests"])]
@@ -117,6 +126,7 @@ def test_every_group_is_backed_by_kvcached(family_runs):
 @pytest.mark.parametrize("family_runs", ALL, indirect=True)
 def test_greedy_outputs_match_without_kvcached(family_runs):
     _, base, kv, _ = family_runs
+    check_outputs_read_context(base["outputs"][0])  # else matching outputs would prove nothing
     assert kv["outputs"] == base["outputs"]
 
 
@@ -221,6 +231,7 @@ def gemma3_parallel(vllm_workdir):
 
 def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3_parallel):
     base, kv = gemma3_parallel["tp2_base"], gemma3_parallel["tp2_kv"]
+    check_outputs_read_context(base["outputs"][0])
     assert kv["outputs"] == base["outputs"]
     page_costs = [m["page_id_bytes"] for m in probe(kv, "phase1_done")["engine"]["mirrors"]]
     running = [p for p in kv["probes"] if p["label"] == "phase1_running"]
@@ -234,6 +245,7 @@ def test_tensor_parallel_hybrid_outputs_match_and_every_rank_follows_load(gemma3
 
 def test_pipeline_parallel_hybrid_outputs_match_and_each_stage_holds_its_layers(gemma3_parallel):
     base, kv = gemma3_parallel["pp2_base"], gemma3_parallel["pp2_kv"]
+    check_outputs_read_context(base["outputs"][0])
     assert kv["outputs"] == base["outputs"]
     # Each stage's KV space backs only its own three layers (every group's
     # layers there: sliding-window ones on both, the full-attention one on the second).

@@ -24,7 +24,11 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 pytest.importorskip("transformers")
 
-from kvcached.testing.tiny_hybrids import make_tiny_hybrid  # noqa: E402
+from kvcached.testing.tiny_hybrids import (  # noqa: E402
+    check_outputs_read_context,
+    make_tiny_hybrid,
+    with_context_changed,
+)
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from kvcached.testing.vllm_runs import engine_env, peak, probe, run_side_by_side  # noqa: E402
 
@@ -41,7 +45,8 @@ SPEC = {
     "max_num_batched_tokens": 8192,
     "max_model_len": 1024,
     "phases": [
-        {"prompts": prompt_ids(4, 200, seed=1, shared_prefix=130), "max_tokens": 8},
+        # The last: the first's last token in another context (see check_outputs_read_context).
+        {"prompts": with_context_changed(prompt_ids(4, 200, seed=1, shared_prefix=130)), "max_tokens": 8},
         # 8 requests of 500 + 32 tokens: 34 blocks each.
         {"prompts": prompt_ids(8, 500, seed=11), "max_tokens": 32, "probe_during": True},
     ],
@@ -77,6 +82,7 @@ def test_the_latent_cache_is_backed_by_kvcached(mla_runs):
 
 
 def test_greedy_outputs_match_without_kvcached(mla_runs):
+    check_outputs_read_context(mla_runs["mla_base"]["outputs"][0])  # else matching outputs would prove nothing
     assert mla_runs["mla_kv"]["outputs"] == mla_runs["mla_base"]["outputs"]
 
 

@@ -12,12 +12,15 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from kvcached.errors import InvalidArgumentError
 from kvcached.testing.tiny_llama import TINY_LLAMA
 
 #: Standard deviation of every weight matrix (conv kernels aside) of a tiny model.
 WEIGHT_STD = 0.08
-#: Families whose embeddings are drawn smaller: Gemma multiplies them by sqrt(hidden_size) = 16.
-_EMBEDDING_STD = {"gemma3_attending": WEIGHT_STD / 16}
+#: Families whose embeddings are drawn smaller: Gemma multiplies them by sqrt(hidden_size) = 16 and
+#: reads its logits through them, so at the common scale the embedding dominates the residual
+#: stream and the model repeats its last token whatever its KV cache holds.
+_EMBEDDING_STD = {name: WEIGHT_STD / 16 for name in ("gemma3", "gemma3_attending", "gemma3_all_full", "gemma4")}
 
 #: Tokens a sliding-window layer keeps: one 128-token block (vLLM keeps the blocks the window touches).
 SLIDING_WINDOW = 128
@@ -39,12 +42,13 @@ _COMMON = dict(
 
 
 def _gemma3(sliding: bool = True) -> tuple[Any, Any]:
-    """Gemma 3 text: five sliding-window layers to one full-attention layer (or all full)."""
+    """Gemma 3 text: five sliding-window layers to one full-attention layer (or all full), with
+    tied embeddings as Gemma 3 ships (SGLang ties them whatever the config says)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     first = "sliding_attention" if sliding else "full_attention"
     config = Gemma3TextConfig(
-        **_COMMON,
+        **{**_COMMON, "tie_word_embeddings": True},
         num_hidden_layers=6,
         sliding_window=SLIDING_WINDOW,
         query_pre_attn_scalar=64,
@@ -260,18 +264,9 @@ def whisper_audio(seconds: float, seed: int) -> Any:
     return (np.random.default_rng(seed).standard_normal(int(seconds * rate)).astype(np.float32) * 0.1, rate)
 
 
-def _gemma3_attending() -> tuple[Any, Any]:
-    """Gemma 3 with tied embeddings (as SGLang serves it), for which :func:`make_tiny_hybrid` draws
-    small embeddings: Gemma scales them by sqrt(hidden_size), and at the common scale they dominate
-    the residual stream, so the model repeats its last token whatever its KV cache holds."""
-    config, model_class = _gemma3()
-    config.tie_word_embeddings = True
-    return config, model_class
-
-
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3": _gemma3,
-    "gemma3_attending": _gemma3_attending,
+    "gemma3_attending": _gemma3,  # the same model, by the name SGLang's tests and benchmark use
     "gemma3_all_full": lambda: _gemma3(sliding=False),  # the same model, every layer at full attention
     "gpt_oss": _gpt_oss,
     "qwen3_next": _qwen3_next,
@@ -307,4 +302,29 @@ def make_tiny_hybrid(family: str, path: str | os.PathLike, seed: int = 0) -> str
     return str(path)
 
 
-__all__ = ["FAMILIES", "SLIDING_WINDOW", "WHISPER_DECODER_PROMPT", "make_tiny_hybrid", "whisper_audio"]
+def with_context_changed(prompts: list[list[int]]) -> list[list[int]]:
+    """``prompts`` and, last, the second with the first's last token: that token in another context,
+    so that greedy outputs show whether a model reads its KV cache (see
+    :func:`check_outputs_read_context`)."""
+    if prompts[0][-1] == prompts[1][-1]:
+        raise InvalidArgumentError("the first two prompts end in the same token: pass prompts that end differently")
+    return [*prompts, prompts[1][:-1] + prompts[0][-1:]]
+
+
+def check_outputs_read_context(outputs: list[list[int]]) -> None:
+    """Raises ``AssertionError`` unless the greedy outputs of :func:`with_context_changed`'s prompts
+    depend on context: identical outputs with and without kvcached prove its pages right only if
+    the model reads them (a tiny random model may repeat its last token whatever they hold)."""
+    assert any(len(set(tokens)) > 2 for tokens in outputs), f"every output repeats a token or two: {outputs}"
+    assert outputs[0] != outputs[-1], f"the same last token in another context gave the same output: {outputs}"
+
+
+__all__ = [
+    "FAMILIES",
+    "SLIDING_WINDOW",
+    "WHISPER_DECODER_PROMPT",
+    "check_outputs_read_context",
+    "make_tiny_hybrid",
+    "whisper_audio",
+    "with_context_changed",
+]
