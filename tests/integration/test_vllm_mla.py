@@ -98,15 +98,9 @@ def test_memory_grows_with_load_and_returns_when_idle(mla_runs):
 
 
 def test_a_tight_limit_batches_as_vllms_own_pool_of_that_size(mla_runs):
+    # Compared with vLLM's own pool of the limit's size, not with the unlimited run: vLLM's CPU
+    # MLA gives other greedy outputs when fewer requests share a step, with or without kvcached.
     tight = mla_runs["mla_tight"]
     assert peak(mla_runs["mla_kv"], "phase1_running") > LIMIT_BYTES  # the load does not fit at once
     assert peak(tight, "phase1_running") <= LIMIT_BYTES
     assert tight["outputs"] == mla_runs["mla_base_small"]["outputs"]
-
-
-def test_vllm_cpu_mla_outputs_depend_on_batching_without_kvcached(mla_runs):
-    """Why the limited run is compared with vLLM's small pool: vLLM alone, with
-    fewer blocks (so fewer requests per step), gives other greedy outputs."""
-    base, small = mla_runs["mla_base"]["outputs"], mla_runs["mla_base_small"]["outputs"]
-    assert small[0] == base[0]  # the short phase fits either pool: the same batches
-    assert small[1] != base[1]
