@@ -186,6 +186,9 @@ def test_kvtop_without_a_terminal_streams_plain_snapshots(env, registry):
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # Ctrl-C as a terminal sends it, even where this test's runner was started with SIGINT
+        # ignored (a background job of a shell), which the child would otherwise inherit.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = b""
     try:
