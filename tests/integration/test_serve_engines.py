@@ -35,13 +35,20 @@ if not Path(SGLANG_PYTHON).is_file():
 import openai  # noqa: E402
 
 from kvcached.serve.processes import free_port, group_members  # noqa: E402
+from kvcached.testing.serve_session import (  # noqa: E402
+    ServeProcess,
+    metric_sum,
+    metric_value,
+    registry_entries,
+    serve_config,
+)
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from kvcached.testing.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
-from serve_session import ServeProcess, metric_sum, metric_value, registry_entries, serve_config  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 MiB = 1 << 20
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-cpu.yaml"
 MODELS = ("tiny-a", "tiny-b", "tiny-s")
 BUDGET = "88MiB"
 # 16 sequences of 500 + 32 tokens: 5 blocks of 128 each, 80 blocks (+ the null block) = 11 page ids
@@ -65,6 +72,7 @@ def serve(tmp_path_factory):
     registry = workdir / "registry"
     registry.mkdir()
     config = serve_config(
+        EXAMPLE,
         model,
         SGLANG_PYTHON,
         free_port(),

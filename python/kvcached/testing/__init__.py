@@ -4,6 +4,8 @@
   (nothing downloaded) and deterministic token-id prompts.
 - :mod:`kvcached.testing.sglang_env`: SGLang's Python runtime on a CPU, in this process
   and the ones it starts (the import stub and torchvision shim in ``sglang_cpu/``).
+- :mod:`kvcached.testing.serve_session`: one ``kvcached serve`` process (config, log, health,
+  ``/metrics``, SIGTERM) and its registry's entries.
 
 Nothing here is imported by kvcached itself; the modules import their heavy
 dependencies (torch, transformers, pytest) only when called.

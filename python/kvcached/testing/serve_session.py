@@ -1,5 +1,5 @@
-"""One ``kvcached serve`` process for the serve tests: its config (from ``examples/serve-cpu.yaml``),
-its log, and the engines it started, as its log names them."""
+"""One ``kvcached serve`` process for the serve tests and benchmarks: its config (from
+``examples/serve-cpu.yaml``), its log, and the engines it started, as its log names them."""
 
 from __future__ import annotations
 
@@ -16,16 +16,20 @@ from typing import Any, Optional
 
 import yaml
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-cpu.yaml"
 START_TIMEOUT_S = 600
 _STARTED = re.compile(r"kvcached serve: (\S+): started (\w+) \(pid (\d+), port (\d+)")
 
 
-def serve_config(model_dir: Path, sglang_python: str, port: int, budget: str, models: dict[str, dict]) -> dict:
-    """examples/serve-cpu.yaml with this machine's tiny model, SGLang environment and port; ``models``
-    updates each model's keys (``env`` and ``memory`` are merged)."""
-    config = yaml.safe_load(EXAMPLE.read_text())
+def serve_config(
+    example: Path, model_dir: Path, sglang_python: Optional[str], port: int, budget: str, models: dict[str, dict]
+) -> dict:
+    """``example`` (examples/serve-cpu.yaml) with this machine's tiny model, SGLang environment and
+    port; ``models`` updates each model's keys (``env`` and ``memory`` are merged). With no
+    ``sglang_python`` the SGLang models are left out."""
+    config = yaml.safe_load(Path(example).read_text())
     config.update(listen=f"127.0.0.1:{port}", budget=budget)
+    if sglang_python is None:
+        config["models"] = [model for model in config["models"] if model["engine"] != "sglang"]
     for model in config["models"]:
         model["model"] = str(model_dir)
         if model["engine"] == "sglang":
