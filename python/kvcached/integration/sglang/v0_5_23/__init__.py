@@ -58,6 +58,10 @@ Approach
   (``PoolStatsObserver``) counts slots, whatever memory allows.
 * Each engine registers in its device's registry (``KVCACHED_NAME``), so
   ``kvctl`` shows it and ``kvctl set-limit`` steers it while it runs.
+* Busy and over its limit in force (a higher priority's reclaim target,
+  ``kvctl set-limit``): before each step the engine evicts cached prefixes,
+  then its decode check has SGLang retract requests, until its blocks in use
+  fit; the step's end unmaps the pages freed (``shrink``).
 
 Limitations
 -----------
@@ -76,6 +80,7 @@ Files: ``plan`` (refusals, where and as what an engine runs), ``model_families``
 (which pool families are backed, and why not the others), ``pools`` (KV
 pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
 ``ranks`` (several ranks: one decision, replayed everywhere),
+``shrink`` (giving memory back while busy, when asked to hold less),
 ``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
 here the hooks that put them in SGLang's way.
 """
@@ -103,6 +108,7 @@ from .allocators import (
 from .plan import Plan, building, logger, plan_for, refusals
 from .pools import KvcachedMHATokenToKVPool, KvcachedMLATokenToKVPool
 from .ranks import AgreedPagedTokenToKVPoolAllocator, AgreedTokenToKVPoolAllocator
+from .shrink import evict_while_over
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -176,10 +182,16 @@ def _allocator_of(scheduler: Any) -> Optional[_KvcachedAllocator]:
     return allocator if isinstance(allocator, _KvcachedAllocator) else None
 
 
-def _hook_after_get_next_batch_to_run(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def _hook_get_next_batch_to_run(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     allocator = _allocator_of(scheduler)
-    if allocator is not None:
-        allocator.end_step()  # this step's allocations are done: unused secured memory goes back
+    if allocator is None:
+        return original(scheduler, *args, **kwargs)
+    # Asked to hold less (docs/memory-policy.md): cached prefixes go before the step; if that
+    # is not enough, the step's decode check has SGLang retract requests (shrink).
+    evict_while_over(allocator, scheduler.tree_cache)
+    plan = original(scheduler, *args, **kwargs)
+    allocator.end_step()  # allocations done: unused secured memory, and pages beyond the limit, go back
+    return plan
 
 
 def _hook_sleep_on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -218,7 +230,7 @@ HOOKS: list[tuple[str, Any, str]] = [
     (f"{_CONFIGURATOR}._profile_available_bytes", _hook_profile_available_bytes, "AROUND"),
     (f"{_CONFIGURATOR}._resolve_kv_pool_class", _hook_resolve_kv_pool_class, "AROUND"),
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", _hook_build_allocator, "AROUND"),
-    (f"{_SCHEDULER}.get_next_batch_to_run", _hook_after_get_next_batch_to_run, "AFTER"),
+    (f"{_SCHEDULER}.get_next_batch_to_run", _hook_get_next_batch_to_run, "AROUND"),
     (f"{_SCHEDULER}.maybe_sleep_on_idle", _hook_sleep_on_idle, "AROUND"),
     (f"{_SCHEDULER}.get_internal_state", _hook_after_get_internal_state, "AFTER"),
     (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),

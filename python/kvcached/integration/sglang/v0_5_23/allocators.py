@@ -16,6 +16,7 @@ from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.idle import IdleRelease
 
 from . import plan as _plan
+from .shrink import evict_while_over
 from .sleep_waker import SleepWaker
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class _KvcachedAllocator:
     def check_decode_capacity(
         self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
     ) -> bool:
+        if requests is not None and len(requests) > 1 and evict_while_over(self, tree_cache) > 0:
+            return False  # over the limit in force (shrink): SGLang retracts a request and asks again
         self.evict_to_free_tokens(tree_cache, num_tokens)  # SGLang's: the radix cache first
         if self.secure_tokens(num_tokens):
             return True
@@ -87,6 +90,11 @@ class _KvcachedAllocator:
         # give memory back (want() ignores a no that came from its own limit).
         self.kvcached_blocks.want_more()
         return False
+
+    def pages_over_limit(self) -> int:
+        """Page ids of blocks in use beyond the limit in force (``docs/memory-policy.md``); 0 within it."""
+        blocks = self.kvcached_blocks
+        return blocks.pages_over_limit() if blocks.asked_to_shrink() else 0
 
     def secured_tokens(self) -> int:
         return self.kvcached_blocks.secured * self.page_size

@@ -14,7 +14,8 @@ The allocators here differ from the one-rank ones where SGLang would read
 memory-dependent figures on one rank only (logging, metrics): their
 ``available_size()`` counts slots not handed out, the same on every rank; the
 memory checks (prefill admission, decode capacity, the radix-cache eviction
-that precedes an allocation, the idle release) ask the leader.
+that precedes an allocation, the idle release, how far the engine is over its
+limit in force) ask the leader.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ class _AgreedAllocator:
         shortfall = num_tokens - self.kvcached_blocks.available() * self.page_size
         if shortfall > 0:
             tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))
+
+    def pages_over_limit(self) -> int:
+        # The deciding rank's figure on every rank: each then evicts and retracts alike.
+        blocks = self.kvcached_blocks
+        return blocks.agree(lambda: blocks.blocks.pages_over_limit() if blocks.blocks.asked_to_shrink() else 0)
 
     def _idle_due(self) -> bool:
         return self.kvcached_blocks.agree(self.idle.due)
