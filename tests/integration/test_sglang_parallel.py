@@ -147,11 +147,14 @@ def tp2_beside_one(sglang_workdir):
     registry.mkdir()
     from kvcached.registry import registry_for
 
+    previous = os.environ.get("KVCACHED_REGISTRY_DIR")  # the session's private registry
     os.environ["KVCACHED_REGISTRY_DIR"] = str(registry)
     try:
         registry_for("cpu", total_bytes=SHARED_BUDGET_BYTES)
     finally:
-        del os.environ["KVCACHED_REGISTRY_DIR"]
+        os.environ.pop("KVCACHED_REGISTRY_DIR")
+        if previous is not None:
+            os.environ["KVCACHED_REGISTRY_DIR"] = previous
     flag = {name: workdir / f"tpshared.{name}" for name in ("b_ready", "a_done", "b_done", "release")}
     specs = {
         "tp_a": (

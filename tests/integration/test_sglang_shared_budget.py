@@ -53,11 +53,14 @@ def shared_budget(sglang_workdir):
     registry.mkdir()
     from kvcached.registry import registry_for
 
+    previous = os.environ.get("KVCACHED_REGISTRY_DIR")  # the session's private registry
     os.environ["KVCACHED_REGISTRY_DIR"] = str(registry)
     try:
         registry_for("cpu", total_bytes=BUDGET_BYTES)
     finally:
-        del os.environ["KVCACHED_REGISTRY_DIR"]
+        os.environ.pop("KVCACHED_REGISTRY_DIR")
+        if previous is not None:
+            os.environ["KVCACHED_REGISTRY_DIR"] = previous
     flag = {
         name: str(workdir / f"shared.{name}")
         for name in ("b_ready", "v_ready", "a_done", "b_done", "v_done", "release")

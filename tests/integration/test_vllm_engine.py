@@ -161,11 +161,14 @@ def test_two_engines_share_one_budget(vllm_workdir):
     budget_bytes = 8 * PAGE_ID_BYTES  # 2 null-block pages + 6 for load; one peak is 5
     from kvcached.registry import registry_for
 
+    previous = os.environ.get("KVCACHED_REGISTRY_DIR")  # the session's private registry
     os.environ["KVCACHED_REGISTRY_DIR"] = str(registry)
     try:
         registry_for("cpu", total_bytes=budget_bytes)
     finally:
-        del os.environ["KVCACHED_REGISTRY_DIR"]
+        os.environ.pop("KVCACHED_REGISTRY_DIR")
+        if previous is not None:
+            os.environ["KVCACHED_REGISTRY_DIR"] = previous
     flag = {name: str(workdir / f"{name}.flag") for name in ("b_ready", "a_done", "kvctl_done", "b_done")}
     spec_a = {
         "prefix_caching": True,
