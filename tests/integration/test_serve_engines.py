@@ -84,7 +84,8 @@ def serve(tmp_path_factory):
                 "env": {"KVCACHED_IDLE_RELEASE_S": "600", "KVCACHED_IDLE_RELEASE_MAX_S": "600"},
                 "memory": {"min": f"{B_MIN_MIB}MiB"},
             },
-            "tiny-s": {"env": {"KVCACHED_IDLE_RELEASE_S": "0"}},
+            # tiny-b alone is below tiny-a's priority: the busy model asked to shrink is tiny-b.
+            "tiny-s": {"env": {"KVCACHED_IDLE_RELEASE_S": "0"}, "memory": {"priority": 1}},
         },
     )
     process = ServeProcess(workdir, config, registry)
