@@ -11,11 +11,11 @@ registry entry (``rank0-cpu``, ``rank1-cpu``) under its own process id.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from kvcached.testing.registry_env import make_shared_budget  # noqa: E402
 from kvcached.testing.sglang_env import require_sglang
 
 require_sglang()
@@ -143,18 +143,7 @@ SHARED_BUDGET_BYTES = 8 * PAGE_ID_BYTES
 @pytest.fixture(scope="module")
 def tp2_beside_one(sglang_workdir):
     workdir = sglang_workdir
-    registry = workdir / "registry-tp-shared"
-    registry.mkdir()
-    from kvcached.registry import registry_for
-
-    previous = os.environ.get("KVCACHED_REGISTRY_DIR")  # the session's private registry
-    os.environ["KVCACHED_REGISTRY_DIR"] = str(registry)
-    try:
-        registry_for("cpu", total_bytes=SHARED_BUDGET_BYTES)
-    finally:
-        os.environ.pop("KVCACHED_REGISTRY_DIR")
-        if previous is not None:
-            os.environ["KVCACHED_REGISTRY_DIR"] = previous
+    registry = make_shared_budget(workdir / "registry-tp-shared", SHARED_BUDGET_BYTES)
     flag = {name: workdir / f"tpshared.{name}" for name in ("b_ready", "a_done", "b_done", "release")}
     specs = {
         "tp_a": (

@@ -9,8 +9,6 @@ to fit: its load needs several page ids, its min is two.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvcached.testing.sglang_env import require_sglang
@@ -18,8 +16,8 @@ from kvcached.testing.sglang_env import require_sglang
 require_sglang()
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-import kvcached  # noqa: E402
-from kvcached.registry import DeviceRegistry, registry_for  # noqa: E402
+from kvcached.registry import registry_for  # noqa: E402
+from kvcached.testing.policy_squeeze import live_entry, squeeze_low, wait_until_busy  # noqa: E402
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from sglang_runs import ENGINE_TIMEOUT_S, PAGE_ID_BYTES, engine_env, finish, start  # noqa: E402
 
@@ -34,22 +32,6 @@ LOAD = {"prompts": prompt_ids(16, 300, seed=11), "max_new_tokens": 128}
 BUSY_BYTES = 3 * PAGE_ID_BYTES
 # The pool's page id: 2 layers x K and V x 2 MiB, as the engine's.
 HIGH_LAYERS, HIGH_BUFFERS, HIGH_BLOCK_BYTES = 2, 2, 128 << 10
-BLOCKS_PER_PAGE_ID = PAGE_ID_BYTES // (HIGH_LAYERS * HIGH_BUFFERS * HIGH_BLOCK_BYTES)
-
-
-def _entry(registry: DeviceRegistry, name: str) -> dict | None:
-    return next((entry for entry in registry.entries() if entry["name"] == name and entry["alive"]), None)
-
-
-def _wait_until_busy(registry: DeviceRegistry, procs: list) -> None:
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    while True:
-        entry = _entry(registry, "low")
-        if entry is not None and entry["used_bytes"] >= BUSY_BYTES:
-            return
-        assert all(proc.poll() is None for proc in procs), "an engine ended before the low one was busy"
-        assert time.monotonic() < deadline, "the low-priority engine never got busy"
-        time.sleep(0.02)
 
 
 def test_a_busy_low_priority_sglang_engine_gives_a_high_priority_pool_memory_down_to_its_min(
@@ -73,41 +55,31 @@ def test_a_busy_low_priority_sglang_engine_gives_a_high_priority_pool_memory_dow
     base = start(sglang_workdir, "policy_base", base_spec, engine_env(False, sglang_workdir / "registry-policy-base"))
     low = start(sglang_workdir, "policy_low", spec, low_env)
     try:
-        _wait_until_busy(registry, [base[0], low[0]])
-        assert _entry(registry, "low")["min_bytes"] == MIN_BYTES
-        high = kvcached.KVPool(
-            num_layers=HIGH_LAYERS,
+        wait_until_busy(registry, [base[0], low[0]], "used_bytes", BUSY_BYTES, ENGINE_TIMEOUT_S)
+        assert live_entry(registry)["min_bytes"] == MIN_BYTES
+        squeeze = squeeze_low(
+            registry,
+            low[0],
+            budget_bytes=BUDGET_BYTES,
+            min_bytes=MIN_BYTES,
+            page_id_bytes=PAGE_ID_BYTES,
+            layers=HIGH_LAYERS,
+            buffers=HIGH_BUFFERS,
             block_bytes=HIGH_BLOCK_BYTES,
-            num_buffers=HIGH_BUFFERS,
-            num_blocks=64 * BLOCKS_PER_PAGE_ID,
-            page_bytes=2 << 20,
-            device="cpu",
-            budget=registry.register("high", priority=5),
-            min_reserve_pages=0,
-            max_reserve_pages=0,
         )
-        began = time.monotonic()
-        taken = high.alloc((BUDGET_BYTES - MIN_BYTES) // PAGE_ID_BYTES * BLOCKS_PER_PAGE_ID, timeout_s=120.0)
-        handover_s = time.monotonic() - began
-        low_while_held = _entry(registry, "low")
-        # It gave while it served, not once its load was done (then it would be idle).
-        assert low[0].poll() is None and low_while_held["used_bytes"] > PAGE_ID_BYTES, low_while_held
-        # Not a byte of the engine's min: more is refused while it runs.
-        with pytest.raises(kvcached.OutOfMemoryError):
-            high.alloc(BLOCKS_PER_PAGE_ID, timeout_s=0.5)
-        time.sleep(1.0)  # the engine runs on within its min a while
-        low_squeezed = _entry(registry, "low")
-        high.free(taken)
-        high.close()
         result_base = finish(sglang_workdir, "policy_base", *base)
         result_low = finish(sglang_workdir, "policy_low", *low)
     finally:
         for proc, _ in (base, low):
             if proc.poll() is None:
                 proc.kill()
-    print(f"hand-over of {BUDGET_BYTES - MIN_BYTES} bytes from the busy SGLang engine: {handover_s:.3f} s")
-    assert low_while_held["mapped_bytes"] <= MIN_BYTES and low_squeezed["mapped_bytes"] <= MIN_BYTES
+    print(f"hand-over of {BUDGET_BYTES - MIN_BYTES} bytes from the busy SGLang engine: {squeeze.handover_s:.3f} s")
+    # Not a byte of the engine's min: more was refused while it ran.
+    assert squeeze.refused_beyond
+    assert squeeze.while_held["mapped_bytes"] <= MIN_BYTES and squeeze.a_second_later["mapped_bytes"] <= MIN_BYTES
+    # It gave while it served, not once its load was done (then it would be idle).
+    assert squeeze.low_ran_on and squeeze.while_held["used_bytes"] > PAGE_ID_BYTES, squeeze.while_held
     # Retracted requests are recomputed: the same tokens as the engine without kvcached.
     assert result_low["outputs"] == result_base["outputs"]
     assert "Retract requests" in result_low["log"]
-    assert handover_s < 30.0, "a busy engine shrinks within a few steps (cached prefixes, then retraction)"
+    assert squeeze.handover_s < 30.0, "a busy engine shrinks within a few steps (cached prefixes, then retraction)"

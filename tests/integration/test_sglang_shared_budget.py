@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcached.testing.registry_env import make_shared_budget  # noqa: E402
 from kvcached.testing.sglang_env import require_sglang
 
 require_sglang()
@@ -49,18 +50,7 @@ def _vllm_python() -> str | None:
 @pytest.fixture(scope="module")
 def shared_budget(sglang_workdir):
     workdir = sglang_workdir
-    registry = workdir / "registry-shared"
-    registry.mkdir()
-    from kvcached.registry import registry_for
-
-    previous = os.environ.get("KVCACHED_REGISTRY_DIR")  # the session's private registry
-    os.environ["KVCACHED_REGISTRY_DIR"] = str(registry)
-    try:
-        registry_for("cpu", total_bytes=BUDGET_BYTES)
-    finally:
-        os.environ.pop("KVCACHED_REGISTRY_DIR")
-        if previous is not None:
-            os.environ["KVCACHED_REGISTRY_DIR"] = previous
+    registry = make_shared_budget(workdir / "registry-shared", BUDGET_BYTES)
     flag = {
         name: str(workdir / f"shared.{name}")
         for name in ("b_ready", "v_ready", "a_done", "b_done", "v_done", "release")

@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
+from kvcached.testing.registry_env import make_shared_budget  # noqa: E402
 from kvcached.testing.vllm_runs import (  # noqa: E402
     ENGINE_TIMEOUT_S,
     PAGE_ID_BYTES,
@@ -156,19 +157,8 @@ def test_two_engines_share_one_budget(vllm_workdir):
     """Two engines in two processes under one device budget that fits only one
     engine's peak: each uses memory the other released, and kvctl sees both."""
     workdir = vllm_workdir
-    registry = workdir / "registry-shared"
-    registry.mkdir()
     budget_bytes = 8 * PAGE_ID_BYTES  # 2 null-block pages + 6 for load; one peak is 5
-    from kvcached.registry import registry_for
-
-    previous = os.environ.get("KVCACHED_REGISTRY_DIR")  # the session's private registry
-    os.environ["KVCACHED_REGISTRY_DIR"] = str(registry)
-    try:
-        registry_for("cpu", total_bytes=budget_bytes)
-    finally:
-        os.environ.pop("KVCACHED_REGISTRY_DIR")
-        if previous is not None:
-            os.environ["KVCACHED_REGISTRY_DIR"] = previous
+    registry = make_shared_budget(workdir / "registry-shared", budget_bytes)
     flag = {name: str(workdir / f"{name}.flag") for name in ("b_ready", "a_done", "kvctl_done", "b_done")}
     spec_a = {
         "prefix_caching": True,

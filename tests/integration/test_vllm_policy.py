@@ -8,8 +8,6 @@ high-priority pool is a KVPool in this process, registered in the engine's devic
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -17,8 +15,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("kvcached.pool", reason="kvcached core not built")
 
-import kvcached  # noqa: E402
-from kvcached.registry import DeviceRegistry, registry_for  # noqa: E402
+from kvcached.registry import registry_for  # noqa: E402
+from kvcached.testing.policy_squeeze import live_entry, squeeze_low, wait_until_busy  # noqa: E402
 from kvcached.testing.tiny_llama import prompt_ids  # noqa: E402
 from kvcached.testing.vllm_runs import ENGINE_TIMEOUT_S, PAGE_ID_BYTES, engine_env, finish, probe, start  # noqa: E402
 
@@ -29,21 +27,6 @@ MIN_BYTES = 3 * PAGE_ID_BYTES
 LOAD = {"prompts": prompt_ids(12, 250, seed=7), "max_tokens": 200}
 BUSY_BYTES = 5 * PAGE_ID_BYTES  # the engine is deep in its load once it maps this much
 HIGH_LAYERS, HIGH_BLOCK_BYTES = 2, 128 << 10  # the pool's page id: 2 layers x 2 MiB, as the engine's
-
-
-def _entry(registry: DeviceRegistry, name: str) -> dict | None:
-    return next((entry for entry in registry.entries() if entry["name"] == name), None)
-
-
-def _wait_until_busy(registry: DeviceRegistry, procs: list) -> None:
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    while True:
-        entry = _entry(registry, "low")
-        if entry is not None and entry["mapped_bytes"] >= BUSY_BYTES:
-            return
-        assert all(proc.poll() is None for proc in procs), "an engine ended before the low one was busy"
-        assert time.monotonic() < deadline, "the low-priority engine never got busy"
-        time.sleep(0.02)
 
 
 def test_a_busy_low_priority_vllm_engine_gives_a_high_priority_pool_memory_down_to_its_min(vllm_workdir, monkeypatch):
@@ -64,42 +47,31 @@ def test_a_busy_low_priority_vllm_engine_gives_a_high_priority_pool_memory_down_
     base = start(vllm_workdir, "policy_base", spec, engine_env(False, vllm_workdir / "registry-policy-base"))
     low = start(vllm_workdir, "policy_low", spec, low_env)
     try:
-        _wait_until_busy(registry, [base[0], low[0]])
-        assert _entry(registry, "low")["min_bytes"] == MIN_BYTES
-        high = kvcached.KVPool(
-            num_layers=HIGH_LAYERS,
+        wait_until_busy(registry, [base[0], low[0]], "mapped_bytes", BUSY_BYTES, ENGINE_TIMEOUT_S)
+        assert live_entry(registry)["min_bytes"] == MIN_BYTES
+        squeeze = squeeze_low(
+            registry,
+            low[0],
+            budget_bytes=BUDGET_BYTES,
+            min_bytes=MIN_BYTES,
+            page_id_bytes=PAGE_ID_BYTES,
+            layers=HIGH_LAYERS,
+            buffers=1,
             block_bytes=HIGH_BLOCK_BYTES,
-            num_buffers=1,
-            num_blocks=64 * (PAGE_ID_BYTES // (HIGH_LAYERS * HIGH_BLOCK_BYTES)),
-            page_bytes=2 << 20,
-            device="cpu",
-            budget=registry.register("high", priority=5),
-            min_reserve_pages=0,
-            max_reserve_pages=0,
         )
-        blocks_per_page_id = PAGE_ID_BYTES // (HIGH_LAYERS * HIGH_BLOCK_BYTES)
-        began = time.monotonic()
-        taken = high.alloc((BUDGET_BYTES - MIN_BYTES) // PAGE_ID_BYTES * blocks_per_page_id, timeout_s=120.0)
-        handover_s = time.monotonic() - began
-        low_while_held = _entry(registry, "low")
-        # Not a byte of the engine's min: more is refused while it runs.
-        with pytest.raises(kvcached.OutOfMemoryError):
-            high.alloc(blocks_per_page_id, timeout_s=0.5)
-        time.sleep(1.0)  # the engine runs on within its min a while
-        low_squeezed = _entry(registry, "low")
-        high.free(taken)
-        high.close()
         result_base = finish(vllm_workdir, "policy_base", *base)
         result_low = finish(vllm_workdir, "policy_low", *low)
     finally:
         for proc, _ in (base, low):
             if proc.poll() is None:
                 proc.kill()
-    print(f"hand-over of {BUDGET_BYTES - MIN_BYTES} bytes from the busy engine: {handover_s:.3f} s")
-    assert low_while_held["mapped_bytes"] <= MIN_BYTES and low_squeezed["mapped_bytes"] <= MIN_BYTES
+    print(f"hand-over of {BUDGET_BYTES - MIN_BYTES} bytes from the busy engine: {squeeze.handover_s:.3f} s")
+    # Not a byte of the engine's min: more was refused while it ran.
+    assert squeeze.refused_beyond
+    assert squeeze.while_held["mapped_bytes"] <= MIN_BYTES and squeeze.a_second_later["mapped_bytes"] <= MIN_BYTES
     # It gave while it served (more in use than the null block's page), not once its load was done.
-    assert low_while_held["used_bytes"] > PAGE_ID_BYTES, low_while_held
+    assert squeeze.low_ran_on and squeeze.while_held["used_bytes"] > PAGE_ID_BYTES, squeeze.while_held
     # Preempted requests recompute: the same tokens as the engine without kvcached.
     assert result_low["outputs"] == result_base["outputs"]
     assert probe(result_low, "phase0_done")["engine"]["num_preempted"] > 0
-    assert handover_s < 30.0, "a busy engine shrinks within a few steps (cached prefixes, then preemption)"
+    assert squeeze.handover_s < 30.0, "a busy engine shrinks within a few steps (cached prefixes, then preemption)"

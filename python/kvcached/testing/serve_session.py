@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
+from kvcached.testing.registry_env import using_registry_dir
+
 START_TIMEOUT_S = 600
 _STARTED = re.compile(r"kvcached serve: (\S+): started (\w+) \(pid (\d+), port (\d+)")
 
@@ -121,16 +123,9 @@ def registry_entries(registry_dir: Path) -> list[dict]:
     """The entries of the cpu registry in ``registry_dir`` (as kvctl reads them)."""
     from kvcached.registry import open_existing
 
-    previous = os.environ.get("KVCACHED_REGISTRY_DIR")
-    os.environ["KVCACHED_REGISTRY_DIR"] = str(registry_dir)
-    try:
+    with using_registry_dir(registry_dir):
         registry = open_existing("cpu")
         return registry.entries() if registry is not None else []
-    finally:
-        if previous is None:
-            os.environ.pop("KVCACHED_REGISTRY_DIR")
-        else:
-            os.environ["KVCACHED_REGISTRY_DIR"] = previous
 
 
 def metric_value(text: str, name: str, **labels: str) -> Optional[float]:
