@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -130,5 +131,28 @@ def test_the_leader_never_blocks_on_a_follower_that_does_not_read():
     for i in range(16):
         kind, value, _, _ = receiver.receive()
         assert kind == "alloc" and value[0] == i
+    sender.close()
+    receiver.close()
+
+
+def test_a_follower_waits_past_its_spin_for_a_late_answer_and_counts_the_wait():
+    sender = DecisionSender(1)
+    receiver = DecisionReceiver(sender.paths[0], os.getpid())
+    sender.followers_attached()
+    late = threading.Timer(0.05, sender.send, args=(("agree", True, 0, None),))
+    late.start()
+    assert receiver.receive()[:2] == ("agree", True)
+    assert receiver.wait_s >= 0.04
+    late.join()
+    sender.close()
+    receiver.close()
+
+
+def test_a_follower_fails_clearly_when_the_leader_process_is_gone():
+    sender = DecisionSender(1)
+    receiver = DecisionReceiver(sender.paths[0], os.getpid(), is_alive=lambda pid: False)
+    sender.followers_attached()
+    with pytest.raises(IntegrationError, match="is gone; this rank cannot go on"):
+        receiver.receive()  # nothing sent: after one poll interval the dead leader is noticed
     sender.close()
     receiver.close()

@@ -333,6 +333,7 @@ class FollowerBlocks(_AgreedBlocks):
             engine_used_blocks=self._handed_out,
             secured_blocks=self._secured,
             short_secures=self.num_short_secures,
+            answer_wait_s=self._receiver.wait_s,
             own=self.own.stats(),
         )
 
