@@ -135,7 +135,7 @@ def test_the_leader_never_blocks_on_a_follower_that_does_not_read():
     receiver.close()
 
 
-def test_a_follower_waits_past_its_spin_for_a_late_answer_and_counts_the_wait():
+def test_a_follower_waits_for_a_late_answer_and_counts_the_wait():
     sender = DecisionSender(1)
     receiver = DecisionReceiver(sender.paths[0], os.getpid())
     sender.followers_attached()

@@ -18,10 +18,8 @@ follower through ``/proc/<pid>/fd/<fd>`` (the same machine and user, as for
 never blocks on a slow follower (a pipeline stage runs a step behind): a
 write that does not fit the pipe goes to an outbox that a writer thread
 drains. A follower waits for its next answer as long as the deciding process
-lives, and fails with a clear error when it is gone. It spins a little
-before it sleeps: the ranks reach the same question within a moment of each
-other, and a follower that slept pays the wake-up of its CPU on every question
-(several per engine step), on a VM the wake-up of a halted virtual CPU.
+lives, and fails with a clear error when it is gone; it counts the time it
+waits (a follower ahead of the deciding rank waits at every question).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from kvcached.errors import IntegrationError
 _LENGTH = struct.Struct("<I")
 _PIPE_BYTES = 1 << 20  # room for a step's answers of a large prefill (best effort)
 _POLL_MS = 1000  # a waiting follower checks that the deciding process lives this often
-_SPIN_S = 0.002  # a follower reads without sleeping this long before it waits in poll()
 
 
 class DecisionSender:
@@ -200,8 +197,6 @@ class DecisionReceiver:
             raise IntegrationError("kvcached: the deciding rank's answers were closed")
         began = time.perf_counter()
         chunk = self._read()
-        while chunk is None and time.perf_counter() - began < _SPIN_S:
-            chunk = self._read()
         if chunk is None:
             poller = select.poll()
             poller.register(self._fd, select.POLLIN)
