@@ -120,27 +120,6 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-class Sampler:
-    """Samples ``read()`` every 10 ms in a thread while a block runs."""
-
-    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
-        self.read, self.samples, self._done = read, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            self.samples.append((time.monotonic(), self.read()))
-            time.sleep(SAMPLE_S)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 class Bench:
     """One serve process with tiny-a and tiny-b, and the round's steps on it."""
 
@@ -187,7 +166,9 @@ class Bench:
 
     def need(self) -> int:
         """What A's burst maps when nothing else holds memory (B has run nothing yet)."""
-        with Sampler(self.mapped) as sampler:
+        from kvcached.testing.serve_session import Sampler
+
+        with Sampler(self.mapped, SAMPLE_S) as sampler:
             self.complete("tiny-a", BURST)
         return max(sample["tiny-a"] for _, sample in sampler.samples)
 
@@ -203,7 +184,9 @@ class Bench:
         self.wait_for("tiny-a giving its memory back", lambda m: m["tiny-a"] <= 8 * MiB)
         held = self.mapped()["tiny-b"]
         count, total = self.handovers_to_a()
-        with Sampler(self.mapped) as sampler:
+        from kvcached.testing.serve_session import Sampler
+
+        with Sampler(self.mapped, SAMPLE_S) as sampler:
             sent = time.monotonic()
             self.complete("tiny-a", BURST)
             burst_s = time.monotonic() - sent

@@ -36,6 +36,7 @@ import openai  # noqa: E402
 
 from kvcached.serve.processes import free_port, group_members  # noqa: E402
 from kvcached.testing.serve_session import (  # noqa: E402
+    Sampler,
     ServeProcess,
     metric_sum,
     metric_value,
@@ -256,29 +257,18 @@ def test_a_burst_takes_the_memory_an_idle_model_holds(serve, capsys):
         )
 
 
-class Sampler:
-    """Samples every model's mapped bytes from the registry every 10 ms while a block runs."""
+class UsageSampler(Sampler):
+    """Every model's mapped bytes (``samples``) and the reclaim targets asked of it (``shrinks``), every 10 ms."""
 
     def __init__(self, serve) -> None:
-        self.serve, self.samples, self._done = serve, [], threading.Event()
-        self.shrinks: list[tuple[float, dict[str, list[int]]]] = []  # reclaim targets seen
-        self._thread = threading.Thread(target=self._run)
+        self.serve = serve
+        self.shrinks: list[dict[str, list[int]]] = []
+        super().__init__(self._mapped)
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            usage = registry_usage(self.serve)
-            now = time.monotonic()
-            self.samples.append((now, {name: usage[name]["mapped"] for name in MODELS}))
-            self.shrinks.append((now, {name: usage[name]["targets"] for name in MODELS}))
-            time.sleep(0.01)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+    def _mapped(self) -> dict[str, int]:
+        usage = registry_usage(self.serve)
+        self.shrinks.append({name: usage[name]["targets"] for name in MODELS})
+        return {name: usage[name]["mapped"] for name in MODELS}
 
     def peak(self, name: str) -> int:
         return max(sample[name] for _, sample in self.samples)
@@ -287,7 +277,7 @@ class Sampler:
         return min(sample[name] for at, sample in self.samples if since <= at < until)
 
     def targets(self, name: str) -> list[int]:
-        return [target for _, sample in self.shrinks for target in sample[name]]
+        return [target for sample in self.shrinks for target in sample[name]]
 
 
 def _in_background(model: str, serve, prompts, tokens: int) -> tuple[threading.Thread, dict]:
@@ -308,7 +298,7 @@ def _in_background(model: str, serve, prompts, tokens: int) -> tuple[threading.T
 
 def test_a_min_holds_while_a_higher_priority_model_takes_all_it_can(serve, capsys):
     budget = 88 * MiB
-    with Sampler(serve) as sampler:
+    with UsageSampler(serve) as sampler:
         greedy, result = _in_background("tiny-a", serve, LONG_LOAD, LONG_TOKENS)
         deadline = time.monotonic() + 120
         while registry_usage(serve)["tiny-a"]["mapped"] < 32 * MiB:
@@ -340,7 +330,7 @@ def _burst_of(serve, model: str, prompts) -> None:
 
 def test_a_higher_priority_model_gets_memory_from_a_busy_lower_priority_one(serve, capsys):
     before = metric_sum(serve.metrics(), "kvcached_serve_memory_handover_seconds_count", to_model="tiny-a")
-    with Sampler(serve) as sampler:
+    with UsageSampler(serve) as sampler:
         busy, result = _in_background("tiny-b", serve, LONG_LOAD, LONG_TOKENS)
         deadline = time.monotonic() + 120
         while registry_usage(serve)["tiny-b"]["mapped"] < 48 * MiB:

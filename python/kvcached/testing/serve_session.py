@@ -9,10 +9,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 import yaml
 
@@ -147,3 +148,32 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if head.split("{")[0] == name and all(f'{key}="{want}"' in head for key, want in labels.items()):
             total += float(value)
     return total
+
+
+T = TypeVar("T")
+
+
+class Sampler(Generic[T]):
+    """Calls ``read()`` every ``interval_s`` on a thread of its own while a ``with`` block runs.
+
+    ``samples`` holds ``(time.monotonic(), read())`` pairs, oldest first.
+    """
+
+    def __init__(self, read: Callable[[], T], interval_s: float = 0.01) -> None:
+        self.read, self.interval_s = read, interval_s
+        self.samples: list[tuple[float, T]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serve-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.samples.append((time.monotonic(), self.read()))
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> Sampler[T]:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
