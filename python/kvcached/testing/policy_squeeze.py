@@ -25,6 +25,15 @@ class Squeeze:
     refused_beyond: bool  # one page id more was refused: the engine's min stayed its own
     a_second_later: dict  # the engine's entry after it ran on within its min a second
 
+    def check_given_down_to(self, min_bytes: int, page_id_bytes: int) -> None:
+        """The busy engine gave all but its min, kept it, and gave while it still served."""
+        # Not a byte of the engine's min: more was refused while it ran.
+        assert self.refused_beyond
+        assert self.while_held["mapped_bytes"] <= min_bytes and self.a_second_later["mapped_bytes"] <= min_bytes
+        # It gave while it served (more in use than the padding or null block's page), not once
+        # its load was done (then it would be idle).
+        assert self.low_ran_on and self.while_held["used_bytes"] > page_id_bytes, self.while_held
+
 
 def live_entry(registry: Any, name: str = LOW) -> Optional[dict]:
     return next((entry for entry in registry.entries() if entry["name"] == name and entry["alive"]), None)
