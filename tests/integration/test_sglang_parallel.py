@@ -105,6 +105,12 @@ def test_tp2_memory_grows_and_returns_on_every_rank(parallel):
     assert peaks == dict.fromkeys(RANKS, 3 * PAGE_ID_BYTES), peaks  # the load's pages, on both ranks
 
 
+def test_tp2_ranks_populate_their_host_pages_on_touch(parallel, sglang_page1):
+    # Each rank computes on its own core: populating in the background would run on the other's.
+    assert probe(parallel["kv_tp2"], "after_init")["kvcached"]["host_populate"] == "on_touch"
+    assert probe(sglang_page1["kv_p1"], "after_init")["kvcached"]["host_populate"] == "background"  # one rank
+
+
 def test_kvctl_lists_every_rank_under_its_own_process(parallel):
     entries = [e for e in parallel["listing"]["instances"] if e["name"] == "kv-tp2"]
     assert {e["local_device"] for e in entries} == RANKS

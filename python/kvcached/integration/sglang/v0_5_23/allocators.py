@@ -133,6 +133,10 @@ class _KvcachedAllocator:
     def kvcached_stats(self) -> dict:
         stats = self.kvcached_blocks.stats()
         stats.update(idle_release_s=self.idle.hold_s, idle_early_releases=self.idle.num_early)
+        if torch.device(self.device).type == "cpu":
+            from kvcached import config
+
+            stats["host_populate"] = config.get("host_populate")  # as the host device read it when opened
         return stats
 
     def clear(self) -> None:

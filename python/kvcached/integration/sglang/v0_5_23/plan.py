@@ -16,6 +16,7 @@ from kvcached.devices import parse_device
 from kvcached.errors import IntegrationError
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.heap import keep_freed_heap
+from kvcached.integration.common.host_populate import populate_on_touch_beside_sibling_ranks
 from kvcached.integration.common.rank_devices import RankDevice, describe_rank
 from kvcached.integration.common.registration import register_rank
 from kvcached.integration.common.settings import Settings
@@ -148,6 +149,8 @@ def plan_for(configurator: Any) -> Optional[Plan]:
     from .ranks import agreed_virtual_bytes, engine_ranks
 
     index, num_ranks = engine_ranks(configurator.server_args)
+    if torch_device.type == "cpu":  # before describe_rank opens the host device
+        populate_on_touch_beside_sibling_ranks(num_ranks * _replicas(configurator.server_args), logger)
     rank = describe_rank(torch_device, index)
     model = os.path.basename(str(configurator.server_args.model_path).rstrip("/")) or "model"
     virtual_bytes = engine_settings.virtual_bytes or rank.total_bytes
@@ -161,6 +164,11 @@ def plan_for(configurator: Any) -> Optional[Plan]:
     )
     _plans[id(configurator)] = (configurator, plan)
     return plan
+
+
+def _replicas(server_args: Any) -> int:
+    """Data-parallel replicas: each its own engine, bound to CPUs of its own like a rank."""
+    return max(1, int(getattr(server_args, "dp_size", 1) or 1))
 
 
 @contextlib.contextmanager
