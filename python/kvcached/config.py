@@ -219,13 +219,14 @@ OPTIONS: dict[str, Option] = {
             "a page for each 4 KiB it writes first; a range unmapped before its turn is skipped; a "
             "mapping thread free to run on every CPU has none to spare, and its pages fault in on first "
             "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated"
-            " at create either way. Figures: [gpu-backends.md](gpu-backends.md). Where every CPU is some"
-            " rank's (SGLang's tensor ranks on a CPU, each bound to its cores by"
-            " `SGLANG_CPU_OMP_THREADS_BIND`), one rank's populating runs on another's core: there,"
-            " `on_touch` read 1.148× the output tokens/s of SGLang without kvcached, against 0.915× with"
-            " `background`, on the 2-core development VM (`bench/RESULTS.md`)."
+            " at create either way. Figures: [gpu-backends.md](gpu-backends.md). Unset, an SGLang engine with several"
+            " ranks or replicas on the CPU (each bound to cores of its own) takes `on_touch`: the "
+            "populating thread of one rank would run on another's core, and every rank waits for the "
+            "slowest at its collectives. TP=2 on the 2-core development VM read 0.915× the output "
+            "tokens/s of SGLang without kvcached with `background` and 1.041× with `on_touch` "
+            "(`bench/RESULTS.md`; `python/kvcached/integration/common/host_populate.py`)."
         ),
-        read_by="host backend, when a host device is opened",
+        read_by="host backend, when a host device is opened; SGLang integration (scheduler, CPU ranks)",
     ),
     "hip_mapping_settle_us": Option(
         "KVCACHED_HIP_MAPPING_SETTLE_US",
