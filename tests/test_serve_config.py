@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("yaml", reason="kvcached serve needs the serve extra: pip install '.[serve]'")
 
 from kvcached.errors import KvcachedError, ServeConfigError  # noqa: E402
+from kvcached.serve.command import missing_requirements  # noqa: E402
 from kvcached.serve.config import load_config, parse_config  # noqa: E402
 from kvcached.serve.engines import check_environment, engine_environment  # noqa: E402
 
@@ -172,6 +173,7 @@ def test_the_example_configs_are_valid(example):
     assert {spec.engine for spec in parsed.models} == {"vllm", "sglang"}
 
 
+@pytest.mark.skipif(bool(missing_requirements()), reason="kvcached serve needs the serve extra: pip install '.[serve]'")
 def test_the_command_checks_before_starting_anything(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("device: cpu\nmodels:\n  - {name: a, engine: vllm, model: /m, memory: {min: 1XB}}\n")
