@@ -223,8 +223,9 @@ OPTIONS: dict[str, Option] = {
             " ranks or replicas on the CPU (each bound to cores of its own) takes `on_touch`: the "
             "populating thread of one rank would run on another's core, and every rank waits for the "
             "slowest at its collectives. TP=2 on the 2-core development VM read 0.915× the output "
-            "tokens/s of SGLang without kvcached with `background` and 1.041× with `on_touch` "
-            "(`bench/RESULTS.md`; `python/kvcached/integration/common/host_populate.py`)."
+            "tokens/s of SGLang without kvcached with `background`, and 1.041× and 0.910× in two runs "
+            "with `on_touch`: too noisy to show a gain (`bench/RESULTS.md`; "
+            "`python/kvcached/integration/common/host_populate.py`)."
         ),
         read_by="host backend, when a host device is opened; SGLang integration (scheduler, CPU ranks)",
     ),

@@ -8,7 +8,8 @@ replicas) binds each rank to cores of its own, so that thread runs on another
 rank's core, and every rank then waits for the slowest at its collectives. On
 the 2-core development VM a TP=2 SGLang engine with kvcached read 0.915× the
 output tokens/s of SGLang without it with ``background`` (30 passes), and
-above 1× with ``on_touch`` (``bench/RESULTS.md``).
+1.041× and 0.910× in two 30-pass runs with ``on_touch`` (``bench/RESULTS.md``):
+too noisy to show the gain, so the reason above is what decides.
 
 Approach: before the engine opens the host device, a process that is one of
 several such ranks sets ``KVCACHED_HOST_POPULATE=on_touch`` for itself, unless
