@@ -26,9 +26,16 @@ model of another family from ``kvcached.testing.tiny_hybrids`` written next to
 plain pool) or ``deepseek_v2`` (MLA; on a CPU with the absorbed MLA path of
 ``kvcached.testing.sglang_mla_cpu`` in both engines).
 
-``--tp N`` runs both engines with N tensor-parallel ranks (``tp_size``); on a CPU
-each rank computes on its own share of the cores (``SGLANG_CPU_OMP_THREADS_BIND``,
-unless it is set already), and under kvcached the first rank decides for all of them.
+``--tp N`` runs both engines with N tensor-parallel ranks (``tp_size``); under
+kvcached the first rank decides for all of them. On a CPU each rank computes on
+cores ÷ N torch threads (``OMP_NUM_THREADS``, unless ``--torch-threads`` says
+otherwise). SGLang binds each rank to its share of the cores
+(``SGLANG_CPU_OMP_THREADS_BIND``, set here unless it is set already) only where
+its CPU kernels are built (AMX or arm64); elsewhere every rank would take
+torch's default, one thread per core, and N ranks' threads would spin on the
+same cores. On the 2-core development VM (no AMX) TP=2 that way ran at about
+130 tokens/s, single passes from 87 to 178; with one thread a rank it ran at
+about 470, passes within a few per cent of each other.
 
     python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1] [--model gemma3_attending] [--tp 2]
 
@@ -122,7 +129,8 @@ def main() -> None:
         type=int,
         default=None,
         metavar="N",
-        help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores)",
+        help="OMP_NUM_THREADS of both engines (default: SGLang's, as many threads as cores; "
+        "with --tp N on a CPU, cores ÷ N)",
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model both engines serve")
     parser.add_argument(
@@ -141,17 +149,21 @@ def main() -> None:
         model = make_tiny_hybrid(args.model, out.parent / f"e2e-{args.model}")
 
     binding = {}
-    if cpu and args.tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
-        binding = {"SGLANG_CPU_OMP_THREADS_BIND": cpu_binding(args.tp)}
+    torch_threads = args.torch_threads
+    if cpu and args.tp > 1:
+        if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+            binding = {"SGLANG_CPU_OMP_THREADS_BIND": cpu_binding(args.tp)}
+        if torch_threads is None:
+            torch_threads = len(os.sched_getaffinity(0)) // args.tp  # the ranks' threads must not share cores
 
     def start_engine(on: bool) -> EngineProcess:
         kvcached_on, extra = engine_settings(args, on)
-        threads = {} if args.torch_threads is None else {"OMP_NUM_THREADS": str(args.torch_threads)}
+        threads = {} if torch_threads is None else {"OMP_NUM_THREADS": str(torch_threads)}
         env = dict(engine_env(kvcached_on), **threads, **MODELS[args.model], **binding, **extra)
         spec = dict(model=model, cpu=cpu, flush_cache=args.flush_cache, tp=args.tp)
         return EngineProcess(__file__, out, spec, env, on)
 
-    threads_note = f"both engines with OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads else ""
+    threads_note = f"both engines with OMP_NUM_THREADS={torch_threads}" if torch_threads else ""
     tp_note = f"tp_size={args.tp}" + "".join(f", {k}={v}" for k, v in binding.items()) if args.tp > 1 else ""
     model_note = f"model: tiny {args.model}" if args.model != "llama" else ""
     run_paired(
