@@ -3,8 +3,10 @@
 Every rank runs its own scheduler; kvcached decides for all of them on the
 first rank and the others replay its answers (``common/agreed_blocks.py``).
 Engines run through ``sglang_harness.py`` on the tiny Llama (4 KV heads: 2 per
-tensor rank; 2 layers: 1 per pipeline stage), both ranks on this host's CPU
-(``SGLANG_CPU_OMP_THREADS_BIND`` gives each its core). Each rank has its own
+tensor rank; 2 layers: 1 per pipeline stage), both ranks on this host's CPU,
+each on one torch thread (SGLang binds ranks to cores only where its CPU
+kernels are built, AMX or arm64; elsewhere each rank would run a thread per
+core, spinning on its sibling's). Each rank has its own
 registry entry (``rank0-cpu``, ``rank1-cpu``) under its own process id.
 """
 
@@ -36,7 +38,7 @@ from sglang_runs import (  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-TWO_CORES = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+TWO_CORES = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
 TP2 = {**ENGINE, "tp_size": 2}
 PP2 = {**ENGINE, "pp_size": 2}
 # A tensor rank holds half the KV heads: a page id costs what it costs on one rank (2 MiB x 2
