@@ -220,11 +220,10 @@ OPTIONS: dict[str, Option] = {
             "mapping thread free to run on every CPU has none to spare, and its pages fault in on first "
             "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated"
             " at create either way. Figures: [gpu-backends.md](gpu-backends.md). Unset, an SGLang engine with several"
-            " ranks or replicas on the CPU (each bound to cores of its own) takes `on_touch`: the "
-            "populating thread of one rank would run on another's core, and every rank waits for the "
-            "slowest at its collectives. TP=2 on the 2-core development VM read 0.915× the output "
-            "tokens/s of SGLang without kvcached with `background`, and 1.041× and 0.910× in two runs "
-            "with `on_touch`: too noisy to show a gain (`bench/RESULTS.md`; "
+            " ranks or replicas on the CPU takes `on_touch`: where SGLang binds each rank to cores of its "
+            "own (its CPU kernels built: AMX or arm64) the populating thread of one rank would run on "
+            "another's cores, and every rank waits for the slowest at its collectives; where it does "
+            "not bind them, both ways fault pages in alike ("
             "`python/kvcached/integration/common/host_populate.py`)."
         ),
         read_by="host backend, when a host device is opened; SGLang integration (scheduler, CPU ranks)",

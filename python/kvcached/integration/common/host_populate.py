@@ -1,15 +1,15 @@
 """Host pages of an engine whose ranks share the machine's CPUs are populated on touch.
 
-Rationale: with ``KVCACHED_HOST_POPULATE=background`` (the default) each
-process populates its new host pages on a thread that runs on every CPU
-beside its caller's (``cpp/src/host/host_populator.cpp``). An engine whose
-ranks compute on the CPU (SGLang's tensor and pipeline ranks, its data-parallel
-replicas) binds each rank to cores of its own, so that thread runs on another
-rank's core, and every rank then waits for the slowest at its collectives. On
-the 2-core development VM a TP=2 SGLang engine with kvcached read 0.915× the
-output tokens/s of SGLang without it with ``background`` (30 passes), and
-1.041× and 0.910× in two 30-pass runs with ``on_touch`` (``bench/RESULTS.md``):
-too noisy to show the gain, so the reason above is what decides.
+Rationale: with ``KVCACHED_HOST_POPULATE=background`` (the default) a process
+whose mapping thread is bound to some of the CPUs populates its new host pages
+on a thread that runs on every CPU beside those (``cpp/src/host/host_populator.cpp``).
+SGLang binds each CPU rank (tensor or pipeline rank, data-parallel replica) to
+cores of its own where its CPU kernels are built (AMX or arm64,
+``SGLANG_CPU_OMP_THREADS_BIND``): there that thread would run on the other
+ranks' cores, and every rank waits for the slowest at its collectives. Where
+SGLang does not bind its ranks (the 2-core development VM has no AMX) no such
+thread starts and both ways fault pages in on first write alike. Not measured
+on a machine where SGLang binds its ranks.
 
 Approach: before the engine opens the host device, a process that is one of
 several such ranks sets ``KVCACHED_HOST_POPULATE=on_touch`` for itself, unless
@@ -37,8 +37,8 @@ def populate_on_touch_beside_sibling_ranks(num_ranks: int, logger: logging.Logge
         return False
     os.environ[_OPTION] = "on_touch"
     logger.info(
-        "kvcached: host pages are populated on touch (%s=on_touch): this engine's %d ranks each "
-        "compute on their own CPUs, and populating in the background would run on another rank's.",
+        "kvcached: host pages are populated on touch (%s=on_touch): this engine's %d ranks share the "
+        "machine's CPUs, and populating in the background would run on another rank's.",
         _OPTION,
         num_ranks,
     )
