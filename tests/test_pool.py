@@ -220,6 +220,7 @@ def test_alloc_over_the_limit_raises_out_of_memory_and_rolls_back(pool):
     with pytest.raises(kvcached.OutOfMemoryError) as info:
         pool.alloc(2 * pool.blocks_per_page)
     assert isinstance(info.value, MemoryError)
+    assert "bound by the limit of 2 page(s)" in str(info.value)  # the bound that held, by name
     assert pool.stats() == before
     pool.free(ids)
 
@@ -234,6 +235,7 @@ def test_small_device_capacity_raises_out_of_memory_and_rolls_back(layout):
         with pytest.raises(MemoryError) as info:
             p.alloc(4 * p.blocks_per_page)  # needs 4 pages, the device has room for 2 more
         assert isinstance(info.value, kvcached.OutOfMemoryError)
+        assert "bound by the device's free memory" in str(info.value)
         assert p.stats() == before
         assert device.counters() == counters
         p.free(ids)

@@ -14,15 +14,17 @@ namespace kvcached {
 std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
   const std::size_t committed = index_.pages() + mapping_pages_;  // mapped or being mapped
   std::size_t room = std::numeric_limits<std::size_t>::max();
-  const auto bound = [&](std::size_t pages, const std::string& what) {
+  // `what` builds the bound's words only when the caller asks for them: available() runs
+  // this on every call, and each string would be a heap allocation.
+  const auto bound = [&](std::size_t pages, const auto& what) {
     if (pages >= room) return;
     room = pages;
-    if (bound_by != nullptr) *bound_by = what;
+    if (bound_by != nullptr) *bound_by = what();
   };
   // Ids: unmapped ones, and those being unmapped (alloc waits for that).
-  bound(unmapped_.size() + unmapping_pages_, "the virtual capacity (page ids)");
+  bound(unmapped_.size() + unmapping_pages_, [] { return std::string("the virtual capacity (page ids)"); });
   bound(limit_pages_ > committed ? limit_pages_ - committed : 0,
-        "the limit of " + std::to_string(limit_pages_) + " page(s)");
+        [&] { return "the limit of " + std::to_string(limit_pages_) + " page(s)"; });
   for (std::size_t i = 0; i < budgets_.size(); ++i) {
     if (!budgets_.alive(i) || budgets_.budget(i) == nullptr) continue;
     // Pages already charged but not mapped (being unmapped, spares, unmaps the
@@ -30,10 +32,12 @@ std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
     const auto slack = static_cast<std::int64_t>(budgets_.charged_pages(i)) - static_cast<std::int64_t>(committed);
     const auto budget_pages =
         static_cast<std::int64_t>(std::min<std::size_t>(budgets_.room_pages(i), KVLayout::kMaxPages));
-    bound(static_cast<std::size_t>(std::max<std::int64_t>(budget_pages + slack, 0)),
-          budgets_.size() > 1 ? "the memory budget of mirror " + std::to_string(i) : "the memory budget");
+    bound(static_cast<std::size_t>(std::max<std::int64_t>(budget_pages + slack, 0)), [&] {
+      return budgets_.size() > 1 ? "the memory budget of mirror " + std::to_string(i)
+                                 : std::string("the memory budget");
+    });
   }
-  if (const auto device = device_room_locked()) bound(*device, "the device's free memory");
+  if (const auto device = device_room_locked()) bound(*device, [] { return std::string("the device's free memory"); });
   return room;
 }
 
