@@ -35,7 +35,7 @@ its CPU kernels are built (AMX or arm64); elsewhere every rank would take
 torch's default, one thread per core, and N ranks' threads would spin on the
 same cores. On the 2-core development VM (no AMX) TP=2 that way ran at about
 130 tokens/s, single passes from 87 to 178; with one thread a rank it ran at
-about 470, passes within a few per cent of each other.
+about 460 (2026-12-06; single passes 335-537 as the VM's speed moved).
 
     python bench/e2e/sglang_e2e_paired.py --out DIR [--passes 30] [--torch-threads 1] [--model gemma3_attending] [--tp 2]
 
