@@ -340,13 +340,14 @@ def test_a_higher_priority_model_gets_memory_from_a_busy_lower_priority_one(serv
         asked = time.monotonic()
         _burst("tiny-a", serve)
         took_s = time.monotonic() - asked
-        burst_done = time.monotonic()
         busy.join()
     assert result["usage"] == 16 * LONG_TOKENS  # preempted, not failed
     # The min bounds the shrink of a busy model. Once tiny-b's load is done it is idle and gives all
     # it holds back to the refused tiny-a (its min stays reserved in the budget all the same), so
     # only samples from before its answer (less the time the answer takes to reach the client) count.
-    still_busy = min(burst_done, result["finished_at"] - ANSWER_SLACK_S)
+    # After tiny-a's burst nobody is refused and tiny-b only grows, so samples from then on count too:
+    # a burst can end within a second or two, and on a loaded machine the sampler may take none in it.
+    still_busy = result["finished_at"] - ANSWER_SLACK_S
     lowest = sampler.low("tiny-b", asked, until=still_busy)
     assert B_MIN_MIB * MiB <= lowest < held, (lowest, held)
     assert all(target >= B_MIN_MIB * MiB for target in sampler.targets("tiny-b")), sampler.targets("tiny-b")
