@@ -72,6 +72,8 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["priority"] = info.priority;
   entry["reclaim_target_bytes"] =
       info.reclaim_target_bytes ? nb::object(nb::int_(*info.reclaim_target_bytes)) : nb::none();
+  entry["weights_bytes"] = info.weights_bytes;
+  entry["sleeping"] = info.sleeping;
   return entry;
 }
 
@@ -225,7 +227,13 @@ void bind_registry(nb::module_& m) {
                    "False once unregistered, reclaimed as stale, or the registry file is gone.")
       .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes, "This instance's own limit (set by kvctl), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
-                   "Bytes this instance holds against the device budget.")
+                   "Bytes of KV cache this instance holds against the device budget.")
+      .def_prop_ro("weights_bytes", &RegistryBudget::weights_bytes,
+                   "Bytes of model weights charged on this entry and awake now.")
+      .def_prop_ro("sleeping", &RegistryBudget::sleeping, "Whether the weights on this entry sleep.")
+      .def("weights_budget", &RegistryBudget::weights_budget,
+           "A WeightsBudget charging model weights on this entry, beside its KV cache "
+           "(kvcached.ModelWeights(module, budget=this) does it).")
       .def_prop_ro("min_bytes", &RegistryBudget::min_bytes,
                    "Bytes guaranteed to this instance: others leave room for it to get back to them.")
       .def_prop_ro("priority", &RegistryBudget::priority, "Who gives memory back first: the lower priority.")
@@ -296,7 +304,9 @@ void bind_registry(nb::module_& m) {
           },
           "Device-wide budget shared by all instances; setting it takes effect at once.")
       .def_prop_ro("mapped_bytes", &DeviceRegistry::mapped_bytes,
-                   "Bytes mapped by all instances (dead ones too, until reclaimed).")
+                   "Bytes of KV cache mapped by all instances (dead ones too, until reclaimed).")
+      .def_prop_ro("weights_bytes", &DeviceRegistry::weights_bytes,
+                   "Bytes of model weights awake on the device, over all instances.")
       .def_prop_ro("available_bytes", &DeviceRegistry::available_bytes)
       .def(
           "entries",

@@ -87,8 +87,19 @@ std::size_t DeviceRegistry::mapped_bytes() const {
   return total;
 }
 
+std::size_t DeviceRegistry::weights_bytes() const {
+  RegistryLock lock(*segment_);
+  const std::size_t total = registry_detail::total_weights_bytes(segment_->layout());
+  lock.confirm();
+  return total;
+}
+
 std::size_t DeviceRegistry::available_bytes() const {
-  return registry_detail::saturating_sub(budget_bytes(), mapped_bytes());
+  RegistryLock lock(*segment_);
+  const std::size_t held = registry_detail::total_held_bytes(segment_->layout());
+  const std::size_t budget = segment_->header().budget_bytes.load(std::memory_order_relaxed);
+  lock.confirm();
+  return registry_detail::saturating_sub(budget, held);
 }
 
 std::vector<RegistryEntryInfo> DeviceRegistry::entries() const {
