@@ -38,7 +38,23 @@ using HostBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_conti
 }  // namespace
 
 void bind_weights(nb::module_& m) {
-  nb::class_<WeightsBudget>(m, "WeightsBudget", "Where a model's weights are charged while they hold device memory.");
+  nb::class_<WeightsBudget>(m, "WeightsBudget", "Where a model's weights are charged while they hold device memory.")
+      .def(
+          "try_charge",
+          [](WeightsBudget& self, nb::handle bytes) {
+            const std::size_t checked = size_arg("bytes", bytes, /*allow_zero=*/true);
+            nb::gil_scoped_release release;
+            return self.try_charge(checked);
+          },
+          "bytes"_a, "Takes `bytes` for weights being mapped; False (nothing taken) when there is no room.")
+      .def(
+          "credit",
+          [](WeightsBudget& self, nb::handle bytes, bool sleeping) {
+            const std::size_t checked = size_arg("bytes", bytes, /*allow_zero=*/true);
+            nb::gil_scoped_release release;
+            self.credit(checked, sleeping);
+          },
+          "bytes"_a, "sleeping"_a, "Gives back `bytes` of weights just unmapped; `sleeping`: asleep, not gone.");
   nb::class_<MemoryBudgetWeights, WeightsBudget>(m, "MemoryBudgetWeights",
                                                  "Weights charged on a plain MemoryBudget (e.g. a FixedBudget).")
       .def(nb::init<std::shared_ptr<MemoryBudget>>(), "budget"_a);

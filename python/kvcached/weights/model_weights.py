@@ -138,30 +138,33 @@ class ModelWeights:
             _adopted[module] = self
         self._lock = threading.Lock()
 
-    def _flat(self) -> Any:
-        """The whole range as one uint8 tensor (keeps the reservation alive)."""
+    def _slot_bytes(self, slot: Any) -> Any:
+        """A slot of the range as a uint8 tensor with a storage of its own (keeps the reservation alive)."""
         import torch
 
         space = self._space
-        return torch.from_dlpack(self.device.view(space.base_address, space.size_bytes, space.memory_owner()))
+        view = self.device.view(space.base_address + slot.offset, max(slot.nbytes, 1), space.memory_owner())
+        return torch.from_dlpack(view)[: slot.nbytes]
 
     def _adopt(self, placement: Any) -> None:
         """Copies every storage into its slot, then points every tensor at it."""
-        flat = self._flat()
-        for slot in placement.slots:
-            flat[slot.offset : slot.offset + slot.nbytes].copy_(storage_bytes(slot.source))
-        self._rebind(placement, flat)
+        slots = [self._slot_bytes(slot) for slot in placement.slots]
+        for slot, target in zip(placement.slots, slots):
+            target.copy_(storage_bytes(slot.source))
+        self._rebind(placement, slots)
         self._placement = placement
-        if flat.device.type == "cuda":
+        if self.device.backend != "host":
             import torch
 
-            torch.cuda.synchronize(flat.device)
+            torch.cuda.synchronize(slots[0].device)
             torch.cuda.empty_cache()  # the old storages go back to the device, not torch's cache
 
     @staticmethod
-    def _rebind(placement: Any, flat: Any) -> None:
+    def _rebind(placement: Any, slots: list[Any]) -> None:
         # `.data =` keeps each Parameter / buffer object (and what engines attached to it).
-        rebuilt = [(tensor, rebuild(tensor, flat, slot.offset)) for slot in placement.slots for tensor in slot.tensors]
+        rebuilt = [
+            (tensor, rebuild(tensor, target)) for slot, target in zip(placement.slots, slots) for tensor in slot.tensors
+        ]
         for tensor, new in rebuilt:
             tensor.data = new
 
@@ -234,15 +237,17 @@ class ModelWeights:
                 return
             level = self.sleep_level
             torch_device = _torch_device_of(self.device)
-            size = self.nbytes
-            if level == 0:
-                plain = self._flat().clone()
-            elif level == 1:
-                host = np.empty(size, dtype=np.uint8)
-                self._space.copy_host_contents(0, host)
-                plain = torch.from_numpy(host).to(torch_device)
-            else:
-                plain = torch.zeros(size, dtype=torch.uint8, device=torch_device)
+            plain = []
+            for slot in self._placement.slots:
+                if level == 0:
+                    target = self._slot_bytes(slot).clone()
+                elif level == 1:
+                    host = np.empty(slot.nbytes, dtype=np.uint8)
+                    self._space.copy_host_contents(slot.offset, host)
+                    target = torch.from_numpy(host).to(torch_device)
+                else:
+                    target = torch.zeros(slot.nbytes, dtype=torch.uint8, device=torch_device)
+                plain.append(target)
             self._rebind(self._placement, plain)
             self._space.close()
             if self._registration is not None:

@@ -3,8 +3,9 @@
 A module's parameters and buffers are found once, deduplicated (a tied embedding
 is one Parameter in two modules; a buffer may view a parameter's storage), and
 grouped by the storage they live in. Each storage gets one aligned slot in the
-range; every tensor on it is later rebuilt over its slot with the same offset,
-shape, strides and dtype, so tensors that shared memory still do.
+range, exported as a storage of its own; every tensor on it is rebuilt over that
+storage with the same offset, shape, strides and dtype, so tensors that shared
+memory still do.
 """
 
 from __future__ import annotations
@@ -93,17 +94,13 @@ def storage_bytes(tensor: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-def rebuild(tensor: Any, flat: Any, slot_offset: int) -> Any:
-    """A tensor like ``tensor`` (dtype, shape, strides, offset in its storage) over ``flat``'s
-    storage, its storage starting ``slot_offset`` bytes into ``flat``."""
+def rebuild(tensor: Any, slot_bytes: Any) -> Any:
+    """A tensor like ``tensor`` (dtype, shape, strides, offset in its storage) over the storage
+    of ``slot_bytes``, a uint8 tensor of its own storage holding the same bytes."""
     import torch
 
-    itemsize = tensor.element_size()
-    start_bytes = slot_offset + tensor.storage_offset() * itemsize
-    if start_bytes % itemsize:
-        raise InvalidArgumentError(f"a {tensor.dtype} tensor would start at byte {start_bytes}, not a whole item")
-    rebuilt = torch.empty(0, dtype=tensor.dtype, device=flat.device)
-    return rebuilt.set_(flat.untyped_storage(), start_bytes // itemsize, tensor.size(), tensor.stride())
+    rebuilt = torch.empty(0, dtype=tensor.dtype, device=slot_bytes.device)
+    return rebuilt.set_(slot_bytes.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 __all__ = ["SLOT_ALIGNMENT_BYTES", "Placement", "StorageSlot", "module_tensors", "place", "rebuild", "storage_bytes"]

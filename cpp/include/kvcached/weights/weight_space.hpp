@@ -73,10 +73,12 @@ class KVCACHED_EXPORT WeightSpace {
   WeightSpace(const WeightSpace&) = delete;
   WeightSpace& operator=(const WeightSpace&) = delete;
 
-  const std::shared_ptr<Device>& device() const noexcept { return memory_->device; }
-  VirtualAddress base() const noexcept { return memory_->reservation.base(); }
-  std::size_t size_bytes() const noexcept { return memory_->reservation.size_bytes(); }
-  std::shared_ptr<WeightMemory> memory() const noexcept { return memory_; }
+  const std::shared_ptr<Device>& device() const noexcept { return device_; }
+  VirtualAddress base() const noexcept { return base_; }
+  std::size_t size_bytes() const noexcept { return size_bytes_; }
+  // The range, for exported tensors to keep reserved; null once closed (the
+  // range is then freed when the last tensor holding it goes).
+  std::shared_ptr<WeightMemory> memory() const;
   SleepLevel sleep_level() const;
   WeightSpaceStats stats() const;
 
@@ -95,7 +97,7 @@ class KVCACHED_EXPORT WeightSpace {
   // The level-1 contents while asleep at level 1 (host memory, size_bytes()), else null.
   const void* host_contents() const;
   // Unmaps and releases everything, credits the budget; the range stays
-  // reserved while memory() is held. Idempotent.
+  // reserved while tensors hold what memory() gave them. Idempotent.
   void close();
   bool closed() const;
 
@@ -112,7 +114,10 @@ class KVCACHED_EXPORT WeightSpace {
   void ensure_host_buffer_locked();
   void free_host_buffer_locked() noexcept;
 
-  std::shared_ptr<WeightMemory> memory_;
+  std::shared_ptr<Device> device_;
+  VirtualAddress base_ = 0;
+  std::size_t size_bytes_ = 0;
+  std::shared_ptr<WeightMemory> memory_;  // reset at close
   std::shared_ptr<WeightsBudget> budget_;
   std::vector<Chunk> chunks_;
   std::size_t chunk_bytes_ = 0;

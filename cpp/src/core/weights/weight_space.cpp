@@ -19,10 +19,10 @@ std::string bytes_text(std::size_t bytes) {
 
 WeightSpace::WeightSpace(std::shared_ptr<Device> device, std::size_t size_bytes, std::shared_ptr<WeightsBudget> budget,
                          const WeightSpaceOptions& options)
-    : budget_(std::move(budget)) {
-  if (!device) throw InvalidArgument("WeightSpace needs a device");
+    : device_(std::move(device)), budget_(std::move(budget)) {
+  if (!device_) throw InvalidArgument("WeightSpace needs a device");
   if (size_bytes == 0) throw InvalidArgument("WeightSpace needs at least one byte of weights");
-  const std::size_t granularity = device->granularity().recommended_bytes;
+  const std::size_t granularity = device_->granularity().recommended_bytes;
   const std::size_t requested_chunk = options.chunk_bytes != 0 ? options.chunk_bytes : options.kDefaultChunkBytes;
   chunk_bytes_ = round_up(requested_chunk, granularity);
   const std::size_t total = round_up(size_bytes, granularity);
@@ -30,9 +30,11 @@ WeightSpace::WeightSpace(std::shared_ptr<Device> device, std::size_t size_bytes,
     chunks_.push_back({offset, std::min(chunk_bytes_, total - offset)});
   }
   memory_ = std::make_shared<WeightMemory>();
-  memory_->device = device;
-  memory_->reservation = device->reserve(total);
-  copies_ = device->backend().open_copy_queue();
+  memory_->device = device_;
+  memory_->reservation = device_->reserve(total);
+  base_ = memory_->reservation.base();
+  size_bytes_ = total;
+  copies_ = device_->backend().open_copy_queue();
   if (budget_ && !budget_->try_charge(total)) {
     throw BudgetExhausted("weights of " + bytes_text(total) + " do not fit: the device budget refused them");
   }
@@ -51,6 +53,11 @@ WeightSpace::~WeightSpace() {
   } catch (...) {
     // A destructor cannot report; close() already gave back what it could.
   }
+}
+
+std::shared_ptr<WeightMemory> WeightSpace::memory() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return memory_;
 }
 
 SleepLevel WeightSpace::sleep_level() const {
@@ -80,7 +87,7 @@ void WeightSpace::sleep(SleepLevel level) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) throw InvalidArgument("the weights were closed");
   if (level_ != SleepLevel::kAwake) return;
-  Device& device = *memory_->device;
+  Device& device = *device_;
   device.synchronize();  // kernels still reading the weights finish before they go
   if (level == SleepLevel::kKeepContents) {
     ensure_host_buffer_locked();
@@ -131,7 +138,7 @@ void WeightSpace::close() {
   closed_ = true;
   if (level_ == SleepLevel::kAwake) {
     try {
-      memory_->device->synchronize();
+      device_->synchronize();
     } catch (...) {
       // Unmapping goes ahead: the memory is given back whatever the device says.
     }
@@ -141,6 +148,7 @@ void WeightSpace::close() {
   if (budget_) budget_->credit(level_ == SleepLevel::kAwake ? size_bytes() : 0, /*sleeping=*/false);
   free_host_buffer_locked();
   copies_.reset();
+  memory_.reset();  // tensors still holding the range keep it reserved (and, on the host, reading zeros)
 }
 
 bool WeightSpace::closed() const {
@@ -152,7 +160,7 @@ bool WeightSpace::closed() const {
 // next chunk's driver calls overlap this chunk's copy; waits for all copies.
 // On failure everything mapped here is unmapped again.
 void WeightSpace::map_all_locked(Contents contents) {
-  Device& device = *memory_->device;
+  Device& device = *device_;
   const auto* host = static_cast<const char*>(host_buffer_);
   try {
     allocations_.reserve(chunks_.size());
@@ -191,19 +199,19 @@ void WeightSpace::unmap_all_locked() noexcept {
 void WeightSpace::cover_unmapped_locked() noexcept {
   try {
     // Host: reads of the unmapped range give zeros instead of a fault. GPUs: no-op.
-    memory_->device->map_free_zero_pages(base(), size_bytes());
+    device_->map_free_zero_pages(base(), size_bytes());
   } catch (...) {
     // Left PROT_NONE: stray reads fault, as on a GPU.
   }
 }
 
 void WeightSpace::ensure_host_buffer_locked() {
-  if (host_buffer_ == nullptr) host_buffer_ = memory_->device->backend().allocate_host_buffer(size_bytes());
+  if (host_buffer_ == nullptr) host_buffer_ = device_->backend().allocate_host_buffer(size_bytes());
 }
 
 void WeightSpace::free_host_buffer_locked() noexcept {
   if (host_buffer_ == nullptr) return;
-  memory_->device->backend().free_host_buffer(host_buffer_, size_bytes());
+  device_->backend().free_host_buffer(host_buffer_, size_bytes());
   host_buffer_ = nullptr;
 }
 
