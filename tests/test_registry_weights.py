@@ -96,7 +96,8 @@ def test_a_dead_processs_weights_return_to_the_budget(isolated_registry_dir):
 
 
 @pytest.mark.parametrize(
-    "field, value, shown", [("weights_bytes", 2**60, "weights_bytes 1152921504606846976"), ("sleeping", 7, "sleeping 7")]
+    "field, value, shown",
+    [("weights_bytes", 2**60, "weights_bytes 1152921504606846976"), ("sleeping", 7, "sleeping 7")],
 )
 def test_a_file_whose_weights_fields_cannot_be_true_is_refused(field, value, shown):
     registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
@@ -104,3 +105,31 @@ def test_a_file_whose_weights_fields_cannot_be_true_is_refused(field, value, sho
     poke(registry.path, entry_offset(budget.slot, field), value.to_bytes(8, "little"))
     with pytest.raises(RegistryUnusableError, match=shown):
         registry.entries()
+
+
+def test_an_engines_weights_and_kv_join_one_entry_per_rank_and_the_last_handle_frees_it():
+    import os
+
+    registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
+    weights_side = registry.register("engine", join=True)  # the rank loads its weights first
+    space = _core.WeightSpace(_core.open_host_device(), 2 * PAGE_BYTES, weights_side.weights_budget())
+    kv_side = registry.register("engine", pid=os.getpid(), min_bytes=PAGE_BYTES, priority=3, join=True)
+    assert kv_side.slot == weights_side.slot and kv_side.instance_id == weights_side.instance_id
+    assert kv_side.try_acquire(PAGE_BYTES)
+    (only,) = registry.entries()
+    assert (only["weights_bytes"], only["mapped_bytes"], only["min_bytes"], only["priority"]) == (
+        2 * PAGE_BYTES,
+        PAGE_BYTES,
+        PAGE_BYTES,
+        3,
+    ), "one row: the weights and the KV cache of the rank, under the engine's policy"
+    space.close()
+    weights_side.unregister()
+    assert kv_side.registered, "the KV cache's handle keeps the entry"
+    assert registry.entries()[0]["mapped_bytes"] == PAGE_BYTES
+    kv_side.release(PAGE_BYTES)
+    kv_side.unregister()
+    assert registry.entries() == []
+    other = registry.register("engine", join=False)
+    assert registry.register("engine", join=True).slot == other.slot
+    assert registry.register("other-name", join=True).slot != other.slot, "only the same name is joined"

@@ -361,20 +361,22 @@ void bind_registry(nb::module_& m) {
           "register",
           [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
              std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device, std::int64_t min_bytes,
-             std::int64_t priority) {
+             std::int64_t priority, bool join) {
             InstancePolicy policy;
             policy.max_bytes = checked_optional_bytes("limit_bytes", limit_bytes);
             policy.min_bytes = checked_bytes("min_bytes", min_bytes);
             policy.priority = priority;
             nb::gil_scoped_release unlocked;
-            return self.register_instance(name, pid, policy, local_device);
+            return self.register_instance(name, pid, policy, local_device, join);
           },
           "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
-          "min_bytes"_a = 0, "priority"_a = 0,
+          "min_bytes"_a = 0, "priority"_a = 0, "join"_a = false,
           "Registers an instance (default pid: this process; default local_device: the one "
           "given when opening) with its memory policy (limit_bytes is its max) and returns its "
           "RegistryBudget. ValueError when min_bytes is above limit_bytes or the mins of the "
-          "device's instances would sum above its budget.")
+          "device's instances would sum above its budget. With join=True a live entry of the same "
+          "name and pid is joined (another handle on it, its policy replaced by this one's; the last "
+          "handle unregistered frees it): an engine's weights and KV cache on one rank.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");
 }

@@ -78,8 +78,8 @@ void* allocate_pinned(CUcontext context, std::size_t size_bytes) {
 
 void free_pinned(CUcontext context, void* buffer) noexcept {
   CUcontext previous = nullptr;
-  const bool switched = cuCtxGetCurrent(&previous) == CUDA_SUCCESS && previous != context &&
-                        cuCtxSetCurrent(context) == CUDA_SUCCESS;
+  const bool switched =
+      cuCtxGetCurrent(&previous) == CUDA_SUCCESS && previous != context && cuCtxSetCurrent(context) == CUDA_SUCCESS;
   (void)cuMemFreeHost(buffer);
   if (switched) (void)cuCtxSetCurrent(previous);
 }

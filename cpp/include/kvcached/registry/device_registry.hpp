@@ -52,6 +52,7 @@ namespace kvcached {
 namespace registry_detail {
 class Segment;
 struct EntryRecord;
+struct Layout;
 }  // namespace registry_detail
 
 // One instance as seen in a snapshot of the table.
@@ -147,10 +148,14 @@ class KVCACHED_EXPORT DeviceRegistry {
   // above its max or the mins would sum above the budget. A GPU instance is
   // refused while a registry keyed another way has live instances
   // (registry_directory.hpp).
+  // With `join`, a live entry of the same name and pid is joined instead: another
+  // handle on it (an engine's weights and its KV cache registering one rank apart),
+  // its policy replaced by `policy`; the last handle unregistered frees it.
   std::shared_ptr<RegistryBudget> register_instance(const std::string& name,
                                                     std::optional<std::int64_t> pid = std::nullopt,
                                                     const InstancePolicy& policy = {},
-                                                    std::optional<std::string> local_device = std::nullopt);
+                                                    std::optional<std::string> local_device = std::nullopt,
+                                                    bool join = false);
 
   // Test hook: takes the registry lock and returns without releasing it, so a
   // test can kill the process while it holds the lock. Never use otherwise.
@@ -158,6 +163,9 @@ class KVCACHED_EXPORT DeviceRegistry {
 
  private:
   DeviceRegistry(std::string device, std::string local_device, std::shared_ptr<registry_detail::Segment> segment);
+  std::shared_ptr<RegistryBudget> join_locked(registry_detail::Layout& layout, const std::string& name,
+                                              std::int64_t pid, std::uint64_t start_ticks,
+                                              const InstancePolicy& policy);
   std::string device_;
   std::string local_device_;
   std::shared_ptr<registry_detail::Segment> segment_;

@@ -175,10 +175,39 @@ std::size_t DeviceRegistry::clean_stale() {
   return freed;
 }
 
+// The live entry of `name` and this pid (same process start), if one exists: another
+// handle on it, its memory policy replaced by `policy` (all or nothing, as set_policy).
+std::shared_ptr<RegistryBudget> DeviceRegistry::join_locked(registry_detail::Layout& layout, const std::string& name,
+                                                            std::int64_t pid, std::uint64_t start_ticks,
+                                                            const InstancePolicy& policy) {
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    EntryRecord& entry = layout.entries[slot];
+    if (!registry_detail::slot_active(entry) || entry.pid.load(std::memory_order_relaxed) != pid ||
+        entry.start_time_ticks.load(std::memory_order_relaxed) != start_ticks ||
+        registry_detail::entry_info(layout, slot).name != name) {
+      continue;
+    }
+    std::size_t mins =
+        registry_detail::saturating_sub(registry_detail::total_min_bytes(layout), registry_detail::min_of(entry));
+    if (__builtin_add_overflow(mins, policy.min_bytes, &mins)) mins = SIZE_MAX;
+    registry_detail::check_guarantees_fit(
+        mins, layout.header.budget_bytes.load(std::memory_order_relaxed),
+        "joining '" + name + "' with a min of " + std::to_string(policy.min_bytes) + " bytes");
+    entry.min_bytes.store(policy.min_bytes, std::memory_order_relaxed);
+    entry.limit_bytes.store(policy.max_bytes ? *policy.max_bytes : registry_detail::kNoLimit,
+                            std::memory_order_relaxed);
+    entry.priority.store(policy.priority, std::memory_order_relaxed);
+    entry.handles.store(entry.handles.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    const std::uint64_t instance_id = entry.instance_id.load(std::memory_order_relaxed);
+    return std::make_shared<RegistryBudget>(segment_, slot, instance_id, name);
+  }
+  return nullptr;
+}
+
 std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::string& name,
                                                                   std::optional<std::int64_t> pid,
                                                                   const InstancePolicy& policy,
-                                                                  std::optional<std::string> local_device) {
+                                                                  std::optional<std::string> local_device, bool join) {
   if (policy.max_bytes && *policy.max_bytes >= registry_detail::kNoLimit) {
     throw InvalidArgument("limit is too large");
   }
@@ -197,6 +226,12 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::str
   RegistryLock lock(*segment_);
   registry_detail::Layout& layout = segment_->layout();
   registry_detail::clean_stale_locked(layout);
+  if (join) {
+    if (auto joined = join_locked(layout, name, owner_pid, *start_ticks, policy)) {
+      lock.confirm();
+      return joined;
+    }
+  }
   if (policy.min_bytes > 0) {
     std::size_t mins = registry_detail::total_min_bytes(layout);
     if (__builtin_add_overflow(mins, policy.min_bytes, &mins)) mins = SIZE_MAX;

@@ -235,9 +235,14 @@ void RegistryBudget::unregister() noexcept {
     RegistryLock lock(*segment_, registry_detail::LockCheck::file);
     EntryRecord& entry = segment_->entry(slot_);
     if (registry_detail::owns_entry(entry, instance_id_)) {
-      entry.state.store(registry_detail::kSlotFree, std::memory_order_release);
-      entry.mapped_bytes.store(0, std::memory_order_relaxed);
-      entry.weights_bytes.store(0, std::memory_order_relaxed);
+      const std::uint64_t handles = entry.handles.load(std::memory_order_relaxed);
+      if (handles > 1) {
+        entry.handles.store(handles - 1, std::memory_order_relaxed);  // another handle keeps the entry
+      } else {
+        entry.state.store(registry_detail::kSlotFree, std::memory_order_release);
+        entry.mapped_bytes.store(0, std::memory_order_relaxed);
+        entry.weights_bytes.store(0, std::memory_order_relaxed);
+      }
     }
     unregistered_ = true;
   } catch (const RegistryUnusable&) {

@@ -102,6 +102,8 @@ std::optional<std::string> entry_lie(const EntryRecord& entry) {
   }
   const std::uint64_t sleeping = entry.sleeping.load(std::memory_order_relaxed);
   if (sleeping > 1) return "sleeping " + std::to_string(sleeping);
+  const std::uint64_t handles = entry.handles.load(std::memory_order_relaxed);
+  if (handles == 0 || handles > kMaxEntryHandles) return "handles " + std::to_string(handles);
   const std::uint64_t target = entry.reclaim_target_bytes.load(std::memory_order_relaxed);
   if (target != kNoLimit && target > kMaxPlausibleBytes) return "reclaim_target_bytes " + std::to_string(target);
   const std::uint64_t requester = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
@@ -150,6 +152,7 @@ std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets() {
       {"entry.reclaim_target_bytes", offsetof(EntryRecord, reclaim_target_bytes)},
       {"entry.weights_bytes", offsetof(EntryRecord, weights_bytes)},
       {"entry.sleeping", offsetof(EntryRecord, sleeping)},
+      {"entry.handles", offsetof(EntryRecord, handles)},
   };
 #pragma GCC diagnostic pop
 }

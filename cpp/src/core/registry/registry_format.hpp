@@ -33,6 +33,8 @@ inline constexpr std::uint64_t kSlotActive = 1;
 // No device has more memory than the largest reservation a KV layout allows
 // (2^56 bytes): a budget or byte count above it in the file cannot be true.
 inline constexpr std::uint64_t kMaxPlausibleBytes = std::uint64_t{1} << 56;
+// More handles on one entry than any engine's processes could hold cannot be true.
+inline constexpr std::uint64_t kMaxEntryHandles = std::uint64_t{1} << 20;
 
 using Counter = std::atomic<std::uint64_t>;
 using SignedCounter = std::atomic<std::int64_t>;
@@ -67,6 +69,10 @@ struct alignas(64) EntryRecord {
   // hold now, beside the KV cache's mapped_bytes, and whether they are asleep (0 / 1).
   Counter weights_bytes;
   Counter sleeping;
+  // Handles on this entry (RegistryBudget objects in any process): an engine's weights and
+  // its KV cache may register the same rank apart and join one entry; the last one out
+  // frees the slot. At least 1 while the slot is active.
+  Counter handles;
   char name[kRegistryNameMaxBytes + 1];
   char local_device[kRegistryLocalDeviceMaxBytes + 1];  // e.g. "cuda:1": as its process sees it
 };

@@ -31,6 +31,7 @@ void fill_entry(EntryRecord& entry, const NewEntry& values) {
   entry.reclaim_requester_id.store(0);
   entry.weights_bytes.store(0);
   entry.sleeping.store(0);
+  entry.handles.store(1);
   std::memset(entry.name, 0, sizeof entry.name);
   std::memcpy(entry.name, values.name.data(), values.name.size());
   std::memset(entry.local_device, 0, sizeof entry.local_device);

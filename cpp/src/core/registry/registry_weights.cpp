@@ -34,7 +34,9 @@ class RegistryWeights final : public WeightsBudget {
                                " is gone (unregistered, or reclaimed because its pid was judged dead)");
     }
     registry_detail::Layout& layout = owner.segment_->layout();
-    const auto room = [&] { return registry_detail::room_for_weights(layout, owner.slot_, registry_detail::monotonic_now_ns()); };
+    const auto room = [&] {
+      return registry_detail::room_for_weights(layout, owner.slot_, registry_detail::monotonic_now_ns());
+    };
     bool granted = bytes <= room();
     if (!granted) {
       const std::int64_t now = registry_detail::monotonic_now_ns();
@@ -49,8 +51,7 @@ class RegistryWeights final : public WeightsBudget {
       lock.confirm();
       return false;
     }
-    entry->weights_bytes.store(entry->weights_bytes.load(std::memory_order_relaxed) + bytes,
-                               std::memory_order_relaxed);
+    entry->weights_bytes.store(entry->weights_bytes.load(std::memory_order_relaxed) + bytes, std::memory_order_relaxed);
     entry->sleeping.store(0, std::memory_order_relaxed);
     entry->wanted_bytes.store(saturating_sub(entry->wanted_bytes.load(std::memory_order_relaxed), bytes),
                               std::memory_order_relaxed);

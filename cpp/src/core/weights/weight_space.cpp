@@ -92,7 +92,8 @@ void WeightSpace::sleep(SleepLevel level) {
   if (level == SleepLevel::kKeepContents) {
     ensure_host_buffer_locked();
     auto* host = static_cast<char*>(host_buffer_);
-    for (const Chunk& chunk : chunks_) copies_->copy_to_host(host + chunk.offset, base() + chunk.offset, chunk.size_bytes);
+    for (const Chunk& chunk : chunks_)
+      copies_->copy_to_host(host + chunk.offset, base() + chunk.offset, chunk.size_bytes);
     copies_->wait();
   }
   unmap_all_locked();
