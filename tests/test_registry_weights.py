@@ -133,3 +133,4 @@ def test_an_engines_weights_and_kv_join_one_entry_per_rank_and_the_last_handle_f
     other = registry.register("engine", join=False)
     assert registry.register("engine", join=True).slot == other.slot
     assert registry.register("other-name", join=True).slot != other.slot, "only the same name is joined"
+    assert registry.register("engine", local_device="rank1-cpu", join=True).slot != other.slot, "nor another rank"

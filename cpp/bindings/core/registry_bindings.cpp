@@ -375,7 +375,7 @@ void bind_registry(nb::module_& m) {
           "given when opening) with its memory policy (limit_bytes is its max) and returns its "
           "RegistryBudget. ValueError when min_bytes is above limit_bytes or the mins of the "
           "device's instances would sum above its budget. With join=True a live entry of the same "
-          "name and pid is joined (another handle on it, its policy replaced by this one's; the last "
+          "name, pid and local device is joined (another handle on it, its policy replaced by this one's; the last "
           "handle unregistered frees it): an engine's weights and KV cache on one rank.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");

@@ -148,7 +148,7 @@ class KVCACHED_EXPORT DeviceRegistry {
   // above its max or the mins would sum above the budget. A GPU instance is
   // refused while a registry keyed another way has live instances
   // (registry_directory.hpp).
-  // With `join`, a live entry of the same name and pid is joined instead: another
+  // With `join`, a live entry of the same name, pid and local device is joined instead: another
   // handle on it (an engine's weights and its KV cache registering one rank apart),
   // its policy replaced by `policy`; the last handle unregistered frees it.
   std::shared_ptr<RegistryBudget> register_instance(const std::string& name,
@@ -165,7 +165,7 @@ class KVCACHED_EXPORT DeviceRegistry {
   DeviceRegistry(std::string device, std::string local_device, std::shared_ptr<registry_detail::Segment> segment);
   std::shared_ptr<RegistryBudget> join_locked(registry_detail::Layout& layout, const std::string& name,
                                               std::int64_t pid, std::uint64_t start_ticks,
-                                              const InstancePolicy& policy);
+                                              const std::string& local_device, const InstancePolicy& policy);
   std::string device_;
   std::string local_device_;
   std::shared_ptr<registry_detail::Segment> segment_;

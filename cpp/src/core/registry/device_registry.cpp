@@ -175,18 +175,20 @@ std::size_t DeviceRegistry::clean_stale() {
   return freed;
 }
 
-// The live entry of `name` and this pid (same process start), if one exists: another
-// handle on it, its memory policy replaced by `policy` (all or nothing, as set_policy).
+// The live entry of `name`, this pid (same process start) and local device, if one
+// exists: another handle on it, its policy replaced by `policy` (all or nothing).
 std::shared_ptr<RegistryBudget> DeviceRegistry::join_locked(registry_detail::Layout& layout, const std::string& name,
                                                             std::int64_t pid, std::uint64_t start_ticks,
+                                                            const std::string& local_device,
                                                             const InstancePolicy& policy) {
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
     EntryRecord& entry = layout.entries[slot];
     if (!registry_detail::slot_active(entry) || entry.pid.load(std::memory_order_relaxed) != pid ||
-        entry.start_time_ticks.load(std::memory_order_relaxed) != start_ticks ||
-        registry_detail::entry_info(layout, slot).name != name) {
+        entry.start_time_ticks.load(std::memory_order_relaxed) != start_ticks) {
       continue;
     }
+    const RegistryEntryInfo info = registry_detail::entry_info(layout, slot);
+    if (info.name != name || info.local_device != local_device) continue;
     std::size_t mins =
         registry_detail::saturating_sub(registry_detail::total_min_bytes(layout), registry_detail::min_of(entry));
     if (__builtin_add_overflow(mins, policy.min_bytes, &mins)) mins = SIZE_MAX;
@@ -227,7 +229,7 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::str
   registry_detail::Layout& layout = segment_->layout();
   registry_detail::clean_stale_locked(layout);
   if (join) {
-    if (auto joined = join_locked(layout, name, owner_pid, *start_ticks, policy)) {
+    if (auto joined = join_locked(layout, name, owner_pid, *start_ticks, seen_as, policy)) {
       lock.confirm();
       return joined;
     }
