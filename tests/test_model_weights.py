@@ -86,6 +86,18 @@ def test_level_2_discards_the_contents_and_a_reload_brings_them_back(model, ids)
         assert torch.equal(model(ids), before)
 
 
+def test_level_2_may_keep_some_tensors_and_discards_the_rest(model, ids):
+    scale, steps = model.scale.clone(), model.steps.clone()
+    with kvcached.ModelWeights(model) as weights:
+        weights.sleep(level=2, keep=[model.scale, model.steps])
+        weights.wake_up()
+        assert torch.equal(model.scale, scale) and torch.equal(model.steps, steps), "kept"
+        assert not model.mlp[0].weight.any(), "discarded"
+        with pytest.raises(ValueError, match="not one of the module"):
+            weights.sleep(level=2, keep=[torch.ones(3)])
+        assert not weights.is_sleeping
+
+
 def test_the_registry_counts_the_weights_and_whether_they_sleep(model):
     def entry():
         (found,) = [e for e in registry_for("cpu").entries() if e["name"] == "counted"]

@@ -161,7 +161,7 @@ def test_close_gives_everything_back_and_is_idempotent(device):
 def test_the_host_buffer_is_kept_for_the_next_sleep_and_can_be_freed(device):
     space = _core.WeightSpace(device, page(device), None)
     space.sleep(1)
-    with pytest.raises(ValueError, match="wake it first"):
+    with pytest.raises(ValueError, match="wake them first"):
         space.release_host_buffer()
     space.try_wake()
     assert space.stats()["host_buffer_bytes"] == page(device)
@@ -170,20 +170,44 @@ def test_the_host_buffer_is_kept_for_the_next_sleep_and_can_be_freed(device):
     space.close()
 
 
-def test_level_1_contents_can_be_read_while_asleep(device, access):
+def test_contents_kept_asleep_can_be_read(device, access):
     import numpy as np
 
     space = _core.WeightSpace(device, page(device), None)
     access.write(space.base_address + 10, b"hello")
     space.sleep(1)
     out = np.zeros(5, dtype=np.uint8)
-    space.copy_host_contents(10, out)
+    space.copy_kept_contents(10, out)
     assert out.tobytes() == b"hello"
-    with pytest.raises(ValueError, match="outside"):
-        space.copy_host_contents(space.size_bytes - 2, out)
+    with pytest.raises(ValueError, match="not kept"):
+        space.copy_kept_contents(space.size_bytes - 2, out)
     space.try_wake()
-    with pytest.raises(ValueError, match="not asleep at level 1"):
-        space.copy_host_contents(0, out)
+    with pytest.raises(ValueError, match="not asleep"):
+        space.copy_kept_contents(0, out)
+    space.close()
+
+
+def test_level_2_keeps_the_ranges_asked_for_and_zeroes_the_rest(device, access):
+    import numpy as np
+
+    p = page(device)
+    space = _core.WeightSpace(device, 3 * p, None, chunk_bytes=p)
+    base = space.base_address
+    access.write(base, b"\x11" * (3 * p))
+    access.write(base + p - 4, b"spans two chunks")  # 4 bytes in chunk 0, 12 in chunk 1
+    access.write(base + 2 * p + 100, b"kept")
+    space.sleep(2, keep=[(2 * p + 100, 4), (p - 4, 16), (2 * p + 102, 1)])  # overlapping ranges merge
+    assert space.stats()["kept_bytes"] == 20 and space.stats()["host_buffer_bytes"] >= 20
+    out = np.zeros(16, dtype=np.uint8)
+    space.copy_kept_contents(p - 4, out)
+    assert out.tobytes() == b"spans two chunks"
+    assert space.try_wake()
+    assert access.read(base + p - 4, 16) == b"spans two chunks"
+    assert access.read(base + 2 * p + 100, 4) == b"kept"
+    assert access.read(base, 64) == bytes(64) and access.read(base + 2 * p + 104, 64) == bytes(64)
+    with pytest.raises(ValueError, match="outside"):
+        space.sleep(2, keep=[(3 * p - 1, 2)])
+    assert space.sleep_level == 0, "refused: still awake"
     space.close()
 
 

@@ -1,8 +1,10 @@
 // kvcached._core: WeightSpace (model weights that sleep and wake in place) and its budgets.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <memory>
@@ -27,6 +29,7 @@ nb::dict stats_dict(const WeightSpaceStats& s) {
   d["chunks"] = s.chunks;
   d["chunk_bytes"] = s.chunk_bytes;
   d["host_buffer_bytes"] = s.host_buffer_bytes;
+  d["kept_bytes"] = s.kept_bytes;
   d["sleep_level"] = s.sleep_level;
   d["sleeps"] = s.sleeps;
   d["wakes"] = s.wakes;
@@ -87,31 +90,31 @@ void bind_weights(nb::module_& m) {
           "stats", [](const WeightSpace& s) { return stats_dict(s.stats()); }, "Sizes, state and counts.")
       .def(
           "sleep",
-          [](WeightSpace& s, int level) {
+          [](WeightSpace& s, int level, const std::vector<std::pair<nb::handle, nb::handle>>& keep) {
+            std::vector<ByteRange> ranges;
+            for (const auto& [offset, size] : keep) {
+              ranges.push_back({size_arg("offset", offset, true), size_arg("size", size, true)});
+            }
             nb::gil_scoped_release release;
-            s.sleep(static_cast<SleepLevel>(level));
+            s.sleep(static_cast<SleepLevel>(level), ranges);
           },
-          "level"_a, "Release the device memory (1: contents copied to host memory first; 2: discarded).")
+          "level"_a, "keep"_a = std::vector<std::pair<nb::handle, nb::handle>>{},
+          "Release the device memory (1: contents copied to host memory first; 2: discarded but for the "
+          "(offset, size) ranges in `keep`, restored on wake).")
       .def("try_wake", &WeightSpace::try_wake, Released(),
            "Map the memory back in place (contents restored, or zero after level 2); False when the budget "
            "refuses (still asleep).")
       .def("release_host_buffer", &WeightSpace::release_host_buffer, Released(),
            "Free the host buffer kept for level-1 contents (not while asleep at level 1).")
       .def(
-          "copy_host_contents",
+          "copy_kept_contents",
           [](const WeightSpace& s, nb::handle offset_bytes, HostBytes destination) {
             const std::size_t offset = size_arg("offset_bytes", offset_bytes, /*allow_zero=*/true);
-            const std::size_t size = destination.shape(0);
-            if (offset > s.size_bytes() || size > s.size_bytes() - offset) {
-              throw InvalidArgument("copy_host_contents: [" + std::to_string(offset) + ", +" + std::to_string(size) +
-                                    ") is outside the weights' " + std::to_string(s.size_bytes()) + " bytes");
-            }
-            const void* contents = s.host_contents();
-            if (contents == nullptr) throw InvalidArgument("copy_host_contents: the weights are not asleep at level 1");
-            std::memcpy(destination.data(), static_cast<const char*>(contents) + offset, size);
+            nb::gil_scoped_release release;
+            s.copy_kept_contents(offset, destination.data(), destination.shape(0));
           },
           "offset_bytes"_a, "destination"_a,
-          "Copy level-1 contents (asleep at level 1) from `offset_bytes` into a CPU byte array.")
+          "Copy contents kept while asleep, from `offset_bytes` of the range, into a CPU byte array.")
       .def(
           "memory_owner", [](const WeightSpace& s) { return s.memory(); },
           "An object that keeps the reservation alive (for exported tensors).")

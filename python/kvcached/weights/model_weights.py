@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any, Optional, Union
 
 from kvcached import _core
@@ -153,6 +154,9 @@ class ModelWeights:
             target.copy_(storage_bytes(slot.source))
         self._rebind(placement, slots)
         self._placement = placement
+        base = self._space.base_address
+        self._slot_by_address = {base + slot.offset: slot for slot in placement.slots}
+        self._kept: set[int] = set()  # offsets of the slots whose contents the current sleep keeps
         if self.device.backend != "host":
             import torch
 
@@ -186,13 +190,26 @@ class ModelWeights:
     def closed(self) -> bool:
         return bool(self._space.closed)
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, keep: Iterable[Any] = ()) -> None:
         """Gives the device memory back: level 1 keeps the contents in host memory, level 2
-        discards them. Waits for the device's queued work first. A no-op when asleep."""
+        discards them but for the storages of the tensors in ``keep`` (the module's own:
+        buffers a weight update does not rewrite). Waits for the device's queued work first.
+        A no-op when asleep."""
         if isinstance(level, bool) or not isinstance(level, int) or level not in _SLEEP_LEVELS:
             raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
+        kept = {self._slot_of(tensor).offset: self._slot_of(tensor) for tensor in keep} if level == 2 else {}
         with self._lock:
-            self._space.sleep(level)
+            self._space.sleep(level, [(slot.offset, slot.nbytes) for slot in kept.values()])
+            if self._space.sleep_level == level:  # not a no-op
+                self._kept = set(kept) if level == 2 else {slot.offset for slot in self._placement.slots}
+
+    def _slot_of(self, tensor: Any) -> Any:
+        """The slot of one of the module's tensors; ValueError for any other tensor."""
+        storage = getattr(tensor, "untyped_storage", None)
+        slot = self._slot_by_address.get(storage().data_ptr()) if storage is not None else None
+        if slot is None:
+            raise InvalidArgumentError("keep: a tensor that is not one of the module's parameters or buffers")
+        return slot
 
     def wake_up(self, timeout_s: float = DEFAULT_WAKE_TIMEOUT_S) -> None:
         """Maps the weights back at the same addresses (level 1: contents restored; level 2:
@@ -241,9 +258,9 @@ class ModelWeights:
             for slot in self._placement.slots:
                 if level == 0:
                     target = self._slot_bytes(slot).clone()
-                elif level == 1:
+                elif slot.offset in self._kept:
                     host = np.empty(slot.nbytes, dtype=np.uint8)
-                    self._space.copy_host_contents(slot.offset, host)
+                    self._space.copy_kept_contents(slot.offset, host)
                     target = torch.from_numpy(host).to(torch_device)
                 else:
                     target = torch.zeros(slot.nbytes, dtype=torch.uint8, device=torch_device)

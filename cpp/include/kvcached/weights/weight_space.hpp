@@ -15,9 +15,11 @@
 // tens of driver calls instead of the 4,096 of 2 MiB pages. Level 1 sleep
 // copies the contents into a host buffer (page-locked on GPUs, kept for the next
 // sleep) on a copy queue of its own, then unmaps and releases every chunk; level
-// 2 only releases. Wake charges the budget for everything first, then creates,
-// maps and fences each chunk and queues its copy back (or zero fill) at once, so
-// the next chunk's driver calls overlap the previous chunk's copy.
+// 2 only releases, keeping just the byte ranges asked for (an engine's buffers,
+// which a weight update does not rewrite), packed in the host buffer. Wake
+// charges the budget for everything first, then creates, maps and fences each
+// chunk and queues its copy back (or zero fill, then the kept ranges) at once,
+// so the next chunk's driver calls overlap the previous chunk's copy.
 //
 // Limitations. Touching the range while asleep is the caller's bug: on GPUs the
 // addresses are unmapped (an illegal address), on the host they read as zeros
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "kvcached/device/device.hpp"
+#include "kvcached/space/kv_layout.hpp"  // ByteRange
 #include "kvcached/weights/weights_budget.hpp"
 
 namespace kvcached {
@@ -50,7 +53,8 @@ struct WeightSpaceStats {
   std::size_t mapped_bytes = 0;       // device memory held now
   std::size_t chunks = 0;             // physical allocations while awake
   std::size_t chunk_bytes = 0;        // size of each but the last
-  std::size_t host_buffer_bytes = 0;  // host memory held for level-1 contents
+  std::size_t host_buffer_bytes = 0;  // host memory held for the contents kept while asleep
+  std::size_t kept_bytes = 0;         // of the range, kept while asleep (level 1: all of it)
   int sleep_level = 0;
   std::uint64_t sleeps = 0;
   std::uint64_t wakes = 0;
@@ -83,19 +87,23 @@ class KVCACHED_EXPORT WeightSpace {
   WeightSpaceStats stats() const;
 
   // Releases the device memory (level 1: after copying the contents to the host
-  // buffer). Synchronises the device first: kernels still reading the weights
-  // finish. A no-op when already asleep. InvalidArgument for another level;
-  // a failed copy (or no host memory for the buffer) leaves the model awake.
-  void sleep(SleepLevel level);
+  // buffer; level 2: only the `keep` ranges, offsets from base()). Synchronises
+  // the device first: kernels still reading the weights finish. A no-op when
+  // already asleep. InvalidArgument (nothing changed) for another level, or a
+  // range outside the space; a failed copy (or no host memory for the buffer)
+  // leaves the model awake.
+  void sleep(SleepLevel level, const std::vector<ByteRange>& keep = {});
   // Maps the memory back at the same addresses, contents restored (level 1) or
   // zero (level 2). False, and still asleep with nothing half-mapped, when the
   // budget refuses; a device out of memory or a failed copy throws, likewise
   // leaving the model asleep. True (and a no-op) when awake.
   bool try_wake();
-  // Frees the host buffer kept for level-1 contents (awake, or asleep at level 2).
+  // Frees the host buffer kept for the next sleep (InvalidArgument while it holds
+  // contents kept asleep).
   void release_host_buffer();
-  // The level-1 contents while asleep at level 1 (host memory, size_bytes()), else null.
-  const void* host_contents() const;
+  // Copies `size` bytes kept asleep, from `offset` of the range, to `destination`
+  // (host memory). InvalidArgument unless asleep with [offset, offset+size) kept.
+  void copy_kept_contents(std::size_t offset, void* destination, std::size_t size) const;
   // Unmaps and releases everything, credits the budget; the range stays
   // reserved while tensors hold what memory() gave them. Idempotent.
   void close();
@@ -107,11 +115,13 @@ class KVCACHED_EXPORT WeightSpace {
     std::size_t size_bytes;
   };
   // What the memory of chunks just mapped should hold.
-  enum class Contents { kUninitialised, kRestored, kZero };
+  // kRestored: every chunk copied back whole (level 1); kZeroThenKept: zeros, then the kept ranges.
+  enum class Contents { kUninitialised, kRestored, kZeroThenKept };
   void map_all_locked(Contents contents);
+  void queue_kept_into_locked(const Chunk& chunk);
   void unmap_all_locked() noexcept;
   void cover_unmapped_locked() noexcept;
-  void ensure_host_buffer_locked();
+  void ensure_host_buffer_locked(std::size_t bytes);
   void free_host_buffer_locked() noexcept;
 
   std::shared_ptr<Device> device_;
@@ -125,6 +135,9 @@ class KVCACHED_EXPORT WeightSpace {
   std::vector<PhysicalAllocation> allocations_;  // one per chunk while awake
   std::unique_ptr<CopyQueue> copies_;
   void* host_buffer_ = nullptr;
+  std::size_t host_buffer_bytes_ = 0;
+  // While asleep: the ranges kept, sorted and disjoint, packed in this order in the host buffer.
+  std::vector<ByteRange> kept_;
   SleepLevel level_ = SleepLevel::kAwake;
   bool closed_ = false;
   std::uint64_t sleeps_ = 0;

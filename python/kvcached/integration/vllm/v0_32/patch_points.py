@@ -130,7 +130,9 @@ SLEEP_POINTS: tuple[PatchPoint, ...] = (
         "SleepModeBackendFactory",
         members=("_registry", "register_backend", "get_backend_class", "create_backend"),
     ),
-    PatchPoint("vllm.device_allocator.sleep_mode_backend", "SleepModeBackend", members=("suspend", "resume", "discard")),
+    PatchPoint(
+        "vllm.device_allocator.sleep_mode_backend", "SleepModeBackend", members=("suspend", "resume", "discard")
+    ),
     PatchPoint("vllm.v1.executor.abstract", "Executor.__init__", ("self", "vllm_config")),
     PatchPoint("vllm.v1.executor.abstract", "Executor.sleep", ("self", "level"), exact=True),
     PatchPoint("vllm.v1.executor.abstract", "Executor.wake_up", ("self", "tags"), exact=True),

@@ -43,6 +43,7 @@ BACKEND_NAME = "kvcached"
 #: and KV cache behind kvcached's back).
 VLLM_DEFAULT_BACKEND = "cumem"
 
+
 @dataclasses.dataclass
 class WorkerWeights:
     """A worker's model weights in kvcached and the handle on its rank's registry entry."""
@@ -177,7 +178,9 @@ def adopt_weights(worker: Any) -> Any:
         join=True,
     )
     try:
-        weights = ModelWeights(worker.model_runner.get_model(), device=rank.local_device, name=current.name, budget=budget)
+        weights = ModelWeights(
+            worker.model_runner.get_model(), device=rank.local_device, name=current.name, budget=budget
+        )
     except BaseException:
         budget.unregister()
         raise
