@@ -30,6 +30,7 @@ import logging
 import os
 from typing import Any
 
+from kvcached.errors import IntegrationError
 from kvcached.integration.common.rank_devices import describe_rank
 from kvcached.integration.common.registration import register_rank
 
@@ -166,7 +167,7 @@ def adopt_weights(worker: Any) -> Any:
         previous.close()
     current = settings()
     if not current.name:
-        raise RuntimeError("kvcached: no engine name reached the worker (KVCACHED_NAME); sleep mode needs it")
+        raise IntegrationError("kvcached: no engine name reached the worker (KVCACHED_NAME); sleep mode needs it")
     rank = describe_rank(worker.device, worker.rank)
     budget = register_rank(
         current.name,
