@@ -51,8 +51,10 @@ class Weights(torch.nn.Module):
         super().__init__()
         elements, part = size // 2, GiB // 2
         self.parts = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.full((min(part, elements - i),), 1.0 + i / part, dtype=torch.bfloat16, device=device),
-                               requires_grad=False)
+            torch.nn.Parameter(
+                torch.full((min(part, elements - i),), 1.0 + i / part, dtype=torch.bfloat16, device=device),
+                requires_grad=False,
+            )
             for i in range(0, elements, part)
         )
 
@@ -140,7 +142,9 @@ def main() -> int:
     floor = Floor(size, device)
     for chunk in chunks:
         module = Weights(size, device)
-        weights = kvcached.ModelWeights(module, device=kv_device, name="bench-weights", chunk_bytes=chunk, register=False)
+        weights = kvcached.ModelWeights(
+            module, device=kv_device, name="bench-weights", chunk_bytes=chunk, register=False
+        )
         first_sleep = _timed(device, lambda: weights.sleep(1))
         weights.wake_up()
         rounds = []
