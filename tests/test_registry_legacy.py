@@ -108,18 +108,17 @@ def test_gpus_keyed_by_identity_and_by_index_never_share_a_directory_live(first,
         assert budget.registered, "once nobody uses the other keying, registering works"
 
 
-def test_a_registry_of_layout_version_2_from_before_the_memory_policy_is_refused_and_left_alone(
-    isolated_registry_dir,
-):
+@pytest.mark.parametrize("older", [2, 3], ids=["before-the-memory-policy", "before-model-weights"])
+def test_a_registry_of_an_older_layout_version_is_refused_and_left_alone(isolated_registry_dir, older):
     from kvcached._core import _REGISTRY_LAYOUT
 
     path = isolated_registry_dir / "kvcached-cpu"
-    DeviceRegistry("cpu", 4 * PAGE_BYTES)  # a current file, then its version turned back to 2
+    DeviceRegistry("cpu", 4 * PAGE_BYTES)  # a current file, then its version turned back
     with open(path, "r+b") as file:
         file.seek(_REGISTRY_LAYOUT["header.version"])
-        file.write((2).to_bytes(4, "little"))
+        file.write(older.to_bytes(4, "little"))
     before = path.read_bytes()
-    with pytest.raises(RegistryUnusableError, match=r"has layout version 2 \(this kvcached reads 3\)"):
+    with pytest.raises(RegistryUnusableError, match=rf"has layout version {older} \(this kvcached reads 4\)"):
         DeviceRegistry("cpu", 4 * PAGE_BYTES)
     assert [file["status"] for file in registry_files()] == ["other_version"]
     assert path.read_bytes() == before, "never rewritten under engines of the other version"

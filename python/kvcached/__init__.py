@@ -21,6 +21,7 @@ from kvcached.errors import (
 from kvcached.layout import BlockManagerOptions, KVLayout, KVSpaceOptions, Mirror
 from kvcached.manager import KVCacheManager
 from kvcached.pool import BlockManager, KVPool, KVSpace, PageOps
+from kvcached.weights import ModelWeights
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "KVSpaceOptions",
     "KvcachedError",
     "Mirror",
+    "ModelWeights",
     "OutOfMemoryError",
     "PageOps",
     "backends",

@@ -393,6 +393,18 @@ OPTIONS: dict[str, Option] = {
         ),
         read_by="SGLang integration (scheduler) and vLLM integration (each worker), KV cache on the CPU",
     ),
+    "wake_timeout_s": Option(
+        "KVCACHED_WAKE_TIMEOUT_S",
+        10.0,
+        Seconds(zero_means="one try"),
+        (
+            "Seconds an engine's weights, woken from sleep (vLLM's `wake_up`, SGLang's "
+            "`resume_memory_occupation`), wait for device memory that other instances give back: each "
+            "refused try asks idle and lower-priority instances to give memory back. Then the wake "
+            "fails and the weights stay asleep. See [sleep.md](sleep.md)."
+        ),
+        read_by="vLLM and SGLang integrations (sleep mode, memory saver)",
+    ),
     "rank_ack_timeout_s": Option(
         "KVCACHED_RANK_ACK_TIMEOUT_S",
         120.0,

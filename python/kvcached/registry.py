@@ -92,6 +92,8 @@ class RegistryEntry(TypedDict):
     min_bytes: int  # guaranteed to it (docs/memory-policy.md); limit_bytes is its max
     priority: int  # higher wins; lower gives memory back first
     reclaim_target_bytes: Optional[int]  # a shrink a higher priority asks of it now, or None
+    weights_bytes: int  # model weights charged on it and awake now (kvcached.ModelWeights)
+    sleeping: bool  # its weights sleep: their memory is given back until they wake
 
 
 @dataclasses.dataclass(frozen=True)

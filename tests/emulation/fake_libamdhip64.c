@@ -421,3 +421,83 @@ hipError_t hipMemSetAccess(void* ptr, size_t size, const hipMemAccessDesc* desc,
   }
   return leave(to_hip(evmm_set_access((uintptr_t)ptr, size, access)));
 }
+
+/* Streams and copies (model weights). Work runs at once, in the caller's thread,
+   through the engine's device-work rules (mapped, accessible, inside one
+   reservation, the visibility window of fresh mappings), so a stream is only a
+   handle; a query always finds it done. */
+struct ihipStream_t {
+  int device;
+};
+
+hipError_t hipStreamCreateWithFlags(hipStream_t* stream, unsigned int flags) {
+  hipError_t result = enter("hipStreamCreateWithFlags");
+  if (result != hipSuccess) return result;
+  if (!stream || (flags != hipStreamDefault && flags != hipStreamNonBlocking)) return leave(hipErrorInvalidValue);
+  struct ihipStream_t* created = malloc(sizeof *created);
+  if (!created) return leave(hipErrorOutOfMemory);
+  created->device = t_current_device;
+  *stream = created;
+  return leave(hipSuccess);
+}
+
+hipError_t hipStreamDestroy(hipStream_t stream) {
+  hipError_t result = enter("hipStreamDestroy");
+  if (result != hipSuccess) return result;
+  if (!stream) return leave(hipErrorInvalidHandle);
+  free(stream);
+  return leave(hipSuccess);
+}
+
+hipError_t hipStreamQuery(hipStream_t stream) {
+  hipError_t result = enter("hipStreamQuery");
+  if (result != hipSuccess) return result;
+  return leave(stream ? hipSuccess : hipErrorInvalidHandle);
+}
+
+hipError_t hipStreamSynchronize(hipStream_t stream) {
+  hipError_t result = enter("hipStreamSynchronize");
+  if (result != hipSuccess) return result;
+  return leave(stream ? hipSuccess : hipErrorInvalidHandle);
+}
+
+hipError_t hipMemcpyDtoHAsync(void* dst, hipDeviceptr_t src, size_t size, hipStream_t stream) {
+  hipError_t result = enter("hipMemcpyDtoHAsync");
+  if (result != hipSuccess) return result;
+  if (!dst || !stream || evmm_is_device_address((uintptr_t)dst) || !evmm_is_device_address((uintptr_t)src)) {
+    return leave(hipErrorInvalidValue);
+  }
+  return leave(to_hip(evmm_device_copy((uintptr_t)dst, (uintptr_t)src, size, 0, 1)));
+}
+
+hipError_t hipMemcpyHtoDAsync(hipDeviceptr_t dst, void* src, size_t size, hipStream_t stream) {
+  hipError_t result = enter("hipMemcpyHtoDAsync");
+  if (result != hipSuccess) return result;
+  if (!src || !stream || !evmm_is_device_address((uintptr_t)dst) || evmm_is_device_address((uintptr_t)src)) {
+    return leave(hipErrorInvalidValue);
+  }
+  return leave(to_hip(evmm_device_copy((uintptr_t)dst, (uintptr_t)src, size, 1, 0)));
+}
+
+hipError_t hipMemsetD8Async(hipDeviceptr_t dst, unsigned char value, size_t count, hipStream_t stream) {
+  hipError_t result = enter("hipMemsetD8Async");
+  if (result != hipSuccess) return result;
+  if (!stream || !evmm_is_device_address((uintptr_t)dst)) return leave(hipErrorInvalidValue);
+  return leave(to_hip(evmm_device_fill((uintptr_t)dst, value, count)));
+}
+
+/* Page-locked host memory is plain host memory here. */
+hipError_t hipHostMalloc(void** buffer, size_t size, unsigned int flags) {
+  hipError_t result = enter("hipHostMalloc");
+  if (result != hipSuccess) return result;
+  if (!buffer || (flags & ~(unsigned)hipHostMallocPortable) != 0) return leave(hipErrorInvalidValue);
+  *buffer = malloc(size ? size : 1);
+  return leave(*buffer ? hipSuccess : hipErrorOutOfMemory);
+}
+
+hipError_t hipHostFree(void* buffer) {
+  hipError_t result = enter("hipHostFree");
+  if (result != hipSuccess) return result;
+  free(buffer);
+  return leave(hipSuccess);
+}

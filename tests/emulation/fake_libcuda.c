@@ -433,3 +433,78 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
   }
   return to_cuda(evmm_set_access((uintptr_t)ptr, size, access));
 }
+
+/* Streams and copies (model weights). Work runs at once, in the caller's
+   thread, so a stream is only a handle that remembers its context; copies go
+   through the engine's device-work rules (mapped, accessible, one reservation). */
+struct CUstream_st {
+  CUcontext context;
+};
+
+CUresult CUDAAPI cuStreamCreate(CUstream* stream, unsigned int flags) {
+  CUresult result = require_context("cuStreamCreate");
+  if (result != CUDA_SUCCESS) return result;
+  if (!stream || (flags != CU_STREAM_DEFAULT && flags != CU_STREAM_NON_BLOCKING)) return CUDA_ERROR_INVALID_VALUE;
+  struct CUstream_st* created = malloc(sizeof *created);
+  if (!created) return CUDA_ERROR_OUT_OF_MEMORY;
+  created->context = t_current_context;
+  *stream = created;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
+  CUresult result = require_context("cuStreamDestroy");
+  if (result != CUDA_SUCCESS) return result;
+  if (!stream) return CUDA_ERROR_INVALID_HANDLE;
+  free(stream);
+  return CUDA_SUCCESS;
+}
+
+/* A stream's calls need its own context current, as on a real GPU. */
+static CUresult require_stream(const char* call, CUstream stream) {
+  CUresult result = require_context(call);
+  if (result != CUDA_SUCCESS) return result;
+  if (!stream) return CUDA_ERROR_INVALID_HANDLE;
+  if (stream->context != t_current_context) {
+    evmm_trace(call, "the stream belongs to another context than the current one");
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamSynchronize(CUstream stream) { return require_stream("cuStreamSynchronize", stream); }
+
+CUresult CUDAAPI cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t count, CUstream stream) {
+  CUresult result = require_stream("cuMemcpyDtoHAsync", stream);
+  if (result != CUDA_SUCCESS) return result;
+  if (!dst) return CUDA_ERROR_INVALID_VALUE;
+  return to_cuda(evmm_device_copy((uintptr_t)dst, (uintptr_t)src, count, 0, 1));
+}
+
+CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t count, CUstream stream) {
+  CUresult result = require_stream("cuMemcpyHtoDAsync", stream);
+  if (result != CUDA_SUCCESS) return result;
+  if (!src) return CUDA_ERROR_INVALID_VALUE;
+  return to_cuda(evmm_device_copy((uintptr_t)dst, (uintptr_t)src, count, 1, 0));
+}
+
+CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream) {
+  CUresult result = require_stream("cuMemsetD8Async", stream);
+  return result != CUDA_SUCCESS ? result : to_cuda(evmm_device_fill((uintptr_t)dst, value, count));
+}
+
+/* Page-locked host memory is plain host memory here. */
+CUresult CUDAAPI cuMemHostAlloc(void** buffer, size_t size, unsigned int flags) {
+  CUresult result = require_context("cuMemHostAlloc");
+  if (result != CUDA_SUCCESS) return result;
+  if (!buffer || size == 0 || (flags & ~(unsigned)CU_MEMHOSTALLOC_PORTABLE) != 0) return CUDA_ERROR_INVALID_VALUE;
+  *buffer = malloc(size);
+  return *buffer ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult CUDAAPI cuMemFreeHost(void* buffer) {
+  CUresult result = require_context("cuMemFreeHost");
+  if (result != CUDA_SUCCESS) return result;
+  free(buffer);
+  return CUDA_SUCCESS;
+}

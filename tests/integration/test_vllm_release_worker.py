@@ -183,3 +183,38 @@ def test_vllms_own_backing_callback_is_refused_for_a_kvcached_cache_and_used_oth
     delattr(plain, PLAN_ATTR)
     views = allocate(plain, CPU, _layout(), [drive.BLOCK_SIZE], allocate=backing)
     assert asked == [plain.kv_cache_tensors[0].size] and len(views) == drive.NUM_LAYERS
+
+
+def test_the_release_sleeps_on_kvcacheds_backend_and_keeps_what_a_weight_update_does_not_rewrite(planned, tmp_path):
+    """The factory gives kvcached's backend for vLLM's default name, and its suspend keeps every
+    byte the release expects back: all at level 1; at level 2 (0.34: what is not discardable;
+    earlier: nothing, the worker saves what it needs itself)."""
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    import kvcached
+    from kvcached.integration.vllm.v0_32 import sleep
+
+    package, config, _ = planned
+    backend = SleepModeBackendFactory.create_backend(config.model_config)  # "cumem", vLLM's default
+    assert type(backend).__name__ == "KvcachedSleepBackend"
+    assert type(backend).preserves_compiled_artifacts()
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    module.register_buffer("rope", torch.arange(16, dtype=torch.float32))
+    weight = module[0].weight.detach().clone()
+    os.environ["KVCACHED_REGISTRY_DIR"] = str(tmp_path)
+    weights = kvcached.ModelWeights(module, device="cpu", name="release-sleep")
+    sleep._held[os.getpid()] = sleep.WorkerWeights(weights, kvcached.registry.registry_for("cpu").register("unused"))
+    try:
+        takes_discardable = "discardable" in inspect.signature(type(backend).suspend).parameters
+        backend.suspend(set() if takes_discardable else 1)
+        assert weights.sleep_level == 1
+        backend.resume(None)
+        assert torch.equal(module[0].weight, weight) and torch.equal(module.rope, torch.arange(16.0))
+        if takes_discardable:
+            discardable = {module[0].weight.untyped_storage().data_ptr(), module[0].bias.untyped_storage().data_ptr()}
+            backend.suspend(discardable)
+            backend.resume(["weights"])
+            assert torch.equal(module.rope, torch.arange(16.0)), "what is not discardable comes back"
+            assert not module[0].weight.any(), "the discardable parameters are not kept"
+    finally:
+        sleep._held.pop(os.getpid()).close()

@@ -14,5 +14,8 @@ void bind_sizes(nanobind::module_& m);
 // KVLayout and the options values, PageOps, Mirror, KVSpace, BlockManager, FixedBudget.
 // Call after bind_registry (needs MemoryBudget).
 void bind_kv(nanobind::module_& m);
+// WeightsBudget, MemoryBudgetWeights, WeightSpace (model weights that sleep and wake).
+// Call after bind_registry (needs MemoryBudget).
+void bind_weights(nanobind::module_& m);
 
 }  // namespace kvcached::bindings

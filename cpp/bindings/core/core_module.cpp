@@ -14,4 +14,5 @@ NB_MODULE(_core, m) {
   kvcached::bindings::bind_device(m);
   kvcached::bindings::bind_registry(m);
   kvcached::bindings::bind_kv(m);
+  kvcached::bindings::bind_weights(m);
 }

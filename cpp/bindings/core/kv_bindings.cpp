@@ -339,6 +339,13 @@ void bind_block_manager(nb::module_& m) {
           "is deferred until blocks in use are freed.")
       .def("trim", &BlockManager::trim, Released(),
            "Unmap every free page and release spares now; kept so until the next alloc. Returns pages unmapped.")
+      .def("suspend", &BlockManager::suspend, Released(),
+           "Sleep: unmap every page, the null block's too, and hold the limit at 0 until resume(); "
+           "ValueError while other blocks are in use or reserved. Returns pages unmapped.")
+      .def("resume", &BlockManager::resume, Released(),
+           "Lift the limit of 0 and map the null block's page again (OutOfMemoryError when the "
+           "budgets refuse it: still suspended).")
+      .def_prop_ro("suspended", &BlockManager::suspended)
       .def("maintain", &BlockManager::maintain, Released(), "One round of reserve keeping.")
       .def("prepare_ahead", &BlockManager::prepare_ahead, Released(),
            "Get the next lookahead_pages unmapped page ids ready (the worker does this after each round).")

@@ -72,6 +72,8 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["priority"] = info.priority;
   entry["reclaim_target_bytes"] =
       info.reclaim_target_bytes ? nb::object(nb::int_(*info.reclaim_target_bytes)) : nb::none();
+  entry["weights_bytes"] = info.weights_bytes;
+  entry["sleeping"] = info.sleeping;
   return entry;
 }
 
@@ -225,7 +227,13 @@ void bind_registry(nb::module_& m) {
                    "False once unregistered, reclaimed as stale, or the registry file is gone.")
       .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes, "This instance's own limit (set by kvctl), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
-                   "Bytes this instance holds against the device budget.")
+                   "Bytes of KV cache this instance holds against the device budget.")
+      .def_prop_ro("weights_bytes", &RegistryBudget::weights_bytes,
+                   "Bytes of model weights charged on this entry and awake now.")
+      .def_prop_ro("sleeping", &RegistryBudget::sleeping, "Whether the weights on this entry sleep.")
+      .def("weights_budget", &RegistryBudget::weights_budget,
+           "A WeightsBudget charging model weights on this entry, beside its KV cache "
+           "(kvcached.ModelWeights(module, budget=this) does it).")
       .def_prop_ro("min_bytes", &RegistryBudget::min_bytes,
                    "Bytes guaranteed to this instance: others leave room for it to get back to them.")
       .def_prop_ro("priority", &RegistryBudget::priority, "Who gives memory back first: the lower priority.")
@@ -296,7 +304,9 @@ void bind_registry(nb::module_& m) {
           },
           "Device-wide budget shared by all instances; setting it takes effect at once.")
       .def_prop_ro("mapped_bytes", &DeviceRegistry::mapped_bytes,
-                   "Bytes mapped by all instances (dead ones too, until reclaimed).")
+                   "Bytes of KV cache mapped by all instances (dead ones too, until reclaimed).")
+      .def_prop_ro("weights_bytes", &DeviceRegistry::weights_bytes,
+                   "Bytes of model weights awake on the device, over all instances.")
       .def_prop_ro("available_bytes", &DeviceRegistry::available_bytes)
       .def(
           "entries",
@@ -351,20 +361,22 @@ void bind_registry(nb::module_& m) {
           "register",
           [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
              std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device, std::int64_t min_bytes,
-             std::int64_t priority) {
+             std::int64_t priority, bool join) {
             InstancePolicy policy;
             policy.max_bytes = checked_optional_bytes("limit_bytes", limit_bytes);
             policy.min_bytes = checked_bytes("min_bytes", min_bytes);
             policy.priority = priority;
             nb::gil_scoped_release unlocked;
-            return self.register_instance(name, pid, policy, local_device);
+            return self.register_instance(name, pid, policy, local_device, join);
           },
           "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
-          "min_bytes"_a = 0, "priority"_a = 0,
+          "min_bytes"_a = 0, "priority"_a = 0, "join"_a = false,
           "Registers an instance (default pid: this process; default local_device: the one "
           "given when opening) with its memory policy (limit_bytes is its max) and returns its "
           "RegistryBudget. ValueError when min_bytes is above limit_bytes or the mins of the "
-          "device's instances would sum above its budget.")
+          "device's instances would sum above its budget. With join=True a live entry of the same "
+          "name, pid and local device is joined (another handle on it, its policy replaced by this one's; the last "
+          "handle unregistered frees it): an engine's weights and KV cache on one rank.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");
 }

@@ -8,96 +8,23 @@
 
 #include <cuda.h>
 
+#include <memory>
 #include <string>
 
+#include "cuda/cuda_copies.hpp"
+#include "cuda/cuda_driver.hpp"
 #include "kvcached/device/device_identity.hpp"
 
 namespace kvcached {
 namespace {
 
-constexpr const char* kBackendName = "cuda";
-
-// "CUDA_ERROR_OUT_OF_MEMORY: out of memory", in the driver's own words.
-std::string driver_message(CUresult code) {
-  const char* name = nullptr;
-  const char* description = nullptr;
-  if (cuGetErrorName(code, &name) != CUDA_SUCCESS || name == nullptr) {
-    name = "unknown CUresult";
-  }
-  if (cuGetErrorString(code, &description) != CUDA_SUCCESS || description == nullptr) {
-    description = "no description from the driver";
-  }
-  return std::string(name) + ": " + description;
-}
-
-[[noreturn]] void throw_driver_error(const char* call, CUresult code) {
-  if (code == CUDA_ERROR_OUT_OF_MEMORY) {
-    throw DeviceOutOfMemory(kBackendName, call, code, driver_message(code));
-  }
-  throw DriverError(kBackendName, call, code, driver_message(code));
-}
-
-void check(const char* call, CUresult code) {
-  if (code != CUDA_SUCCESS) throw_driver_error(call, code);
-}
-
-// Which context is current on each thread, as far as kvcached knows, so that
-// a VMM call needs no context call at all once the device's primary context
-// is current (the common case: an engine thread after torch.cuda.set_device,
-// or a thread kvcached bound itself).
-//  * t_known_current: the context last seen or made current on this thread;
-//  * t_kept_context: the context kvcached made current and left current here
-//    (on a thread that had none, or one of kvcached's own threads).
-// The cuMem* VMM calls name their device explicitly (allocation properties,
-// access descriptors, addresses in the process-wide unified address space);
-// the driver asks only for an initialised context on the thread. So a stale
-// t_known_current (the caller switched contexts since) is harmless for them,
-// and a thread left without any context is noticed by the driver's answer
-// (CUDA_ERROR_INVALID_CONTEXT), which makes the call bind and retry once.
-// Calls whose meaning depends on the current context (synchronize, memset,
-// memory info) always look first.
-thread_local CUcontext t_known_current = nullptr;
-thread_local CUcontext t_kept_context = nullptr;
-
-// Makes `context` current for one driver call. `verify`: ask the driver what
-// is current instead of trusting t_known_current. A caller's own, different
-// context is restored when the guard goes; a thread with no context (or only
-// one kvcached left there) keeps `context`.
-class ContextForCall {
- public:
-  ContextForCall(CUcontext context, bool verify) {
-    if (!verify && t_known_current == context) return;
-    CUcontext current = nullptr;
-    check("cuCtxGetCurrent", cuCtxGetCurrent(&current));
-    t_known_current = current;
-    if (current == context) return;
-    check("cuCtxSetCurrent", cuCtxSetCurrent(context));
-    if (current == nullptr || current == t_kept_context) {
-      t_kept_context = t_known_current = context;  // nothing of the caller's was current: keep it
-    } else {
-      restore_ = current;  // the caller's own context: back after this call
-    }
-  }
-  ~ContextForCall() {
-    // Best effort: a failure here cannot be reported from a destructor.
-    if (restore_ != nullptr) (void)cuCtxSetCurrent(restore_);
-  }
-  ContextForCall(const ContextForCall&) = delete;
-  ContextForCall& operator=(const ContextForCall&) = delete;
-
- private:
-  CUcontext restore_ = nullptr;
-};
-
-// Binds `context` to the calling thread for good (kvcached's own threads).
-void keep_current(CUcontext context) {
-  check("cuCtxSetCurrent", cuCtxSetCurrent(context));
-  t_kept_context = t_known_current = context;
-}
-
-bool lost_context(CUresult code) {
-  return code == CUDA_ERROR_INVALID_CONTEXT || code == CUDA_ERROR_CONTEXT_IS_DESTROYED;
-}
+using cuda::check;
+using cuda::ContextForCall;
+using cuda::driver_message;
+using cuda::kBackendName;
+using cuda::keep_current;
+using cuda::lost_context;
+using cuda::t_known_current;
 
 // cuInit for the free functions below; the driver makes repeated calls cheap.
 CUresult initialise_driver() { return cuInit(0); }
@@ -229,6 +156,12 @@ class CudaBackend final : public VmmBackend {
     ContextForCall scope(context_, /*verify=*/true);
     check("cuCtxSynchronize", cuCtxSynchronize());
   }
+
+  void* allocate_host_buffer(std::size_t size_bytes) override { return cuda::allocate_pinned(context_, size_bytes); }
+  void free_host_buffer(void* buffer, std::size_t /*size_bytes*/) noexcept override {
+    cuda::free_pinned(context_, buffer);
+  }
+  std::unique_ptr<CopyQueue> open_copy_queue() override { return cuda::make_copy_queue(context_); }
 
  private:
   // One VMM call: no context call when this thread is known to have ours

@@ -135,3 +135,49 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
   (void)count;
   return CUDA_ERROR_STUB_LIBRARY;
 }
+
+/* Copies for model weights (cuda_copies.cpp). */
+CUresult CUDAAPI cuStreamCreate(CUstream* stream, unsigned int flags) {
+  (void)stream;
+  (void)flags;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
+  (void)stream;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+  (void)stream;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t count, CUstream stream) {
+  (void)dst;
+  (void)src;
+  (void)count;
+  (void)stream;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t count, CUstream stream) {
+  (void)dst;
+  (void)src;
+  (void)count;
+  (void)stream;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream) {
+  (void)dst;
+  (void)value;
+  (void)count;
+  (void)stream;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuMemHostAlloc(void** buffer, size_t size, unsigned int flags) {
+  (void)buffer;
+  (void)size;
+  (void)flags;
+  return CUDA_ERROR_STUB_LIBRARY;
+}
+CUresult CUDAAPI cuMemFreeHost(void* buffer) {
+  (void)buffer;
+  return CUDA_ERROR_STUB_LIBRARY;
+}

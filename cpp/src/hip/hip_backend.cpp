@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "hip/hip_copies.hpp"
 #include "hip/hip_runtime.hpp"
 
 namespace kvcached {
@@ -137,6 +138,12 @@ class HipBackend final : public VmmBackend {
     ScopedHipCall call(ordinal_);
     check("hipDeviceSynchronize", hipDeviceSynchronize());
   }
+
+  void* allocate_host_buffer(std::size_t size_bytes) override { return hip::allocate_pinned(ordinal_, size_bytes); }
+  void free_host_buffer(void* buffer, std::size_t /*size_bytes*/) noexcept override {
+    hip::free_pinned(ordinal_, buffer);
+  }
+  std::unique_ptr<CopyQueue> open_copy_queue() override { return hip::make_copy_queue(ordinal_); }
 
  private:
   // The runtime's minimum, and its recommendation raised to at least

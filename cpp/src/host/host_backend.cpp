@@ -46,6 +46,21 @@ std::size_t machine_memory_limit_bytes() {
   return limit;
 }
 
+// Host "device" memory is host memory: a copy is a memcpy, done when queued.
+class HostCopyQueue final : public CopyQueue {
+ public:
+  void copy_to_host(void* host, VirtualAddress device, std::size_t size_bytes) override {
+    std::memcpy(host, reinterpret_cast<const void*>(device), size_bytes);
+  }
+  void copy_from_host(VirtualAddress device, const void* host, std::size_t size_bytes) override {
+    std::memcpy(reinterpret_cast<void*>(device), host, size_bytes);
+  }
+  void fill_zero(VirtualAddress device, std::size_t size_bytes) override {
+    std::memset(reinterpret_cast<void*>(device), 0, size_bytes);
+  }
+  void wait() override {}
+};
+
 class HostBackend final : public VmmBackend {
  public:
   HostBackend(std::size_t capacity_bytes, HostMemory memory, HostPopulate populate)
@@ -113,6 +128,23 @@ class HostBackend final : public VmmBackend {
   }
 
   void synchronize() override {}  // host work is synchronous
+
+  void* allocate_host_buffer(std::size_t size_bytes) override {
+    void* buffer = mmap(nullptr, size_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buffer == MAP_FAILED) {
+      const int error = errno;
+      if (error == ENOMEM) {
+        throw DeviceOutOfMemory("host", "mmap", error,
+                                "no host memory for a " + std::to_string(size_bytes) + "-byte host buffer");
+      }
+      throw_host_errno("mmap", error);
+    }
+    return buffer;
+  }
+
+  void free_host_buffer(void* buffer, std::size_t size_bytes) noexcept override { (void)munmap(buffer, size_bytes); }
+
+  std::unique_ptr<CopyQueue> open_copy_queue() override { return std::make_unique<HostCopyQueue>(); }
 
   bool map_free_zero_pages(VirtualAddress address, std::size_t size_bytes) override {
     // Reads of a private anonymous read-only mapping hit the kernel's shared

@@ -141,6 +141,16 @@ class KVCACHED_EXPORT BlockManager {
   // manager's, so grows meanwhile wait for one short split at most.
   void prepare_ahead();
   void set_reserve(const ReserveTargets& targets);
+  // Sleep (an engine's sleep mode; block_manager_sleep.cpp): every page goes back, the
+  // null block's too, and the limit in force is 0 pages until resume(). The null
+  // block stays out of reach of alloc but has no memory meanwhile, so nothing may
+  // touch it. InvalidArgument (nothing changed) while any other block is in use or
+  // reserved. Returns the pages unmapped; a no-op when suspended.
+  std::size_t suspend();
+  // Lifts the limit of 0 and maps the null block's page again (BudgetExhausted when
+  // the budgets have no room for it: still suspended). A no-op when not suspended.
+  void resume();
+  bool suspended() const;
   // Unmap everything, release the budgets, stop the worker. Idempotent and
   // safe to call from several threads at once.
   void close();
@@ -179,6 +189,8 @@ class KVCACHED_EXPORT BlockManager {
   // Take `n` blocks (the caller checked takeable_locked() >= n).
   void take_blocks_locked(std::size_t n, std::vector<std::int64_t>& out);
   void give_blocks_locked(const std::int64_t* ids, std::size_t count);
+  // Maps page 0 (map_mutex_ held) and takes block 0 for good: the null block.
+  void take_null_block_locked(Lock& lock);
   // What an alloc of `n` blocks does now: take them, map `pages` first, or refuse.
   struct AllocPlan {
     enum Action { kTake, kGrow, kRefuse } action;
@@ -288,6 +300,7 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t slow_allocs_ = 0, worker_errors_ = 0;
   std::string last_worker_error_;
   bool closed_ = false;
+  bool suspended_ = false;  // asleep: limit 0, the null block's page unmapped (suspend())
 
   std::thread worker_;
   std::condition_variable worker_cv_;

@@ -36,6 +36,21 @@ struct MemoryInfo {
   std::size_t total_bytes;
 };
 
+// Copies between host memory and mapped, accessible device memory, run in the
+// order queued (a CUDA / HIP stream of its own; at once on the host backend), so
+// the caller may go on making driver calls while they run. Moves model weights
+// out and back (weights/weight_space.hpp). Not thread-safe: one owner at a time.
+class KVCACHED_EXPORT CopyQueue {
+ public:
+  virtual ~CopyQueue() = default;
+  // `host` must stay valid, and the device range mapped, until wait() returns.
+  virtual void copy_to_host(void* host, VirtualAddress device, std::size_t size_bytes) = 0;
+  virtual void copy_from_host(VirtualAddress device, const void* host, std::size_t size_bytes) = 0;
+  virtual void fill_zero(VirtualAddress device, std::size_t size_bytes) = 0;
+  // Returns once everything queued so far is done; throws the first failure.
+  virtual void wait() = 0;
+};
+
 class KVCACHED_EXPORT VmmBackend {
  public:
   virtual ~VmmBackend() = default;
@@ -82,6 +97,14 @@ class KVCACHED_EXPORT VmmBackend {
   // Wait until work already queued on the device is done (used before unmap,
   // because unmap does not wait for kernels in flight).
   virtual void synchronize() = 0;
+
+  // Host memory this device copies to and from at full speed: page-locked on
+  // GPUs (the DMA engines read it without a bounce buffer), ordinary anonymous
+  // memory on the host backend. DeviceOutOfMemory when the host has none left.
+  virtual void* allocate_host_buffer(std::size_t size_bytes) = 0;
+  virtual void free_host_buffer(void* buffer, std::size_t size_bytes) noexcept = 0;
+  // A queue of its own for copies to and from this device (see CopyQueue).
+  virtual std::unique_ptr<CopyQueue> open_copy_queue() = 0;
 
   // The calling thread belongs to kvcached (a pool's background worker): make
   // this device current on it once and keep it so, so that its later calls

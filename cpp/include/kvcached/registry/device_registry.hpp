@@ -45,12 +45,14 @@
 #include "kvcached/blocks/memory_budget.hpp"
 #include "kvcached/registry/registry_errors.hpp"
 #include "kvcached/registry/registry_names.hpp"
+#include "kvcached/weights/weights_budget.hpp"
 
 namespace kvcached {
 
 namespace registry_detail {
 class Segment;
 struct EntryRecord;
+struct Layout;
 }  // namespace registry_detail
 
 // One instance as seen in a snapshot of the table.
@@ -73,6 +75,9 @@ struct RegistryEntryInfo {
   std::size_t min_bytes = 0;                        // guaranteed: others leave room for it
   std::int64_t priority = 0;                        // higher wins when memory is short
   std::optional<std::size_t> reclaim_target_bytes;  // asked of it by a higher priority, in force now
+  // Model weights charged on this entry (weights/weight_space.hpp), beside mapped_bytes.
+  std::size_t weights_bytes = 0;  // device memory they hold now
+  bool sleeping = false;          // they sleep (their memory is given back until they wake)
 };
 
 // A change of one instance's memory policy (kvctl set-policy); fields left empty stay.
@@ -117,6 +122,9 @@ class KVCACHED_EXPORT DeviceRegistry {
   // Sum of every entry's mapped bytes at one instant (read under the lock),
   // dead ones included until reclaimed.
   std::size_t mapped_bytes() const;
+  // Sum of every entry's weights bytes (model weights awake), read under the lock.
+  std::size_t weights_bytes() const;
+  // The budget less every entry's mapped and weights bytes.
   std::size_t available_bytes() const;
 
   std::vector<RegistryEntryInfo> entries() const;
@@ -140,10 +148,14 @@ class KVCACHED_EXPORT DeviceRegistry {
   // above its max or the mins would sum above the budget. A GPU instance is
   // refused while a registry keyed another way has live instances
   // (registry_directory.hpp).
+  // With `join`, a live entry of the same name, pid and local device is joined instead: another
+  // handle on it (an engine's weights and its KV cache registering one rank apart),
+  // its policy replaced by `policy`; the last handle unregistered frees it.
   std::shared_ptr<RegistryBudget> register_instance(const std::string& name,
                                                     std::optional<std::int64_t> pid = std::nullopt,
                                                     const InstancePolicy& policy = {},
-                                                    std::optional<std::string> local_device = std::nullopt);
+                                                    std::optional<std::string> local_device = std::nullopt,
+                                                    bool join = false);
 
   // Test hook: takes the registry lock and returns without releasing it, so a
   // test can kill the process while it holds the lock. Never use otherwise.
@@ -151,6 +163,9 @@ class KVCACHED_EXPORT DeviceRegistry {
 
  private:
   DeviceRegistry(std::string device, std::string local_device, std::shared_ptr<registry_detail::Segment> segment);
+  std::shared_ptr<RegistryBudget> join_locked(registry_detail::Layout& layout, const std::string& name,
+                                              std::int64_t pid, std::uint64_t start_ticks,
+                                              const std::string& local_device, const InstancePolicy& policy);
   std::string device_;
   std::string local_device_;
   std::shared_ptr<registry_detail::Segment> segment_;
@@ -158,7 +173,7 @@ class KVCACHED_EXPORT DeviceRegistry {
 
 // One registered instance's view of the device budget. Implements MemoryBudget
 // so a pool takes its pages from the shared budget; unregisters on destruction.
-class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
+class KVCACHED_EXPORT RegistryBudget : public MemoryBudget, public std::enable_shared_from_this<RegistryBudget> {
  public:
   RegistryBudget(std::shared_ptr<registry_detail::Segment> segment, std::size_t slot, std::uint64_t instance_id,
                  std::string name);
@@ -210,6 +225,11 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // The shrink a higher-priority instance asks of this one now (docs/memory-policy.md).
   std::optional<std::size_t> reclaim_target_bytes() const noexcept;
   std::size_t mapped_bytes() const noexcept;
+  // Model weights on this entry: a WeightsBudget that charges them beside the KV
+  // cache (weights_bytes) and shows whether they sleep (registry_weights.cpp).
+  std::shared_ptr<WeightsBudget> weights_budget();
+  std::size_t weights_bytes() const noexcept;
+  bool sleeping() const noexcept;
   std::size_t slot() const noexcept { return slot_; }
   std::uint64_t instance_id() const noexcept { return instance_id_; }
   const std::string& name() const noexcept { return name_; }
@@ -223,6 +243,7 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // usable; null once unregistered, reclaimed, or the file detached.
   registry_detail::EntryRecord* owned_entry() const noexcept;
   bool take(std::size_t bytes, bool record_refusal);
+  friend class RegistryWeights;
   // After a device-wide refusal of `bytes` (lock held): records the pressure and
   // asks lower-priority instances to shrink.
   void record_refusal_locked(registry_detail::EntryRecord& entry, std::size_t bytes, bool keep_larger) noexcept;

@@ -166,6 +166,7 @@ void BlockManager::refresh_limit_locked() const {
     limit = std::min(limit, external->pages);
     limit_bytes = external->bytes;
   }
+  if (suspended_) limit = 0, limit_bytes = 0;  // asleep: nothing may be mapped
   limit_pages_ = limit;
   limit_bytes_ = limit_bytes;
 }

@@ -87,8 +87,19 @@ std::size_t DeviceRegistry::mapped_bytes() const {
   return total;
 }
 
+std::size_t DeviceRegistry::weights_bytes() const {
+  RegistryLock lock(*segment_);
+  const std::size_t total = registry_detail::total_weights_bytes(segment_->layout());
+  lock.confirm();
+  return total;
+}
+
 std::size_t DeviceRegistry::available_bytes() const {
-  return registry_detail::saturating_sub(budget_bytes(), mapped_bytes());
+  RegistryLock lock(*segment_);
+  const std::size_t held = registry_detail::total_held_bytes(segment_->layout());
+  const std::size_t budget = segment_->header().budget_bytes.load(std::memory_order_relaxed);
+  lock.confirm();
+  return registry_detail::saturating_sub(budget, held);
 }
 
 std::vector<RegistryEntryInfo> DeviceRegistry::entries() const {
@@ -164,10 +175,41 @@ std::size_t DeviceRegistry::clean_stale() {
   return freed;
 }
 
+// The live entry of `name`, this pid (same process start) and local device, if one
+// exists: another handle on it, its policy replaced by `policy` (all or nothing).
+std::shared_ptr<RegistryBudget> DeviceRegistry::join_locked(registry_detail::Layout& layout, const std::string& name,
+                                                            std::int64_t pid, std::uint64_t start_ticks,
+                                                            const std::string& local_device,
+                                                            const InstancePolicy& policy) {
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    EntryRecord& entry = layout.entries[slot];
+    if (!registry_detail::slot_active(entry) || entry.pid.load(std::memory_order_relaxed) != pid ||
+        entry.start_time_ticks.load(std::memory_order_relaxed) != start_ticks) {
+      continue;
+    }
+    const RegistryEntryInfo info = registry_detail::entry_info(layout, slot);
+    if (info.name != name || info.local_device != local_device) continue;
+    std::size_t mins =
+        registry_detail::saturating_sub(registry_detail::total_min_bytes(layout), registry_detail::min_of(entry));
+    if (__builtin_add_overflow(mins, policy.min_bytes, &mins)) mins = SIZE_MAX;
+    registry_detail::check_guarantees_fit(
+        mins, layout.header.budget_bytes.load(std::memory_order_relaxed),
+        "joining '" + name + "' with a min of " + std::to_string(policy.min_bytes) + " bytes");
+    entry.min_bytes.store(policy.min_bytes, std::memory_order_relaxed);
+    entry.limit_bytes.store(policy.max_bytes ? *policy.max_bytes : registry_detail::kNoLimit,
+                            std::memory_order_relaxed);
+    entry.priority.store(policy.priority, std::memory_order_relaxed);
+    entry.handles.store(entry.handles.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    const std::uint64_t instance_id = entry.instance_id.load(std::memory_order_relaxed);
+    return std::make_shared<RegistryBudget>(segment_, slot, instance_id, name);
+  }
+  return nullptr;
+}
+
 std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::string& name,
                                                                   std::optional<std::int64_t> pid,
                                                                   const InstancePolicy& policy,
-                                                                  std::optional<std::string> local_device) {
+                                                                  std::optional<std::string> local_device, bool join) {
   if (policy.max_bytes && *policy.max_bytes >= registry_detail::kNoLimit) {
     throw InvalidArgument("limit is too large");
   }
@@ -186,6 +228,12 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::str
   RegistryLock lock(*segment_);
   registry_detail::Layout& layout = segment_->layout();
   registry_detail::clean_stale_locked(layout);
+  if (join) {
+    if (auto joined = join_locked(layout, name, owner_pid, *start_ticks, seen_as, policy)) {
+      lock.confirm();
+      return joined;
+    }
+  }
   if (policy.min_bytes > 0) {
     std::size_t mins = registry_detail::total_min_bytes(layout);
     if (__builtin_add_overflow(mins, policy.min_bytes, &mins)) mins = SIZE_MAX;

@@ -133,8 +133,9 @@ std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
     limit = limit ? std::min(*limit, *target) : *target;
   }
   const std::size_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
-  const std::size_t total = registry_detail::total_mapped_bytes(layout);
+  const std::size_t total = registry_detail::total_held_bytes(layout);
   if (total > budget) {
+    // The KV cache's share: what the others hold and this entry's own weights leave.
     const std::size_t others = total - entry->mapped_bytes.load(std::memory_order_relaxed);
     const std::size_t share = saturating_sub(budget, others);
     limit = limit ? std::min(*limit, share) : share;
@@ -234,8 +235,14 @@ void RegistryBudget::unregister() noexcept {
     RegistryLock lock(*segment_, registry_detail::LockCheck::file);
     EntryRecord& entry = segment_->entry(slot_);
     if (registry_detail::owns_entry(entry, instance_id_)) {
-      entry.state.store(registry_detail::kSlotFree, std::memory_order_release);
-      entry.mapped_bytes.store(0, std::memory_order_relaxed);
+      const std::uint64_t handles = entry.handles.load(std::memory_order_relaxed);
+      if (handles > 1) {
+        entry.handles.store(handles - 1, std::memory_order_relaxed);  // another handle keeps the entry
+      } else {
+        entry.state.store(registry_detail::kSlotFree, std::memory_order_release);
+        entry.mapped_bytes.store(0, std::memory_order_relaxed);
+        entry.weights_bytes.store(0, std::memory_order_relaxed);
+      }
     }
     unregistered_ = true;
   } catch (const RegistryUnusable&) {

@@ -61,6 +61,25 @@ std::size_t total_mapped_bytes(const Layout& layout) noexcept {
   return total;
 }
 
+std::size_t total_weights_bytes(const Layout& layout) noexcept {
+  std::size_t total = 0;
+  for (const EntryRecord& entry : layout.entries) {
+    if (!slot_active(entry)) continue;
+    if (__builtin_add_overflow(total, entry.weights_bytes.load(std::memory_order_relaxed), &total)) {
+      return std::numeric_limits<std::size_t>::max();
+    }
+  }
+  return total;
+}
+
+std::size_t total_held_bytes(const Layout& layout) noexcept {
+  std::size_t total = 0;
+  if (__builtin_add_overflow(total_mapped_bytes(layout), total_weights_bytes(layout), &total)) {
+    return std::numeric_limits<std::size_t>::max();
+  }
+  return total;
+}
+
 namespace {
 
 std::optional<std::string> entry_lie(const EntryRecord& entry) {
@@ -75,11 +94,16 @@ std::optional<std::string> entry_lie(const EntryRecord& entry) {
       {"reported mapped_bytes", &entry.reported_mapped_bytes},
       {"wanted_bytes", &entry.wanted_bytes},
       {"min_bytes", &entry.min_bytes},
+      {"weights_bytes", &entry.weights_bytes},
   };
   for (const auto& [field, counter] : counts) {
     const std::uint64_t bytes = counter->load(std::memory_order_relaxed);
     if (bytes > kMaxPlausibleBytes) return std::string(field) + " " + std::to_string(bytes);
   }
+  const std::uint64_t sleeping = entry.sleeping.load(std::memory_order_relaxed);
+  if (sleeping > 1) return "sleeping " + std::to_string(sleeping);
+  const std::uint64_t handles = entry.handles.load(std::memory_order_relaxed);
+  if (handles == 0 || handles > kMaxEntryHandles) return "handles " + std::to_string(handles);
   const std::uint64_t target = entry.reclaim_target_bytes.load(std::memory_order_relaxed);
   if (target != kNoLimit && target > kMaxPlausibleBytes) return "reclaim_target_bytes " + std::to_string(target);
   const std::uint64_t requester = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
@@ -126,6 +150,9 @@ std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets() {
       {"entry.min_bytes", offsetof(EntryRecord, min_bytes)},
       {"entry.priority", offsetof(EntryRecord, priority)},
       {"entry.reclaim_target_bytes", offsetof(EntryRecord, reclaim_target_bytes)},
+      {"entry.weights_bytes", offsetof(EntryRecord, weights_bytes)},
+      {"entry.sleeping", offsetof(EntryRecord, sleeping)},
+      {"entry.handles", offsetof(EntryRecord, handles)},
   };
 #pragma GCC diagnostic pop
 }

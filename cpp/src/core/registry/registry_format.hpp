@@ -1,4 +1,4 @@
-// The registry's shared-memory format (layout version 3): what every process maps.
+// The registry's shared-memory format (layout version 4): what every process maps.
 //
 // One file per device holds a Layout: a header (identity, the process-shared
 // robust mutex, the device budget) and a fixed table of instance entries.
@@ -6,7 +6,8 @@
 // hot-path readers read without it. Version 1 differed in the device name
 // (31 bytes), had no per-entry local device, uid or worker-error count; it is
 // recognised by registry_inspect.cpp, never mapped. Version 2 had no memory policy
-// (min, priority, reclaim target): it is refused as another version.
+// (min, priority, reclaim target) and version 3 no model weights (weights_bytes,
+// sleeping): both are refused as another version.
 #pragma once
 
 #include <pthread.h>
@@ -24,7 +25,7 @@ namespace kvcached::registry_detail {
 // "KVCREGST" read as a little-endian integer; says the file is ours.
 inline constexpr std::uint64_t kRegistryMagic = 0x545347455243564bULL;
 // Bump whenever the layout below changes; other versions are refused, never misread.
-inline constexpr std::uint32_t kRegistryLayoutVersion = 3;
+inline constexpr std::uint32_t kRegistryLayoutVersion = 4;
 // Stored in place of a limit when an instance has none.
 inline constexpr std::uint64_t kNoLimit = UINT64_MAX;
 inline constexpr std::uint64_t kSlotFree = 0;
@@ -32,6 +33,8 @@ inline constexpr std::uint64_t kSlotActive = 1;
 // No device has more memory than the largest reservation a KV layout allows
 // (2^56 bytes): a budget or byte count above it in the file cannot be true.
 inline constexpr std::uint64_t kMaxPlausibleBytes = std::uint64_t{1} << 56;
+// More handles on one entry than any engine's processes could hold cannot be true.
+inline constexpr std::uint64_t kMaxEntryHandles = std::uint64_t{1} << 20;
 
 using Counter = std::atomic<std::uint64_t>;
 using SignedCounter = std::atomic<std::int64_t>;
@@ -62,6 +65,14 @@ struct alignas(64) EntryRecord {
   Counter reclaim_target_bytes;
   Counter reclaim_requester_slot;
   Counter reclaim_requester_id;
+  // Model weights charged on this entry (weights/weight_space.hpp): device memory they
+  // hold now, beside the KV cache's mapped_bytes, and whether they are asleep (0 / 1).
+  Counter weights_bytes;
+  Counter sleeping;
+  // Handles on this entry (RegistryBudget objects in any process): an engine's weights and
+  // its KV cache may register the same rank apart and join one entry; the last one out
+  // frees the slot. At least 1 while the slot is active.
+  Counter handles;
   char name[kRegistryNameMaxBytes + 1];
   char local_device[kRegistryLocalDeviceMaxBytes + 1];  // e.g. "cuda:1": as its process sees it
 };
@@ -124,6 +135,19 @@ inline std::size_t plausible_bytes(std::size_t bytes) noexcept {
 // Sum of every active entry's mapped bytes; SIZE_MAX (no room) if the sum
 // overflows, so a lock-free reader of a lying table errs on the safe side.
 std::size_t total_mapped_bytes(const Layout& layout) noexcept;
+// The same for weights_bytes.
+std::size_t total_weights_bytes(const Layout& layout) noexcept;
+// What an entry holds of the device budget: its KV cache and its weights.
+inline std::size_t held_bytes(const EntryRecord& entry) noexcept {
+  std::size_t held = 0;
+  if (__builtin_add_overflow(entry.mapped_bytes.load(std::memory_order_relaxed),
+                             entry.weights_bytes.load(std::memory_order_relaxed), &held)) {
+    return SIZE_MAX;
+  }
+  return held;
+}
+// Every active entry's KV cache and weights together (saturating).
+std::size_t total_held_bytes(const Layout& layout) noexcept;
 
 // The first value in the table that cannot be true (a slot state other than
 // free or active, a pid outside pid_t's positive range, a budget or byte count

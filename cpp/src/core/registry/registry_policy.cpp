@@ -34,19 +34,29 @@ struct Candidate {
 
 }  // namespace
 
-std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept {
+namespace {
+
+// The terms of room_for: the budget beyond what is held and what others' mins may
+// still claim, what higher priorities wait for, and the slot's own unclaimed min.
+struct RoomTerms {
+  std::size_t beyond_guarantees = 0;
+  std::size_t waiting = 0;
+  std::size_t own_unclaimed = 0;
+};
+
+RoomTerms room_terms(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept {
   const EntryRecord& own = layout.entries[slot];
   const std::int64_t own_priority = priority_of(own);
-  std::size_t guaranteed = 0;  // mapped by all, plus what the others' min may still claim
+  std::size_t guaranteed = 0;  // held by all (KV and weights), plus what the others' min may still claim
   std::size_t waiting = 0;     // recently refused to higher priorities
   for (std::size_t other = 0; other < kRegistryCapacity; ++other) {
     const EntryRecord& entry = layout.entries[other];
     if (!slot_active(entry)) continue;
     const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
     const std::size_t claim = other == slot ? 0 : saturating_sub(min_of(entry), mapped);
-    if (__builtin_add_overflow(guaranteed, mapped, &guaranteed) ||
+    if (__builtin_add_overflow(guaranteed, held_bytes(entry), &guaranteed) ||
         __builtin_add_overflow(guaranteed, claim, &guaranteed)) {
-      return 0;
+      return {};
     }
     if (other != slot && priority_of(entry) > own_priority && refused_recently(entry, now_ns)) {
       if (__builtin_add_overflow(waiting, entry.wanted_bytes.load(std::memory_order_relaxed), &waiting)) {
@@ -55,11 +65,24 @@ std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns
     }
   }
   const std::size_t budget = plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
-  const std::size_t beyond_guarantees = saturating_sub(budget, guaranteed);
+  return {saturating_sub(budget, guaranteed), waiting,
+          saturating_sub(min_of(own), own.mapped_bytes.load(std::memory_order_relaxed))};
+}
+
+}  // namespace
+
+std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept {
+  const RoomTerms terms = room_terms(layout, slot, now_ns);
   // What a higher priority waits for is set aside, except this instance's own unclaimed
   // min: a guarantee outranks every priority.
-  const std::size_t own_unclaimed = saturating_sub(min_of(own), own.mapped_bytes.load(std::memory_order_relaxed));
-  return std::max(saturating_sub(beyond_guarantees, waiting), std::min(beyond_guarantees, own_unclaimed));
+  return std::max(saturating_sub(terms.beyond_guarantees, terms.waiting),
+                  std::min(terms.beyond_guarantees, terms.own_unclaimed));
+}
+
+std::size_t room_for_weights(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept {
+  const RoomTerms terms = room_terms(layout, slot, now_ns);
+  // A min guarantees KV memory: the weights leave the instance's own unclaimed min free too.
+  return saturating_sub(saturating_sub(terms.beyond_guarantees, terms.own_unclaimed), terms.waiting);
 }
 
 std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,

@@ -41,11 +41,16 @@ inline std::int64_t priority_of(const EntryRecord& entry) noexcept {
   return entry.priority.load(std::memory_order_relaxed);
 }
 
-// What `slot` may take now: the budget less every mapped byte, less what the other
+// What `slot` may take now: the budget less every held byte (KV and weights), less what the other
 // instances' min may still claim, less what higher-priority instances were recently
 // refused, though never less than what remains of its own min (a guarantee outranks a
 // priority). Saturates at 0 (and at "no room" for a table whose sums overflow).
 std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept;
+
+// What model weights charged on `slot` may take now: as room_for, weights counted as held,
+// but with no exemption for its own min (a min guarantees KV memory, which the weights
+// must leave free) and what higher priorities wait for always set aside.
+std::size_t room_for_weights(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept;
 
 // The reclaim target in force on `entry` (never below its min), or nullopt: none was
 // set, or its requester's entry is gone or its refusal is no longer recent.

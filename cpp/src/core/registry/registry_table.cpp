@@ -29,6 +29,9 @@ void fill_entry(EntryRecord& entry, const NewEntry& values) {
   entry.reclaim_target_bytes.store(kNoLimit);
   entry.reclaim_requester_slot.store(0);
   entry.reclaim_requester_id.store(0);
+  entry.weights_bytes.store(0);
+  entry.sleeping.store(0);
+  entry.handles.store(1);
   std::memset(entry.name, 0, sizeof entry.name);
   std::memcpy(entry.name, values.name.data(), values.name.size());
   std::memset(entry.local_device, 0, sizeof entry.local_device);
@@ -57,6 +60,8 @@ RegistryEntryInfo entry_info(const Layout& layout, std::size_t slot) {
   info.min_bytes = min_of(entry);
   info.priority = priority_of(entry);
   info.reclaim_target_bytes = reclaim_target_of(layout, entry, now);
+  info.weights_bytes = entry.weights_bytes.load();
+  info.sleeping = entry.sleeping.load() != 0;
   return info;
 }
 
@@ -71,6 +76,7 @@ std::size_t clean_stale_locked(Layout& layout) {
     // The owner is gone, so are its mappings: its bytes go back to the budget.
     entry.state.store(kSlotFree, std::memory_order_release);
     entry.mapped_bytes.store(0, std::memory_order_relaxed);
+    entry.weights_bytes.store(0, std::memory_order_relaxed);
     ++freed;
   }
   layout.header.last_stale_scan_ns.store(monotonic_now_ns(), std::memory_order_relaxed);

@@ -31,6 +31,7 @@ def register_rank(
     priority: int = 0,
     logger: Optional[logging.Logger] = None,
     owned_by_rank: bool = False,
+    join: bool = False,
 ) -> Any:
     """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
 
@@ -43,6 +44,10 @@ def register_rank(
     process never opens the device. The memory policy (``limit_bytes`` is its
     max, ``min_bytes``, ``priority``: ``docs/memory-policy.md``) lives in the
     registry, so ``kvctl set-policy`` can change it later.
+
+    With ``join`` an entry the rank already has under ``name`` (its model weights,
+    registered by the rank's own process when it loaded them) is joined, so the
+    rank's weights and KV cache are one entry.
     """
     from kvcached import registry
 
@@ -55,7 +60,13 @@ def register_rank(
         existing = registry.registry_for(rank.device)
     pid = rank.pid if owned_by_rank else None
     budget = existing.register(
-        name, pid=pid, limit_bytes=limit_bytes, local_device=rank.label, min_bytes=min_bytes, priority=priority
+        name,
+        pid=pid,
+        limit_bytes=limit_bytes,
+        local_device=rank.label,
+        min_bytes=min_bytes,
+        priority=priority,
+        join=join,
     )
     (logger or _logger).info(
         "kvcached: registered %r (%s) on %s (device budget %d B, limit %s, min %d B, priority %d)",
@@ -79,6 +90,7 @@ def register_ranks(
     priority: int = 0,
     logger: Optional[logging.Logger] = None,
     owned_by_ranks: bool = False,
+    join: bool = False,
 ) -> list[Any]:
     """One entry per rank (see :func:`register_rank`), all or nothing."""
     budgets: list[Any] = []
@@ -93,6 +105,7 @@ def register_ranks(
                     priority=priority,
                     logger=logger,
                     owned_by_rank=owned_by_ranks,
+                    join=join,
                 )
             )
     except BaseException:

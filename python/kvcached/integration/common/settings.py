@@ -65,6 +65,8 @@ class Settings:
     min_bytes: int = 0
     #: Who gives memory back first: the lower (``KVCACHED_PRIORITY``).
     priority: int = 0
+    #: How long woken weights wait for device memory (``KVCACHED_WAKE_TIMEOUT_S``).
+    wake_timeout_s: float = 10.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -82,4 +84,5 @@ class Settings:
             idle_release_max_s=config.get("idle_release_max_s"),
             rank_ack_timeout_s=config.get("rank_ack_timeout_s"),
             host_heap_keep_bytes=config.get("host_heap_keep_bytes"),
+            wake_timeout_s=config.get("wake_timeout_s"),
         )

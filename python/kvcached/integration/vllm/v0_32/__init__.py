@@ -62,7 +62,7 @@ from typing import Any, Callable
 
 from kvcached.integration.common.settings import Settings
 
-from . import block_pool, plan, scheduler, worker
+from . import block_pool, plan, scheduler, sleep, worker
 from .block_pool import KVCachePoolExhausted
 from .patch_points import KV_TENSOR_SITES, PATCH_POINTS, KVTensorSites
 from .plan import UnsupportedVLLMConfig, logger
@@ -96,12 +96,16 @@ def install(
     block_pool_factory: Callable[[type], type] = block_pool.make_block_pool_class,
     allocate_wrapper: Callable[[Any], Any] = worker.wrap_allocate_kv_cache,
     configs_wrapper: Callable[[Any], Any] = plan.wrap_get_kv_cache_configs,
+    sleep_backend: str = f"{__name__}.sleep_backend",
+    cpu_worker_sleep: Any = sleep,
 ) -> None:
     """Installs every patch; pure attribute swaps, safe in every vLLM process.
 
     A later release's package passes where its workers build KV tensors
-    (``sites``) and its own block pool, ``allocate_kv_cache`` or
-    ``get_kv_cache_configs`` wrapper.
+    (``sites``), its own block pool, ``allocate_kv_cache`` or
+    ``get_kv_cache_configs`` wrapper, its sleep-mode backend (the module holding
+    ``KvcachedSleepBackend``) and the module whose
+    ``worker_sleep`` / ``worker_wake_up`` / ``worker_discard`` the CPU worker gets.
     """
     plan.use_settings(settings)
 
@@ -130,6 +134,7 @@ def install(
     for method in ("add_request", "reset_prefix_cache", "collective_rpc"):
         _patch(core.EngineCore, method, scheduler.wrap_serialized)
     _set(core.EngineCore, "kvcached_stats", scheduler.engine_core_kvcached_stats)
+    install_sleep_mode(sleep_backend, cpu_worker_sleep)
 
     # Workers: their devices, virtual capacity, KV spaces, page ops.
     Worker = gpu_worker.Worker
@@ -143,6 +148,34 @@ def install(
     if cpu_worker is not None:
         _set(cpu_worker.CPUWorker, "determine_available_memory", worker.cpu_determine_available_memory)
     install_kv_tensor_sites(sites, allocate_wrapper)
+
+
+def install_sleep_mode(backend_module: str, cpu_worker_sleep: Any) -> None:
+    """vLLM's sleep mode through kvcached (:mod:`.sleep`): the backend, the weights, the KV cache."""
+    from vllm.device_allocator import sleep_mode_backend
+    from vllm.v1.executor import abstract
+    from vllm.v1.worker import gpu_worker
+
+    sleep.register_backend(backend_module)
+    factory = sleep_mode_backend.SleepModeBackendFactory
+    if not getattr(factory.__dict__["create_backend"], _MARKER, False):
+        replacement = sleep.wrap_create_backend(factory.create_backend)
+        setattr(replacement, _MARKER, True)
+        factory.create_backend = replacement
+    _patch(abstract.Executor, "__init__", sleep.wrap_executor_init)
+    _patch(abstract.Executor, "sleep", sleep.wrap_executor_sleep)
+    _patch(abstract.Executor, "wake_up", sleep.wrap_executor_wake_up)
+    _patch(abstract.Executor, "discard", sleep.wrap_executor_discard)
+    _patch(gpu_worker.Worker, "load_model", sleep.wrap_load_model)
+    _patch(gpu_worker.Worker, "_maybe_get_memory_pool_context", sleep.wrap_memory_pool_context)
+    cpu_worker = _import("vllm.v1.worker.cpu_worker", optional=True)
+    if cpu_worker is not None:  # vLLM's CPU worker only warns; it gets the GPU worker's behaviour
+        _set(cpu_worker.CPUWorker, "sleep", cpu_worker_sleep.worker_sleep)
+        _set(cpu_worker.CPUWorker, "wake_up", cpu_worker_sleep.worker_wake_up)
+        _set(cpu_worker.CPUWorker, "discard", cpu_worker_sleep.worker_discard)
+    cpu_platform = _import("vllm.platforms.cpu", optional=True)
+    if cpu_platform is not None:
+        _set(cpu_platform.CpuPlatform, "is_sleep_mode_available", sleep.sleep_mode_available)
 
 
 def _import(name: str, *, optional: bool) -> Any:

@@ -122,6 +122,36 @@ KV_TENSOR_SITES = KVTensorSites(
     optional=frozenset({"vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.gpu.model_runner"}),
 )
 
+
+def sleep_points(
+    worker_members: tuple[str, ...] = ("sleep_mode_backend", "_save_sleep_parameters", "_restore_sleep_parameters"),
+    suspend_parameters: tuple[str, ...] = ("self", "level"),
+) -> tuple[PatchPoint, ...]:
+    """Sleep mode through kvcached (``sleep``): vLLM's backend factory and interface, where the
+    weights are loaded and sleep is dispatched, and the CPU build's worker and platform, whose
+    sleep kvcached provides. ``worker_members``: what kvcached's CPU-worker sleep calls."""
+    backend = "vllm.device_allocator.sleep_mode_backend"
+    executor = "vllm.v1.executor.abstract"
+    return (
+        PatchPoint(
+            backend,
+            "SleepModeBackendFactory",
+            members=("_registry", "register_backend", "get_backend_class", "create_backend"),
+        ),
+        PatchPoint(backend, "SleepModeBackend", members=("resume", "discard")),
+        PatchPoint(backend, "SleepModeBackend.suspend", suspend_parameters, exact=True),
+        PatchPoint(executor, "Executor.__init__", ("self", "vllm_config")),
+        PatchPoint(executor, "Executor.sleep", ("self", "level"), exact=True),
+        PatchPoint(executor, "Executor.wake_up", ("self", "tags"), exact=True),
+        PatchPoint(executor, "Executor.discard", ("self", "tags"), exact=True),
+        PatchPoint(_WORKER, "Worker.load_model", ("self",)),
+        PatchPoint(_WORKER, "Worker._maybe_get_memory_pool_context", ("self", "tag"), exact=True),
+        PatchPoint(_WORKER, "Worker", members=worker_members),
+        PatchPoint("vllm.v1.worker.cpu_worker", "CPUWorker", members=("sleep", "wake_up", "discard"), optional=True),
+        PatchPoint("vllm.platforms.cpu", "CpuPlatform", members=("is_sleep_mode_available",), optional=True),
+    )
+
+
 WORKER_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(_WORKER, "Worker.determine_available_memory", ("self",), exact=True),
     PatchPoint(_WORKER, "Worker.execute_model", ("self", "scheduler_output")),
@@ -137,11 +167,12 @@ def patch_points(
     sites: KVTensorSites = KV_TENSOR_SITES,
     pool: tuple[PatchPoint, ...] = block_pool_points(),
     configs_parameters: tuple[str, ...] = GET_KV_CACHE_CONFIGS_PARAMETERS,
+    sleep: tuple[PatchPoint, ...] = sleep_points(),
 ) -> tuple[PatchPoint, ...]:
     """A release's patch points: the EngineCore's (with its planner's signature), the block pool's,
-    the workers' and its KV-tensor sites'."""
+    the workers', sleep mode's and its KV-tensor sites'."""
     planner = PatchPoint(_CORE, "get_kv_cache_configs", configs_parameters, exact=True)
-    return ENGINE_CORE_POINTS + (planner,) + pool + WORKER_POINTS + sites.points()
+    return ENGINE_CORE_POINTS + (planner,) + pool + WORKER_POINTS + sleep + sites.points()
 
 
 PATCH_POINTS = patch_points()
@@ -156,4 +187,5 @@ __all__ = [
     "WORKER_POINTS",
     "block_pool_points",
     "patch_points",
+    "sleep_points",
 ]

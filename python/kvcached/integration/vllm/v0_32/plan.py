@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 PLAN_ATTR = "kvcached_plan"  # on each KVCacheConfig: the EnginePlan (the scheduler's deep copy keeps it)
 RANK_ATTR = "kvcached_rank"  # on each KVCacheConfig: which of the plan's ranks its worker is
 PAGE_OPS_ATTR = "kvcached_page_ops"  # on SchedulerOutput: the step's PageOps batch
+ENGINE_CORE_ATTR = "kvcached_engine_core"  # on the EngineCore's executor: that EngineCore (sleep mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +76,12 @@ def take_board(path: str) -> AckBoard:
 
 def refuse_unsupported(vllm_config: Any) -> None:
     """Raises UnsupportedVLLMConfig for features kvcached cannot serve."""
+    from .sleep import refusal as sleep_refusal
+
     problems = []
-    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
-        problems.append("sleep mode (enable_sleep_mode): it frees the KV cache behind kvcached's back")
+    sleep_problem = sleep_refusal(vllm_config)
+    if sleep_problem:
+        problems.append(sleep_problem)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         problems.append("KV connectors (kv_transfer_config): they register and move whole KV ranges")
     attention_config = getattr(vllm_config, "attention_config", None)
@@ -145,6 +149,7 @@ def wrap_initialize_kv_caches(original: Any) -> Any:
     """EngineCore: every worker describes its device before vLLM plans the KV cache."""
 
     def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+        setattr(self.model_executor, ENGINE_CORE_ATTR, self)  # its sleep gives this engine's KV memory back
         ranks = list(self.model_executor.collective_rpc("kvcached_describe_rank"))
         token = _described.set(ranks)
         try:
@@ -229,6 +234,7 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
 
 
 __all__ = [
+    "ENGINE_CORE_ATTR",
     "PAGE_OPS_ATTR",
     "PLAN_ATTR",
     "RANK_ATTR",

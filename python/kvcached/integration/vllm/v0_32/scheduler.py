@@ -73,7 +73,8 @@ class EngineKV:
         return stats
 
 
-def _engine_name(vllm_config: Any) -> str:
+def engine_name(vllm_config: Any) -> str:
+    """The engine's name in the registries: ``KVCACHED_NAME``, else ``vllm:<model>:<EngineCore pid>``."""
     name = settings().name
     if name:
         return name
@@ -93,9 +94,10 @@ def wrap_scheduler_init(original: Any) -> Any:
         if plan is None:  # not planned by kvcached (e.g. attention-free model)
             return original(self, vllm_config, kv_cache_config, *args, **kwargs)
         refuse_unsupported(vllm_config)
-        name = _engine_name(vllm_config)
-        # One entry per rank in its device's registry; the limit lives there,
-        # so that ``kvctl set-limit`` can change it while the engine runs.
+        name = engine_name(vllm_config)
+        # One entry per rank in its device's registry, under the rank's own pid (gone with
+        # it); the limit lives there, so that ``kvctl set-limit`` can change it while the
+        # engine runs. A rank whose weights can sleep registered them already: joined.
         budgets = register_ranks(
             name,
             plan.ranks,
@@ -103,6 +105,8 @@ def wrap_scheduler_init(original: Any) -> Any:
             min_bytes=settings().min_bytes,
             priority=settings().priority,
             logger=logger,
+            owned_by_ranks=True,
+            join=True,
         )
         try:
             blocks = EngineBlocks.deciding(
@@ -210,6 +214,33 @@ def _engine_of(engine_core: Any) -> EngineKV | None:
 def _in_process(engine_core: Any) -> bool:
     """An EngineCore the caller steps itself (no EngineCoreProc loop of its own)."""
     return not hasattr(type(engine_core), "run_busy_loop")
+
+
+def release_all_kv(engine_core: Any) -> dict[str, int] | None:
+    """Sleep mode: gives all of the engine's KV memory back now, on every rank, the null block's
+    page too, and maps none until :func:`resume_kv` (vLLM paused and emptied its prefix cache
+    first). Returns the pages unmapped, or None when kvcached does not serve this engine."""
+    engine = _engine_of(engine_core)
+    if engine is None:
+        return None
+    with engine.lock:
+        engine.block_pool.release_cached_blocks(keep_bytes=0)
+        unmapped = engine.blocks.manager.suspend()
+        ops = engine.blocks.take_page_ops()
+        if ops is not None:
+            # Every rank applies and acknowledges on the board before the call returns.
+            engine_core.model_executor.collective_rpc("kvcached_apply_page_ops", args=(ops,))
+        engine.blocks.poll_acknowledgements()
+    return {"unmapped_pages": int(unmapped)}
+
+
+def resume_kv(engine_core: Any) -> None:
+    """After sleep mode: the KV cache may map memory again (the null block's page first; its
+    map op reaches the ranks with the next step)."""
+    engine = _engine_of(engine_core)
+    if engine is not None:
+        with engine.lock:
+            engine.blocks.manager.resume()
 
 
 def _flush_if_idle(engine_core: Any, *, hold: bool = True) -> None:
@@ -323,6 +354,9 @@ def engine_core_kvcached_stats(self: Any) -> dict[str, Any] | None:
 __all__ = [
     "EngineKV",
     "engine_core_kvcached_stats",
+    "engine_name",
+    "release_all_kv",
+    "resume_kv",
     "wrap_allocate_slots",
     "wrap_flushing",
     "wrap_preempt_request",

@@ -17,6 +17,9 @@ the two releases' sources), and what this package does about it:
   takes ``evict_first`` (``block_pool``).
 * vLLM's own extensible KV cache, on by default on CUDA and ROCm, is turned
   off while kvcached backs the cache, and refused if asked for (``extensible``).
+* A sleep-mode backend's ``suspend`` takes the storages a level-2 sleep may
+  discard instead of the level, and the worker no longer saves buffers itself
+  (``sleep``: kvcached keeps the rest through the sleep).
 
 Everything else is 0.32's code, verified by the plugin front door against
 ``PATCH_POINTS`` before anything is patched.
@@ -29,7 +32,13 @@ from kvcached.integration.common.settings import Settings
 
 from .. import v0_32
 from ..v0_32 import KVCachePoolExhausted, UnsupportedVLLMConfig, worker_kv_stats
-from ..v0_32.patch_points import ALLOCATE_KV_CACHE_PARAMETERS, KVTensorSites, block_pool_points, patch_points
+from ..v0_32.patch_points import (
+    ALLOCATE_KV_CACHE_PARAMETERS,
+    KVTensorSites,
+    block_pool_points,
+    patch_points,
+    sleep_points,
+)
 from ..v0_33 import plan as v0_33_plan
 from . import block_pool, extensible, worker
 
@@ -47,7 +56,16 @@ PATCH_POINTS: tuple[PatchPoint, ...] = patch_points(
     KV_TENSOR_SITES,
     block_pool_points(free_blocks=("self", "ordered_blocks", "evict_first")),
     configs_parameters=v0_33_plan.GET_KV_CACHE_CONFIGS_PARAMETERS,
+    sleep=sleep_points(
+        worker_members=("sleep_mode_backend", "_discardable_parameters"), suspend_parameters=("self", "discardable")
+    ),
 ) + (PatchPoint("vllm.config.vllm", "VllmConfig._resolve_extensible_kv_cache", ("self",), exact=True),)
+
+
+def _sleep_functions():
+    from . import sleep  # imports vLLM's sleep-mode backend: only once vLLM is there
+
+    return sleep
 
 
 def install(settings: Settings) -> None:
@@ -58,6 +76,8 @@ def install(settings: Settings) -> None:
         block_pool_factory=block_pool.make_block_pool_class,
         allocate_wrapper=worker.wrap_allocate_kv_cache,
         configs_wrapper=v0_33_plan.wrap_get_kv_cache_configs,
+        sleep_backend=f"{__name__}.sleep",
+        cpu_worker_sleep=_sleep_functions(),
     )
     from vllm.config.vllm import VllmConfig
     from vllm.v1.engine import core
