@@ -98,10 +98,10 @@ def _plot_path(requested: Optional[str]) -> Optional[Path]:
         return None
     if not _installed("matplotlib"):
         if requested is None:
-            print("kvcached demo: no plot (pip install matplotlib, or 'kvcached[plot]', to get one)")
+            print("kvcached demo: no plot (pip install matplotlib to get one)")
             return None
         raise InvalidArgumentError(
-            f"--plot {requested!r} needs matplotlib: pip install matplotlib (or 'kvcached[plot]')"
+            f"--plot {requested!r} needs matplotlib: pip install matplotlib"
         )
     return _output_path("--plot", requested or DEFAULT_PLOT_PATH)
 

@@ -7,5 +7,5 @@ watch, restart), :mod:`~kvcached.serve.memory` (the device registry per model),
 :mod:`~kvcached.serve.router` (the endpoint), :mod:`~kvcached.serve.metrics` and
 :mod:`~kvcached.serve.handover` (``/metrics``), :mod:`~kvcached.serve.progress` (the start-up view),
 :mod:`~kvcached.serve.server` (one run) and :mod:`~kvcached.serve.command` (the CLI).
-Needs the ``serve`` extra (``pip install "kvcached[serve]"``); ``docs/serve.md`` describes it.
+Needs the ``serve`` extra (``pip install ".[serve]"`` in a kvcached clone); ``docs/serve.md`` describes it.
 """
