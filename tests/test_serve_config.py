@@ -194,3 +194,53 @@ def test_a_python_that_has_the_engine_kvcached_and_the_module_passes(tmp_path):
         "PYTHONPATH": os.pathsep.join(filter(None, [str(packages), os.environ.get("PYTHONPATH")]))
     }
     check_environment(parse_config(data).models[0], 0, "cpu")  # finds vllm (here a stub), kvcached and the module
+
+
+@pytest.mark.parametrize(
+    "engine, words, flag",
+    [
+        ("vllm", ["--hos", "0.0.0.0"], "--host"),
+        ("vllm", ["--hos=0.0.0.0"], "--host"),
+        ("vllm", ["--po", "9000"], "--port"),
+        ("vllm", ["--p=9000"], "--port"),
+        ("vllm", ["--mod", "/other"], "--model"),
+        ("vllm", ["--served_model_name", "b"], "--served-model-name"),  # vLLM reads _ as -
+        ("vllm", ["--serv", "b"], "--served-model-name"),
+        ("vllm", ["--port.x", "1"], "--port"),  # vLLM's dotted JSON keys
+        ("sglang", ["--model-pa", "/other"], "--model-path"),
+        ("sglang", ["--model_path", "/other"], "--model-path"),
+    ],
+)
+def test_abbreviations_of_the_arguments_serve_sets_are_refused(engine, words, flag):
+    data = config()
+    data["models"][0].update(engine=engine, args=["--dtype", "float32", *words])
+    message = refused(data)
+    assert message.startswith("models[0].args[2]: ") and f"is read as {flag}, which is set by kvcached serve" in message
+
+
+@pytest.mark.parametrize("word", ["--model-impl", "--max-model-len", "--port-range", "--hf-overrides.x", "-tp", "--"])
+def test_other_arguments_pass(word):
+    data = config()
+    data["models"][0]["args"] = [word, "1"]
+    assert parse_config(data).models[0].args == (word, "1")
+
+
+def test_no_vllm_argument_is_taken_for_one_serve_sets_and_none_of_those_has_a_short_alias():
+    pytest.importorskip("vllm", reason="checks vLLM's own parser")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvcached.serve.engines import OWNED_ARGUMENTS
+    from kvcached.serve.owned_arguments import owned_flag
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    owned = OWNED_ARGUMENTS["vllm"]
+    for action in parser._actions:
+        for option in action.option_strings:
+            assert owned_flag(option, owned) == (option if option in owned else None), option
+        if set(action.option_strings) & set(owned):
+            assert action.option_strings == [o for o in action.option_strings if o.startswith("--")], action
+    # What serve refuses, vLLM's parser would indeed read as the flag serve set.
+    for word, dest in (("--hos", "host"), ("--por", "port"), ("--served_model_name", "served_model_name")):
+        parsed = parser.parse_args(["--model", "m", "--host", "127.0.0.1", "--port", "8001", word, "9999"])
+        assert str(getattr(parsed, dest)) in ("9999", "['9999']"), (word, getattr(parsed, dest))

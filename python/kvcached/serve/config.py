@@ -37,6 +37,7 @@ from kvcached.errors import KvcachedError, ServeConfigError
 from kvcached.option_values import InstanceName, Size, describe
 from kvcached.serve.config_limits import check_values, key_text, load_yaml, read_config_file, shown
 from kvcached.serve.engines import ENGINES, OWNED_ARGUMENTS, POLICY_VARIABLES
+from kvcached.serve.owned_arguments import owned_flag
 from kvcached.sizes import format_bytes
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -195,12 +196,15 @@ def _args(value: Any, key: str, engine: str) -> tuple[str, ...]:
     ):
         raise _fail(key, f'expected a list of command-line words (["--max-model-len", "4096"]), got {shown(value)}')
     words = tuple(str(a) for a in value)
-    for word in words:
-        flag = word.split("=", 1)[0]
-        if flag in OWNED_ARGUMENTS[engine]:
-            raise _fail(
-                key, f"{flag} is set by kvcached serve (from the model's name, model and a free port); remove it"
-            )
+    for index, word in enumerate(words):
+        flag = owned_flag(word, OWNED_ARGUMENTS[engine])
+        if flag is None:
+            continue
+        what = flag if word.split("=", 1)[0] == flag else f"{shown(word)} is read as {flag}, which"
+        raise _fail(
+            key if what == flag else f"{key}[{index}]",
+            f"{what} is set by kvcached serve (from the model's name, model and a free port); remove it",
+        )
     return words
 
 
