@@ -185,17 +185,6 @@ def test_the_command_checks_before_starting_anything(tmp_path):
     assert done.stderr.count("\n") == 1, done.stderr
 
 
-def test_a_python_that_has_the_engine_kvcached_and_the_module_passes(tmp_path):
-    packages = tmp_path / "site"
-    (packages / "vllm").mkdir(parents=True)
-    (packages / "vllm" / "__init__.py").write_text("")
-    data = config()
-    data["models"][0]["env"] = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(packages), os.environ.get("PYTHONPATH")]))
-    }
-    check_environment(parse_config(data).models[0], 0, "cpu")  # finds vllm (here a stub), kvcached and the module
-
-
 @pytest.mark.parametrize(
     "engine, words, flag",
     [

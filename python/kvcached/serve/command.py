@@ -56,11 +56,11 @@ def run_command(args: argparse.Namespace) -> int:
             '(or the whole serve extra: pip install ".[serve]" in a kvcached clone)'
         )
     from kvcached.serve.config import load_config
-    from kvcached.serve.engines import check_environments
+    from kvcached.serve.machine_checks import check_machine
 
     check_settings()  # a bad KVCACHED_* variable would fail in every engine
     config = load_config(args.config)
-    check_environments(config)
+    check_machine(config, args.log_dir)  # log directory, model paths, every engine's Python
     if args.check:
         names = ", ".join(f"{spec.name} ({spec.engine})" for spec in config.models)
         print(f"{args.config}: ok: {len(config.models)} models on {config.device}: {names}")

@@ -275,7 +275,7 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> ServeConfig:
     """Checks a configuration already read from YAML (see the module docstring) and returns it.
 
     ``base_dir``: what a relative ``python`` or ``log_dir`` path is relative to (the file's folder).
-    Does not look at the machine beyond parsing the device name: :func:`check_engines` does.
+    Does not look at the machine beyond parsing the device name: :mod:`kvcached.serve.machine_checks` does.
     """
     check_values(data)  # NUL bytes, huge numbers, deep nesting: refused before any message quotes them
     section = _check_keys(data, _TOP_KEYS, "")
