@@ -4,7 +4,8 @@ Request and response bodies pass through unchanged (the body is parsed only to r
 streaming responses are passed on chunk by chunk. A model not configured is a 404 and a model whose
 engine is not ready a 503 (with ``Retry-After``), both as OpenAI-style error JSON. A client that
 goes away cancels its request: the connection to the engine is closed, and vLLM and SGLang abort a
-request whose client disconnected.
+request whose client disconnected. Each engine is reached through a connection pool of its own
+(:mod:`kvcached.serve.upstreams`): one model's load never delays another's requests.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvcached.serve.metrics import ServeMetrics
+from kvcached.serve.upstreams import UpstreamLimits, Upstreams
 
 logger = logging.getLogger(__name__)
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RETRY_AFTER_S = 5
-# No read timeout: a long generation streams (or thinks) for as long as it needs.
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
 # Headers that belong to one connection, not to the request or response passed on.
 _HOP_BY_HOP = frozenset(
     (
@@ -88,13 +88,15 @@ def _passed_headers(headers: Any) -> dict[str, str]:
 
 
 class Router:
-    """The app's request handling, around one shared HTTP client."""
+    """The app's request handling, around one HTTP client per engine."""
 
-    def __init__(self, routes: Routes, model_names: list[str], metrics: ServeMetrics) -> None:
+    def __init__(
+        self, routes: Routes, model_names: list[str], metrics: ServeMetrics, limits: UpstreamLimits = UpstreamLimits()
+    ) -> None:
         self.routes = routes
         self.model_names = model_names
         self.metrics = metrics
-        self.client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
+        self.upstreams = Upstreams(model_names, limits)
         self.created = int(time.time())
 
     def models(self) -> dict[str, Any]:
@@ -131,8 +133,9 @@ class Router:
         if url is None:
             self.metrics.request_done(model, path, 503, started)
             return self._unavailable(model, route)
-        upstream = self.client.build_request("POST", url + path, content=body, headers=_passed_headers(request.headers))
-        sending = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        client = self.upstreams.client(model)
+        upstream = client.build_request("POST", url + path, content=body, headers=_passed_headers(request.headers))
+        sending = asyncio.ensure_future(client.send(upstream, stream=True))
         gone = asyncio.ensure_future(_client_gone(request))
         await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()  # a streaming response watches for the disconnect itself from here
@@ -142,6 +145,9 @@ class Router:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         try:
             answer = sending.result()
+        except httpx.PoolTimeout:
+            self.metrics.request_done(model, path, 503, started)
+            return self._busy(model)
         except httpx.HTTPError as exc:
             logger.warning("%s: engine did not answer %s: %s", model, path, str(exc) or type(exc).__name__)
             self.metrics.request_done(model, path, 503, started)
@@ -173,20 +179,30 @@ class Router:
             await answer.aclose()
             self.metrics.request_done(model, path, status, started)
 
+    def _busy(self, model: str) -> JSONResponse:
+        limits = self.upstreams.limits
+        message = (
+            f"The model `{model}` has {limits.connections} requests in flight, its most, and none ended within "
+            f"{limits.pool_timeout_s:g} s; retry in a few seconds."
+        )
+        return openai_error(503, message, "ServiceUnavailableError", "engine_busy", "model")
+
     def _unavailable(self, model: str, route: Route) -> JSONResponse:
         state = _state_text(route.state)
         message = f"The model `{model}` is not available now (its engine is {state}); retry in a few seconds."
         return openai_error(503, message, "ServiceUnavailableError", f"engine_{state}", "model")
 
 
-def create_app(routes: Routes, model_names: list[str], metrics: ServeMetrics) -> FastAPI:
+def create_app(
+    routes: Routes, model_names: list[str], metrics: ServeMetrics, limits: UpstreamLimits = UpstreamLimits()
+) -> FastAPI:
     """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``."""
-    router = Router(routes, model_names, metrics)
+    router = Router(routes, model_names, metrics, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
-        await router.client.aclose()
+        await router.upstreams.aclose()
 
     app = FastAPI(title="kvcached serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = router
