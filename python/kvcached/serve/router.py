@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,13 +20,16 @@ from typing import Any, Optional, Protocol
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from kvcached.serve.metrics import ServeMetrics
+from kvcached.serve.request_body import MAX_BODY_BYTES, BadBody, model_of, read_body
 from kvcached.serve.upstreams import UpstreamLimits, Upstreams
 
 logger = logging.getLogger(__name__)
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("GET /v1/models", *(f"POST {path}" for path in ROUTED_PATHS), "GET /health", "GET /metrics")
 RETRY_AFTER_S = 5
 # Headers that belong to one connection, not to the request or response passed on.
 _HOP_BY_HOP = frozenset(
@@ -44,6 +46,15 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     )
 )
+# The OpenAI error `type` of each status the router itself answers with.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client that went away; logged, never sent
 ENGINE_BROKE_OFF = 502  # counted for a stream the engine ended early (the client already has a 200)
 
@@ -91,8 +102,14 @@ class Router:
     """The app's request handling, around one HTTP client per engine."""
 
     def __init__(
-        self, routes: Routes, model_names: list[str], metrics: ServeMetrics, limits: UpstreamLimits = UpstreamLimits()
+        self,
+        routes: Routes,
+        model_names: list[str],
+        metrics: ServeMetrics,
+        limits: UpstreamLimits = UpstreamLimits(),
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        self.max_body_bytes = max_body_bytes
         self.routes = routes
         self.model_names = model_names
         self.metrics = metrics
@@ -117,13 +134,11 @@ class Router:
     async def forward(self, request: Request, path: str) -> Response:
         """Passes one OpenAI request to its model's engine and the answer back."""
         started = time.monotonic()
-        body = await request.body()
         try:
-            model = json.loads(body).get("model")
-        except (ValueError, AttributeError):
-            return openai_error(400, "the request body is not a JSON object", "BadRequestError", "invalid_json")
-        if not isinstance(model, str):
-            return openai_error(400, "the request names no `model`", "BadRequestError", "model_missing", "model")
+            body = await read_body(request, self.max_body_bytes)
+            model = model_of(body)
+        except BadBody as bad:
+            return openai_error(bad.status, bad.message, ERROR_TYPES[bad.status], bad.code, bad.param)
         route = self.routes.route(model)
         if route is None:
             message = f"The model `{model}` does not exist. Served models: {', '.join(self.model_names)}."
@@ -194,10 +209,15 @@ class Router:
 
 
 def create_app(
-    routes: Routes, model_names: list[str], metrics: ServeMetrics, limits: UpstreamLimits = UpstreamLimits()
+    routes: Routes,
+    model_names: list[str],
+    metrics: ServeMetrics,
+    limits: UpstreamLimits = UpstreamLimits(),
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``."""
-    router = Router(routes, model_names, metrics, limits)
+    """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``;
+    every error the router answers itself (unknown path, wrong method, a fault) in the OpenAI shape."""
+    router = Router(routes, model_names, metrics, limits, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -206,6 +226,22 @@ def create_app(
 
     app = FastAPI(title="kvcached serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = router
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"There is no {request.url.path} here; kvcached serve answers {', '.join(ENDPOINTS)}."
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}."
+        else:
+            message = str(exc.detail)
+        code = {404: "path_not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+        return openai_error(exc.status_code, message, ERROR_TYPES.get(exc.status_code, "BadRequestError"), code)
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, exc: Exception) -> Response:
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+        return openai_error(500, "kvcached serve failed to answer; its log says why", ERROR_TYPES[500], "internal_error")
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
