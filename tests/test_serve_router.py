@@ -156,7 +156,7 @@ def test_metrics_count_requests_by_model_and_status(served):
     text = httpx.get(url + "/metrics").text
     assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="a",status="200"} 1.0' in text
     assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="b",status="503"} 1.0' in text
-    assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="_unknown",status="404"} 1.0' in text
+    assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="",status="404"} 1.0' in text
     assert 'kvcached_serve_request_duration_seconds_count{endpoint="/v1/completions",model="a"} 1.0' in text
     assert 'kvcached_serve_model_min_bytes{model="a"} 0.0' in text
     assert json.loads(json.dumps(text))  # plain text, one scrape
