@@ -1,6 +1,9 @@
 """The device's registry as ``kvcached serve`` sees it: set up before the engines start, read per model.
 
-Serve owns the device budget when the config gives one, refuses to start models whose names are
+Serve owns the device budget when the config gives one, for as long as it runs: the registry outlives
+serve (other engines, kvctl and kvtop use it), so on a clean stop serve puts back the budget it found
+(or, where it created the registry, the budget a new one gets), unless someone changed the budget
+meanwhile (``kvctl set-budget``), which then stays. It refuses to start models whose names are
 already registered by live processes (their memory would be counted as the model's), and reads
 each model's memory as the sum of its engine's entries (vLLM registers one per rank).
 
@@ -20,7 +23,7 @@ import threading
 from typing import Any, Callable, Optional, TypeVar
 
 from kvcached.errors import KvcachedError, RegistryUnusableError, ServeConfigError
-from kvcached.registry import DeviceRegistry, registry_for
+from kvcached.registry import DeviceRegistry, default_budget_bytes, open_existing, registry_for
 from kvcached.serve.config import ServeConfig, check_min_sum
 from kvcached.sizes import format_bytes
 
@@ -48,8 +51,26 @@ class DeviceMemory:
         self._config = config
         self._lock = threading.RLock()
         self.errors = 0  # registry reads that failed (the file removed or moved under serve, ...)
+        found = self._budget_found()
         self.registry: DeviceRegistry = self._open()
+        # The budget to put back on stop: only where serve changed it.
+        self._budget_to_restore = found if config.budget_bytes is not None and found != config.budget_bytes else None
+        if self._budget_to_restore is not None:
+            logger.info(
+                "device %s: budget %s while serve runs (was %s; put back when serve stops)",
+                self.registry.device,
+                format_bytes(config.budget_bytes),
+                format_bytes(found),
+            )
+        try:
+            self._check_device()
+        except BaseException:
+            self.restore_budget()  # a refused start leaves the budget as it found it
+            raise
+
+    def _check_device(self) -> None:
         self.registry.clean_stale()  # entries of engines that died before, named like ours
+        config = self._config
         check_min_sum(config.models, self.registry.budget_bytes, "budget" if config.budget_bytes else "device")
         names = {spec.name for spec in config.models}
         for entry in self.registry.entries():
@@ -59,18 +80,37 @@ class DeviceMemory:
                     f"{entry['pid']}; stop that engine or give the model another name"
                 )
 
+    def _budget_found(self) -> int:
+        """The device's budget before serve: its registry's, else the one a new registry gets."""
+        try:
+            existing = open_existing(self._config.device)
+        except KvcachedError:
+            existing = None  # a damaged file: registry_for replaces it
+        return int(existing.budget_bytes) if existing is not None else default_budget_bytes(self._config.device)
+
     def _open(self) -> DeviceRegistry:
         registry = registry_for(self._config.device, budget_bytes=self._config.budget_bytes)
-        budget_bytes = self._config.budget_bytes
-        if budget_bytes is not None and registry.budget_bytes != budget_bytes:
-            logger.info(
-                "device %s: budget set to %s (was %s)",
-                registry.device,
-                format_bytes(budget_bytes),
-                format_bytes(registry.budget_bytes),
-            )
-            registry.budget_bytes = budget_bytes
+        if self._config.budget_bytes is not None and registry.budget_bytes != self._config.budget_bytes:
+            registry.budget_bytes = self._config.budget_bytes
         return registry
+
+    def restore_budget(self) -> None:
+        """Puts back the budget serve found (see the module docstring); logs what it did. Never raises."""
+        wanted, ours = self._budget_to_restore, self._config.budget_bytes
+        if wanted is None or ours is None:
+            return
+        try:
+            with self._lock:
+                now = int(self.registry.budget_bytes)
+                if now != ours:
+                    logger.info("device %s: budget left at %s (changed while serve ran)", self._config.device, format_bytes(now))
+                    return
+                self.registry.budget_bytes = wanted
+        except (KvcachedError, ValueError) as exc:
+            logger.warning("device %s: could not put the budget back to %s: %s", self._config.device, format_bytes(wanted), exc)
+            return
+        logger.info("device %s: budget put back to %s", self._config.device, format_bytes(wanted))
+        self._budget_to_restore = None
 
     def _read(self, read: Callable[[DeviceRegistry], _T]) -> _T:
         """``read(registry)``; once more on a registry opened again if the file went away."""

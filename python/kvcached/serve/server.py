@@ -97,6 +97,7 @@ def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optio
         finally:
             metrics.stop_sampling()
             supervisor.stop()
+            memory.restore_budget()
             sock.close()
             logger.info("stopped: every engine's processes are gone")
 
