@@ -32,6 +32,7 @@ from kvcached.cli_support import (
     OneLineArgumentParser,
     add_version_argument,
     check_settings,
+    quiet_on_broken_pipe,
     report_failure,
 )
 from kvcached.errors import KvcachedError
@@ -274,6 +275,7 @@ def _stream_snapshots(console: Console, devices: Sequence[str], interval_s: floa
         time.sleep(interval_s)
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
