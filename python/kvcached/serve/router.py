@@ -166,7 +166,7 @@ class Router:
         except httpx.HTTPError as exc:
             logger.warning("%s: engine did not answer %s: %s", model, path, str(exc) or type(exc).__name__)
             self.metrics.request_done(model, path, 503, started)
-            return self._unavailable(model, route)
+            return self._unreachable(model)
         headers = _passed_headers(answer.headers)
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(
@@ -201,6 +201,11 @@ class Router:
             f"{limits.pool_timeout_s:g} s; retry in a few seconds."
         )
         return openai_error(503, message, "ServiceUnavailableError", "engine_busy", "model")
+
+    def _unreachable(self, model: str) -> JSONResponse:
+        # Its state may still read "ready": the engine died a moment ago and serve has not seen it yet.
+        message = f"The model `{model}` is not available now (its engine did not answer); retry in a few seconds."
+        return openai_error(503, message, "ServiceUnavailableError", "engine_unreachable", "model")
 
     def _unavailable(self, model: str, route: Route) -> JSONResponse:
         state = _state_text(route.state)
