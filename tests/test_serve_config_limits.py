@@ -141,7 +141,9 @@ def test_a_relative_python_keeps_the_venv_path_it_names(tmp_path):
     (venv_bin / "python").symlink_to(sys.executable)
     (tmp_path / "conf").mkdir()
     path = tmp_path / "conf" / "serve.yaml"
-    path.write_text("device: cpu\nlog_dir: ../logs\nmodels:\n  - {name: s, engine: vllm, model: /m, python: ../venv/bin/python}\n")
+    path.write_text(
+        "device: cpu\nlog_dir: ../logs\nmodels:\n  - {name: s, engine: vllm, model: /m, python: ../venv/bin/python}\n"
+    )
     config = load_config(path)
     assert config.models[0].python == str(venv_bin / "python")
     assert config.models[0].python_written == "../venv/bin/python"

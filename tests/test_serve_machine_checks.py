@@ -88,7 +88,9 @@ def test_errors_name_a_relative_python_as_written(tmp_path):
     assert message.startswith(f"models[0].python: 'venv/bin/python' ({tmp_path}/venv/bin/python) cannot be run")
 
 
-@pytest.mark.parametrize("model", ["/nonexistent/model", "./missing-model", "../missing-model", "models/a/b", "~/x-y-z/"])
+@pytest.mark.parametrize(
+    "model", ["/nonexistent/model", "./missing-model", "../missing-model", "models/a/b", "~/x-y-z/"]
+)
 def test_a_local_model_path_must_exist(model):
     with pytest.raises(ServeConfigError, match=r"^models\[0\]\.model: .* does not exist"):
         check_model_path(spec_with(model=model), 0)
@@ -117,7 +119,11 @@ def test_a_log_dir_where_no_file_can_be_made_is_refused():
 
 def test_check_machine_takes_the_command_line_log_dir_over_the_config(tmp_path):
     (tmp_path / "file").write_text("")
-    data = {"device": "cpu", "log_dir": str(tmp_path / "file"), "models": [{"name": "a", "engine": "vllm", "model": "/nope"}]}
+    data = {
+        "device": "cpu",
+        "log_dir": str(tmp_path / "file"),
+        "models": [{"name": "a", "engine": "vllm", "model": "/nope"}],
+    }
     config = parse_config(data)
     with pytest.raises(ServeConfigError, match=r"^log_dir: "):
         check_machine(config)

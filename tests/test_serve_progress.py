@@ -97,6 +97,8 @@ def test_without_a_terminal_each_engine_still_loading_is_logged_every_interval(c
     with StartupProgress(engines, stream=io.StringIO(), log_interval_s=0) as progress:
         progress.tick()
     said = [record.getMessage() for record in caplog.records]
-    assert len(said) == 1 and said[0].startswith("llama: starting for ") and said[0].endswith(
-        " s; its log: Loading safetensors 3/4"
+    assert (
+        len(said) == 1
+        and said[0].startswith("llama: starting for ")
+        and said[0].endswith(" s; its log: Loading safetensors 3/4")
     ), said

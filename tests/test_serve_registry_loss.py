@@ -48,7 +48,10 @@ def test_metrics_keep_answering_and_count_the_errors_when_the_registry_is_gone(m
     metrics = ServeMetrics(list(config.models), memory)
     os.unlink(memory.registry.path)
     text = metrics.exposition()[0].decode()
-    assert "kvcached_serve_registry_errors_total 1.0" in text and 'kvcached_serve_model_mapped_bytes{model="a"} 0.0' in text
+    assert (
+        "kvcached_serve_registry_errors_total 1.0" in text
+        and 'kvcached_serve_model_mapped_bytes{model="a"} 0.0' in text
+    )
     shutil.rmtree(tmp_path / "registry")
     (tmp_path / "registry").write_text("")  # a file where its directory was: it cannot be created again
     text = metrics.exposition()[0].decode()

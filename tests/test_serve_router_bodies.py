@@ -31,7 +31,12 @@ def served():
     seen = Seen()
     config = parse_config({"device": "cpu", "models": [{"name": "a", "engine": "vllm", "model": "/m"}]})
     with ServerThread(fake_engine(seen)) as engine:
-        app = create_app(FakeRoutes({"a": FakeRoute(engine.url)}), ["a"], ServeMetrics(list(config.models)), max_body_bytes=SMALL_LIMIT_BYTES)
+        app = create_app(
+            FakeRoutes({"a": FakeRoute(engine.url)}),
+            ["a"],
+            ServeMetrics(list(config.models)),
+            max_body_bytes=SMALL_LIMIT_BYTES,
+        )
         with ServerThread(app) as router:
             yield router, seen
 
@@ -98,7 +103,9 @@ def test_an_unknown_path_or_method_is_answered_in_the_openai_shape(served):
     router, _ = served
     message = openai_error(httpx.get(router.url + "/v1/embeddings"), 404, "NotFoundError", "path_not_found")
     assert message.startswith("There is no /v1/embeddings here") and "POST /v1/chat/completions" in message
-    message = openai_error(httpx.get(router.url + "/v1/completions"), 405, "MethodNotAllowedError", "method_not_allowed")
+    message = openai_error(
+        httpx.get(router.url + "/v1/completions"), 405, "MethodNotAllowedError", "method_not_allowed"
+    )
     assert message == "/v1/completions does not take GET."
 
 

@@ -27,7 +27,7 @@ IDLE_ANSWER_S = 2.0
 STREAM = b'{"model": "a", "stream": true, "chunks": 200}'  # 200 chunks, 50 ms apart: 10 s
 
 
-def router_for(limits: UpstreamLimits = UpstreamLimits()):
+def router_for():
     config = parse_config({"device": "cpu", "models": [{"name": n, "engine": "vllm", "model": "/m"} for n in "ab"]})
     return config, ServeMetrics(list(config.models))
 

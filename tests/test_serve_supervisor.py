@@ -165,7 +165,8 @@ def wait_bounded(supervisor: Supervisor, bound_s: float = WAIT_S):
 
 def test_model_names_that_look_like_paths_do_not_steer_the_log_path(tmp_path, monkeypatch):
     # vLLM's own default served name has a slash; the others would point out of the log directory.
-    names = ("Qwen/Qwen2.5-0.5B-Instruct", "../../escaped", "/tmp/absolute", "Qwen_Qwen2.5-0.5B-Instruct")
+    absolute = f"/tmp/kvcached-test-{os.getpid()}"  # a path the log would have been written to, ".log" added
+    names = ("Qwen/Qwen2.5-0.5B-Instruct", "../../escaped", absolute, "Qwen_Qwen2.5-0.5B-Instruct")
     supervisor = make_supervisor(tmp_path, monkeypatch, names=names)
     supervisor.start()
     try:
@@ -174,9 +175,10 @@ def test_model_names_that_look_like_paths_do_not_steer_the_log_path(tmp_path, mo
         assert all(path.parent == tmp_path / "logs" and path.is_file() for path in paths), paths
         assert len(set(paths)) == len(names)  # one log per model, even for names that differ in a slash only
         assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(p.name for p in paths)
-        assert not (tmp_path / "escaped.log").exists() and not Path("/tmp/absolute.log").exists()
+        assert not (tmp_path / "escaped.log").exists() and not Path(absolute + ".log").exists()
     finally:
         supervisor.stop()
+        Path(absolute + ".log").unlink(missing_ok=True)
 
 
 def test_an_engine_that_cannot_be_launched_fails_the_start_with_the_reason(tmp_path, monkeypatch):

@@ -109,9 +109,7 @@ def _plot_path(requested: Optional[str]) -> Optional[Path]:
         if requested is None:
             print("kvcached demo: no plot (pip install matplotlib to get one)")
             return None
-        raise InvalidArgumentError(
-            f"--plot {requested!r} needs matplotlib: pip install matplotlib"
-        )
+        raise InvalidArgumentError(f"--plot {requested!r} needs matplotlib: pip install matplotlib")
     return _output_path("--plot", requested or DEFAULT_PLOT_PATH)
 
 

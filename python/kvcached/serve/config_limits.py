@@ -81,7 +81,9 @@ def check_values(data: Any) -> None:
         if isinstance(value, str) and "\0" in value:
             raise ServeConfigError(f"{where}: {shown(value)} holds a NUL byte, which no command line or file name can")
         if isinstance(value, int) and not isinstance(value, bool) and _digits(value) > MAX_NUMBER_DIGITS:
-            raise ServeConfigError(f"{where}: a number of about {_digits(value)} digits; expected at most {MAX_NUMBER_DIGITS}")
+            raise ServeConfigError(
+                f"{where}: a number of about {_digits(value)} digits; expected at most {MAX_NUMBER_DIGITS}"
+            )
         if isinstance(value, dict):
             for key, item in value.items():
                 if isinstance(key, str) and "\0" in key:

@@ -103,11 +103,15 @@ class DeviceMemory:
             with self._lock:
                 now = int(self.registry.budget_bytes)
                 if now != ours:
-                    logger.info("device %s: budget left at %s (changed while serve ran)", self._config.device, format_bytes(now))
+                    logger.info(
+                        "device %s: budget left at %s (changed while serve ran)", self._config.device, format_bytes(now)
+                    )
                     return
                 self.registry.budget_bytes = wanted
         except (KvcachedError, ValueError) as exc:
-            logger.warning("device %s: could not put the budget back to %s: %s", self._config.device, format_bytes(wanted), exc)
+            logger.warning(
+                "device %s: could not put the budget back to %s: %s", self._config.device, format_bytes(wanted), exc
+            )
             return
         logger.info("device %s: budget put back to %s", self._config.device, format_bytes(wanted))
         self._budget_to_restore = None

@@ -97,7 +97,11 @@ class StartupProgress:
             if state != "ready":
                 last = _last_log_line(engine)
                 logger.info(
-                    "%s: %s for %.0f s%s", printable(name), state, now - engine.started_at, f"; its log: {last}" if last else ""
+                    "%s: %s for %.0f s%s",
+                    printable(name),
+                    state,
+                    now - engine.started_at,
+                    f"; its log: {last}" if last else "",
                 )
 
     def _table(self) -> Any:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from kvcached.serve.metrics import ServeMetrics
 from kvcached.serve.request_body import MAX_BODY_BYTES, BadBody, model_of, read_body
-from kvcached.serve.upstreams import UpstreamLimits, Upstreams
+from kvcached.serve.upstreams import DEFAULT_LIMITS, UpstreamLimits, Upstreams
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Router:
         routes: Routes,
         model_names: list[str],
         metrics: ServeMetrics,
-        limits: UpstreamLimits = UpstreamLimits(),
+        limits: UpstreamLimits = DEFAULT_LIMITS,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.max_body_bytes = max_body_bytes
@@ -217,7 +217,7 @@ def create_app(
     routes: Routes,
     model_names: list[str],
     metrics: ServeMetrics,
-    limits: UpstreamLimits = UpstreamLimits(),
+    limits: UpstreamLimits = DEFAULT_LIMITS,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``;
@@ -246,7 +246,9 @@ def create_app(
     @app.exception_handler(Exception)
     async def fault(request: Request, exc: Exception) -> Response:
         logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-        return openai_error(500, "kvcached serve failed to answer; its log says why", ERROR_TYPES[500], "internal_error")
+        return openai_error(
+            500, "kvcached serve failed to answer; its log says why", ERROR_TYPES[500], "internal_error"
+        )
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -177,7 +177,10 @@ class Engine:
             if self._stopping.is_set():
                 return
             if problem is not None and not self.ever_ready:
-                self.failure, self.state = f"{self.spec.name}: engine {problem} (log: {self.log_path})", EngineState.FAILED
+                self.failure, self.state = (
+                    f"{self.spec.name}: engine {problem} (log: {self.log_path})",
+                    EngineState.FAILED,
+                )
                 return
             if served_s >= STABLE_AFTER_S:
                 attempts = 0

@@ -43,15 +43,16 @@ class UpstreamLimits:
     keepalive: int = KEEPALIVE_PER_ENGINE
 
 
+DEFAULT_LIMITS = UpstreamLimits()
+
+
 class Upstreams:
     """One ``httpx.AsyncClient`` per model's engine."""
 
-    def __init__(self, model_names: Iterable[str], limits: UpstreamLimits = UpstreamLimits()) -> None:
+    def __init__(self, model_names: Iterable[str], limits: UpstreamLimits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         # No read timeout: a long generation streams (or thinks) for as long as it needs.
-        timeout = httpx.Timeout(
-            connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S, pool=limits.pool_timeout_s
-        )
+        timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S, pool=limits.pool_timeout_s)
         pool = httpx.Limits(max_connections=limits.connections, max_keepalive_connections=limits.keepalive)
         self._clients = {name: httpx.AsyncClient(timeout=timeout, limits=pool) for name in model_names}
         raise_descriptor_limit(len(self._clients) * limits.connections * _DESCRIPTORS_PER_REQUEST)
@@ -85,4 +86,11 @@ def raise_descriptor_limit(wanted: int) -> None:
             )
 
 
-__all__ = ["CONNECTIONS_PER_ENGINE", "POOL_TIMEOUT_S", "UpstreamLimits", "Upstreams", "raise_descriptor_limit"]
+__all__ = [
+    "CONNECTIONS_PER_ENGINE",
+    "DEFAULT_LIMITS",
+    "POOL_TIMEOUT_S",
+    "UpstreamLimits",
+    "Upstreams",
+    "raise_descriptor_limit",
+]
