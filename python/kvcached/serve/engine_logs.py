@@ -17,6 +17,8 @@ _UNSAFE_RUN = re.compile(r"[^A-Za-z0-9._-]+")
 _HASH_CHARS = 8
 # The end of a log is all that is shown; an engine's log can grow to gigabytes.
 _TAIL_BYTES = 64 * 1024
+#: How the line serve writes before each launch of an engine (its command line) begins.
+LAUNCH_HEADER = "=== kvcached serve: "
 
 
 def log_file_name(model_name: str) -> str:
@@ -40,4 +42,4 @@ def read_tail(path: Path, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-__all__ = ["log_file_name", "read_tail"]
+__all__ = ["LAUNCH_HEADER", "log_file_name", "read_tail"]

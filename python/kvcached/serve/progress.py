@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, TextIO
 
 from kvcached.registry import printable
+from kvcached.serve.engine_logs import LAUNCH_HEADER
 
 LOG_LINE_WIDTH = 80
 PROGRESS_LOG_INTERVAL_S = 10.0
@@ -30,7 +31,10 @@ MIN_LOG_WIDTH = 12
 
 
 def _last_log_line(engine: Any) -> str:
+    """The engine's own last line ("" before it wrote one: serve's launch header is not its)."""
     for line in reversed(engine.log_tail(5).splitlines()):
+        if line.startswith(LAUNCH_HEADER):
+            return ""
         line = printable(line.strip())
         if line:
             return line[-LOG_LINE_WIDTH:]

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import httpx
 
 from kvcached.serve.config import ModelSpec, ServeConfig
-from kvcached.serve.engine_logs import log_file_name, read_tail
+from kvcached.serve.engine_logs import LAUNCH_HEADER, log_file_name, read_tail
 from kvcached.serve.engines import ENGINE_HOST, ENGINES, engine_environment
 from kvcached.serve.memory import DeviceMemory
 from kvcached.serve.processes import free_port, stop_group
@@ -118,7 +118,7 @@ class Engine:
         self.started_at = time.monotonic()
         self.ready_after_s = None
         with open(self.log_path, "a") as log:
-            log.write(f"\n=== kvcached serve: {' '.join(command)} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===\n")
+            log.write(f"\n{LAUNCH_HEADER}{' '.join(command)} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===\n")
             log.flush()
             process = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
