@@ -132,6 +132,10 @@ def test_what_a_message_quotes_is_cut_short():
     assert message.startswith("models[0].memory.min: expected"), message
     message = refused({"device": "cpu", "y" * 100_000: 1, "models": [model()]})
     assert "unknown key" in message
+    # A grammar's own message may quote the whole text it refused: the message is cut all the same.
+    message = refused({"device": "cpu", "models": [model(memory={"min": "9" * 30 + "Q" * 100_000})]})
+    assert message.startswith("models[0].memory.min: ") and "not a size" in message, message
+    assert refused({"device": "c" * 100_000, "models": [model()]}).startswith("device: bad device")
 
 
 def test_a_relative_python_keeps_the_venv_path_it_names(tmp_path):

@@ -35,7 +35,7 @@ from typing import Any, Optional
 from kvcached.config import OPTIONS
 from kvcached.errors import KvcachedError, ServeConfigError
 from kvcached.option_values import InstanceName, Size, describe
-from kvcached.serve.config_limits import check_values, key_text, load_yaml, read_config_file, shown
+from kvcached.serve.config_limits import capped, check_values, key_text, load_yaml, read_config_file, shown
 from kvcached.serve.engines import ENGINES, OWNED_ARGUMENTS, POLICY_VARIABLES
 from kvcached.serve.owned_arguments import owned_flag
 from kvcached.sizes import format_bytes
@@ -111,7 +111,7 @@ class ServeConfig:
 
 
 def _fail(key: str, message: str) -> ServeConfigError:
-    return ServeConfigError(f"{key}: {message}")
+    return ServeConfigError(f"{key}: {capped(message)}")
 
 
 def _check_keys(section: Any, allowed: tuple[str, ...], where: str) -> dict:

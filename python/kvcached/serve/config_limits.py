@@ -27,6 +27,8 @@ MAX_DEPTH = 16
 MAX_NUMBER_DIGITS = 40
 #: What an error message quotes of a value at most.
 SHOWN_CHARS = 80
+#: A whole message at most: a grammar's own message may quote the text it refused, whole.
+MESSAGE_CHARS = 400
 
 _INT_TAG = "tag:yaml.org,2002:int"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
@@ -55,6 +57,11 @@ def shown(value: Any) -> str:
     """``value`` as an error message quotes it: Python's repr, cut to about :data:`SHOWN_CHARS` characters."""
     text = _SHORT.repr(value)
     return text if len(text) <= 2 * SHOWN_CHARS else text[: 2 * SHOWN_CHARS] + "..."
+
+
+def capped(message: str) -> str:
+    """``message`` cut to :data:`MESSAGE_CHARS` characters."""
+    return message if len(message) <= MESSAGE_CHARS else message[:MESSAGE_CHARS] + "..."
 
 
 def key_text(key: Any) -> str:
@@ -173,7 +180,9 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_FILE_BYTES",
     "MAX_NUMBER_DIGITS",
+    "MESSAGE_CHARS",
     "SHOWN_CHARS",
+    "capped",
     "check_values",
     "key_text",
     "load_yaml",
