@@ -211,24 +211,3 @@ def test_other_arguments_pass(word):
     data = config()
     data["models"][0]["args"] = [word, "1"]
     assert parse_config(data).models[0].args == (word, "1")
-
-
-def test_no_vllm_argument_is_taken_for_one_serve_sets_and_none_of_those_has_a_short_alias():
-    pytest.importorskip("vllm", reason="checks vLLM's own parser")
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from kvcached.serve.engines import OWNED_ARGUMENTS
-    from kvcached.serve.owned_arguments import owned_flag
-
-    parser = make_arg_parser(FlexibleArgumentParser())
-    owned = OWNED_ARGUMENTS["vllm"]
-    for action in parser._actions:
-        for option in action.option_strings:
-            assert owned_flag(option, owned) == (option if option in owned else None), option
-        if set(action.option_strings) & set(owned):
-            assert action.option_strings == [o for o in action.option_strings if o.startswith("--")], action
-    # What serve refuses, vLLM's parser would indeed read as the flag serve set.
-    for word, dest in (("--hos", "host"), ("--por", "port"), ("--served_model_name", "served_model_name")):
-        parsed = parser.parse_args(["--model", "m", "--host", "127.0.0.1", "--port", "8001", word, "9999"])
-        assert str(getattr(parsed, dest)) in ("9999", "['9999']"), (word, getattr(parsed, dest))

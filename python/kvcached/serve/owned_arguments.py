@@ -22,7 +22,10 @@ def owned_flag(word: str, owned: Iterable[str]) -> Optional[str]:
     name = word.split("=", 1)[0].split(".", 1)[0].rstrip("+").replace("_", "-")
     if len(name) <= 2:  # "--" alone ends the options
         return None
-    # An exact flag, or an abbreviation argparse would expand to it (ambiguous ones fail the engine anyway).
+    owned = tuple(owned)
+    if name in owned:
+        return name
+    # An abbreviation argparse would expand to the flag (an ambiguous one fails the engine anyway).
     return next((flag for flag in owned if flag.startswith(name)), None)
 
 
