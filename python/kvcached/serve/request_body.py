@@ -9,22 +9,21 @@ is a 400 like any other malformed body, never a RecursionError.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Optional
+
+from kvcached.errors import KvcachedError
 
 #: Far above any text prompt (a 128k-token prompt is about 1 MiB of JSON) and room for a few images.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
-@dataclasses.dataclass
-class BadBody(Exception):
+class BadBody(KvcachedError, ValueError):
     """A body the router refuses: the HTTP status and the OpenAI error's message, code and param."""
 
-    status: int
-    message: str
-    code: str
-    param: Optional[str] = None
+    def __init__(self, status: int, message: str, code: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES) -> bytes:
