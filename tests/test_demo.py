@@ -236,6 +236,9 @@ def test_demo_runs_both_runs_and_accounts_for_everything(tmp_path, env_without_t
         (("--seed", "-1"), {}, "--seed"),
         (("--plot", "/nonexistent/x.png"), {}, "--plot '/nonexistent/x.png'"),
         (("--json", "/nonexistent/x.json"), {}, "--json '/nonexistent/x.json'"),
+        # /proc takes no new file, though permissions (for root) say it does.
+        (("--json", "/proc/summary.json"), {}, "--json '/proc/summary.json' cannot be written"),
+        (("--plot", "/proc/x.png"), {}, "--plot '/proc/x.png'"),
         ((), {"KVCACHED_HOST_CAPACITY_BYTES": "1M"}, "KVCACHED_HOST_CAPACITY_BYTES"),
     ],
 )
@@ -264,3 +267,15 @@ def test_demo_refuses_a_bad_setting_in_one_line_before_starting(tmp_path, variab
     assert done.stderr.startswith("kvcached: error: ") and f"{variable}={value!r}" in done.stderr, done.stderr
     assert "starting engines" not in done.stdout, "refused before any engine starts"
     assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_an_output_path_nothing_would_read_from_is_refused_at_once(tmp_path):
+    from kvcached.demo.command import _output_path
+    from kvcached.errors import InvalidArgumentError
+
+    fifo = tmp_path / "summary.json"
+    os.mkfifo(fifo)  # no reader: writing the summary there would block at the end of the run
+    with pytest.raises(InvalidArgumentError, match=r"^--json '.*summary.json' cannot be written: "):
+        _output_path("--json", str(fifo))
+    fresh = tmp_path / "fresh.json"
+    assert _output_path("--json", str(fresh)) == fresh and not fresh.exists()  # checked, nothing left

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -185,12 +184,30 @@ def test_the_command_checks_before_starting_anything(tmp_path):
     assert done.stderr.count("\n") == 1, done.stderr
 
 
-def test_a_python_that_has_the_engine_kvcached_and_the_module_passes(tmp_path):
-    packages = tmp_path / "site"
-    (packages / "vllm").mkdir(parents=True)
-    (packages / "vllm" / "__init__.py").write_text("")
+@pytest.mark.parametrize(
+    "engine, words, flag",
+    [
+        ("vllm", ["--hos", "0.0.0.0"], "--host"),
+        ("vllm", ["--hos=0.0.0.0"], "--host"),
+        ("vllm", ["--po", "9000"], "--port"),
+        ("vllm", ["--p=9000"], "--port"),
+        ("vllm", ["--mod", "/other"], "--model"),
+        ("vllm", ["--served_model_name", "b"], "--served-model-name"),  # vLLM reads _ as -
+        ("vllm", ["--serv", "b"], "--served-model-name"),
+        ("vllm", ["--port.x", "1"], "--port"),  # vLLM's dotted JSON keys
+        ("sglang", ["--model-pa", "/other"], "--model-path"),
+        ("sglang", ["--model_path", "/other"], "--model-path"),
+    ],
+)
+def test_abbreviations_of_the_arguments_serve_sets_are_refused(engine, words, flag):
     data = config()
-    data["models"][0]["env"] = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(packages), os.environ.get("PYTHONPATH")]))
-    }
-    check_environment(parse_config(data).models[0], 0, "cpu")  # finds vllm (here a stub), kvcached and the module
+    data["models"][0].update(engine=engine, args=["--dtype", "float32", *words])
+    message = refused(data)
+    assert message.startswith("models[0].args[2]: ") and f"is read as {flag}, which is set by kvcached serve" in message
+
+
+@pytest.mark.parametrize("word", ["--model-impl", "--max-model-len", "--port-range", "--hf-overrides.x", "-tp", "--"])
+def test_other_arguments_pass(word):
+    data = config()
+    data["models"][0]["args"] = [word, "1"]
+    assert parse_config(data).models[0].args == (word, "1")

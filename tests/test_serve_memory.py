@@ -57,3 +57,45 @@ def test_usage_sums_a_models_entries():
     for rank in ranks:
         rank.release(4 * MiB)
         rank.unregister()
+
+
+def test_the_budget_serve_set_is_put_back_when_it_stops():
+    DeviceRegistry("cpu", 16 * MiB)
+    memory = DeviceMemory(config("64MiB"))
+    assert memory.registry.budget_bytes == 64 * MiB
+    memory.restore_budget()
+    assert memory.registry.budget_bytes == 16 * MiB
+
+
+def test_a_registry_serve_created_gets_the_budget_a_new_one_would_have():
+    from kvcached.registry import default_budget_bytes, open_existing
+
+    assert open_existing("cpu") is None
+    memory = DeviceMemory(config("64MiB"))
+    memory.restore_budget()
+    assert memory.registry.budget_bytes == default_budget_bytes("cpu") != 64 * MiB
+
+
+def test_a_budget_changed_while_serve_ran_stays():
+    DeviceRegistry("cpu", 16 * MiB)
+    memory = DeviceMemory(config("64MiB"))
+    memory.registry.budget_bytes = 48 * MiB  # kvctl set-budget meanwhile
+    memory.restore_budget()
+    assert memory.registry.budget_bytes == 48 * MiB
+
+
+def test_a_refused_start_leaves_the_budget_as_it_was():
+    registry = DeviceRegistry("cpu", 16 * MiB)
+    held = registry.register("b")
+    with pytest.raises(ServeConfigError, match="already registered"):
+        DeviceMemory(config("64MiB"))
+    assert registry.budget_bytes == 16 * MiB
+    held.unregister()
+
+
+def test_without_a_budget_in_the_config_serve_changes_nothing():
+    registry = DeviceRegistry("cpu", 16 * MiB)
+    memory = DeviceMemory(config())
+    registry.budget_bytes = 20 * MiB
+    memory.restore_budget()
+    assert registry.budget_bytes == 20 * MiB

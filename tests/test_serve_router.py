@@ -91,6 +91,10 @@ def test_an_engine_that_stopped_answering_is_a_503(served):
     url, _, _ = served
     answer = post(url, "/v1/completions", b'{"model": "c", "prompt": "x"}')
     assert answer.status_code == 503 and answer.json()["error"]["type"] == "ServiceUnavailableError"
+    # The engine died a moment ago: its state still reads "ready", which the answer must not repeat.
+    error = answer.json()["error"]
+    assert error["code"] == "engine_unreachable" and "ready" not in error["message"], error
+    assert error["message"] == "The model `c` is not available now (its engine did not answer); retry in a few seconds."
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"prompt": "no model"}'])
@@ -156,7 +160,7 @@ def test_metrics_count_requests_by_model_and_status(served):
     text = httpx.get(url + "/metrics").text
     assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="a",status="200"} 1.0' in text
     assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="b",status="503"} 1.0' in text
-    assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="_unknown",status="404"} 1.0' in text
+    assert 'kvcached_serve_requests_total{endpoint="/v1/completions",model="",status="404"} 1.0' in text
     assert 'kvcached_serve_request_duration_seconds_count{endpoint="/v1/completions",model="a"} 1.0' in text
     assert 'kvcached_serve_model_min_bytes{model="a"} 0.0' in text
     assert json.loads(json.dumps(text))  # plain text, one scrape

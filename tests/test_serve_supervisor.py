@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -25,13 +26,15 @@ TESTS = Path(__file__).resolve().parent
 WAIT_S = 60
 
 
-def make_supervisor(tmp_path, monkeypatch, failing: str = "", max_attempts: int = 2) -> Supervisor:
+def make_supervisor(
+    tmp_path, monkeypatch, failing: str = "", max_attempts: int = 2, names=("one", "two"), startup_timeout_s=900
+) -> Supervisor:
     monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path / "registry"))
     (tmp_path / "registry").mkdir()
     pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     models = []
-    for name in ("one", "two"):
-        env = {"PYTHONPATH": pythonpath, "FAKE_ENGINE_RECORD": str(tmp_path / f"{name}.jsonl")}
+    for index, name in enumerate(names):
+        env = {"PYTHONPATH": pythonpath, "FAKE_ENGINE_RECORD": str(tmp_path / f"{index}.jsonl")}
         env["FAKE_ENGINE_MAPPED_BYTES"] = str(4 * MiB)
         if name == failing:
             env["FAKE_ENGINE_FAIL"] = "1"
@@ -51,6 +54,7 @@ def make_supervisor(tmp_path, monkeypatch, failing: str = "", max_attempts: int 
             "device": "cpu",
             "budget": "64MiB",
             "stop_timeout_s": 1,
+            "startup_timeout_s": startup_timeout_s,
             "restart": {"max_attempts": max_attempts, "backoff_s": 0.1},
             "models": models,
         }
@@ -59,8 +63,8 @@ def make_supervisor(tmp_path, monkeypatch, failing: str = "", max_attempts: int 
     return Supervisor(config, DeviceMemory(config), tmp_path / "logs")
 
 
-def starts(tmp_path, name: str) -> list[dict]:
-    path = tmp_path / f"{name}.jsonl"
+def starts(tmp_path, name: str, names=("one", "two")) -> list[dict]:
+    path = tmp_path / f"{names.index(name)}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -151,3 +155,97 @@ def test_stopping_leaves_no_process_and_no_registry_entry(tmp_path, monkeypatch)
     assert time.monotonic() - started < 15  # SIGKILL after stop_timeout_s for the child that ignores SIGTERM
     assert [r["pid"] for r in records if group_members(r["pid"])] == []
     assert memory.registry.entries() == [] and memory.registry.mapped_bytes == 0
+
+
+def wait_bounded(supervisor: Supervisor, bound_s: float = WAIT_S):
+    """supervisor.wait_ready, ended as if by a signal after ``bound_s`` (a test must not hang)."""
+    deadline = time.monotonic() + bound_s
+    return supervisor.wait_ready(lambda: time.monotonic() > deadline)
+
+
+def test_model_names_that_look_like_paths_do_not_steer_the_log_path(tmp_path, monkeypatch):
+    # vLLM's own default served name has a slash; the others would point out of the log directory.
+    absolute = f"/tmp/kvcached-test-{os.getpid()}"  # a path the log would have been written to, ".log" added
+    names = ("Qwen/Qwen2.5-0.5B-Instruct", "../../escaped", absolute, "Qwen_Qwen2.5-0.5B-Instruct")
+    supervisor = make_supervisor(tmp_path, monkeypatch, names=names)
+    supervisor.start()
+    try:
+        assert wait_bounded(supervisor) is None
+        paths = [supervisor.engines[name].log_path for name in names]
+        assert all(path.parent == tmp_path / "logs" and path.is_file() for path in paths), paths
+        assert len(set(paths)) == len(names)  # one log per model, even for names that differ in a slash only
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(p.name for p in paths)
+        assert not (tmp_path / "escaped.log").exists() and not Path(absolute + ".log").exists()
+    finally:
+        supervisor.stop()
+        Path(absolute + ".log").unlink(missing_ok=True)
+
+
+def test_an_engine_that_cannot_be_launched_fails_the_start_with_the_reason(tmp_path, monkeypatch):
+    import kvcached.serve.supervisor as supervision
+
+    supervisor = make_supervisor(tmp_path, monkeypatch)
+    real_popen = supervision.subprocess.Popen
+
+    def popen(command, **kwargs):
+        if "two" in command:
+            raise ValueError("embedded null byte")
+        return real_popen(command, **kwargs)
+
+    monkeypatch.setattr(supervision.subprocess, "Popen", popen)
+    supervisor.start()
+    try:
+        problem = wait_bounded(supervisor)
+    finally:
+        supervisor.stop()
+    assert problem.startswith("two: engine could not be launched: ValueError: embedded null byte"), problem
+    assert supervisor.route("two").state is EngineState.STOPPED
+
+
+def test_a_fault_in_an_engine_thread_fails_the_start_instead_of_hanging(tmp_path, monkeypatch):
+    import kvcached.serve.supervisor as supervision
+
+    supervisor = make_supervisor(tmp_path, monkeypatch)
+
+    def broken_port(host):
+        raise RuntimeError("no port today")
+
+    monkeypatch.setattr(supervision, "free_port", broken_port)
+    supervisor.start()
+    try:
+        problem = wait_bounded(supervisor)
+    finally:
+        supervisor.stop()
+    assert "supervising the engine failed: RuntimeError: no port today" in problem, problem
+
+
+def test_the_start_ends_after_startup_timeout_s_whatever_the_engines_threads_do(tmp_path, monkeypatch):
+    import kvcached.serve.supervisor as supervision
+    from kvcached.serve.supervisor import Engine
+
+    supervisor = make_supervisor(tmp_path, monkeypatch, startup_timeout_s=0.5)
+    monkeypatch.setattr(supervision, "STARTUP_SLACK_S", 0.0)
+    stuck = threading.Event()
+    monkeypatch.setattr(Engine, "_run", lambda self: stuck.wait(WAIT_S))  # alive, "starting" for ever
+    supervisor.start()
+    started = time.monotonic()
+    try:
+        problem = wait_bounded(supervisor)
+    finally:
+        stuck.set()
+        supervisor.stop()
+    assert problem == "one, two: not ready within startup_timeout_s (0.5 s)", problem
+    assert time.monotonic() - started < 5
+
+
+def test_an_engine_thread_that_ends_without_a_verdict_fails_the_start(tmp_path, monkeypatch):
+    from kvcached.serve.supervisor import Engine
+
+    supervisor = make_supervisor(tmp_path, monkeypatch)
+    monkeypatch.setattr(Engine, "_run", lambda self: None)
+    supervisor.start()
+    try:
+        problem = wait_bounded(supervisor)
+    finally:
+        supervisor.stop()
+    assert problem == "one, two: the engine's supervision ended before it was ready", problem

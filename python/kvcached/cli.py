@@ -14,6 +14,7 @@ from kvcached.cli_support import (
     EXIT_FAILED,
     OneLineArgumentParser,
     add_version_argument,
+    quiet_on_broken_pipe,
     report_failure,
     wants_json,
 )
@@ -135,6 +136,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs ``kvcached``; a bad argument or ``KVCACHED_*`` setting is one line on stderr (and,
     with ``info --json``, a JSON object on stdout) and a non-zero exit, never a traceback."""

@@ -1,13 +1,16 @@
 """What the command-line tools (kvcached, kvctl, kvtop) share: one-line errors, --version,
-settings checked up front, and errors as JSON under ``--json``."""
+settings checked up front, errors as JSON under ``--json``, and a quiet end when the reader of
+their output goes away."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from kvcached import config
 from kvcached.errors import ConfigurationError
@@ -74,6 +77,26 @@ def check_settings(names: Optional[Iterable[str]] = None) -> None:
         config.get(name)
 
 
+def quiet_on_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
+    """``main``, ended quietly with status 1 when the reader of its output goes away (``kvctl list
+    --json | head``) instead of printing BrokenPipeError tracebacks, as Python's documentation of
+    SIGPIPE recommends: stdout is pointed at /dev/null so the interpreter's last flush has nowhere to fail."""
+
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            status = main(*args, **kwargs)
+            sys.stdout.flush()  # a reader gone before the last buffered line is found here, not at exit
+            return status
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_FAILED
+
+    return run
+
+
 def names_a_setting(error: BaseException) -> bool:
     """Whether ``error`` is about a ``KVCACHED_*`` setting (kvcached's messages then start with its name)."""
     return isinstance(error, ConfigurationError) or str(error).startswith("KVCACHED_")
@@ -88,6 +111,7 @@ __all__ = [
     "check_settings",
     "names_a_setting",
     "one_line",
+    "quiet_on_broken_pipe",
     "report_failure",
     "wants_json",
 ]

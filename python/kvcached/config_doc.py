@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from kvcached.cli_support import quiet_on_broken_pipe
 from kvcached.config import OPTIONS, Option
 from kvcached.option_values import Size, describe
 
@@ -73,6 +74,7 @@ def with_table(document: str) -> str:
     return document[:start] + options_table() + document[end:]
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcached.config_doc", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()

@@ -41,6 +41,7 @@ from kvcached.cli_support import (
     OneLineArgumentParser,
     add_version_argument,
     check_settings,
+    quiet_on_broken_pipe,
     report_failure,
     wants_json,
 )
@@ -279,6 +280,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser(json_errors=wants_json(argv))
     args = parser.parse_args(argv)
@@ -296,6 +298,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_FAILED
     try:
         return handler(args)
+    except BrokenPipeError:
+        raise  # the reader went away: nothing to report (quiet_on_broken_pipe)
     except (KvcachedError, ValueError, OSError, RuntimeError, TypeError) as error:
         return fail(args.json, failure, str(error))
     except KeyboardInterrupt:

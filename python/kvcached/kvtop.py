@@ -14,7 +14,7 @@ waits for its memory. Names keep at least 24 characters (longer ones
 get what room is left); on a narrow terminal the bars go first, then the AS column. Devices are
 shown by registry name (``cuda-GPU-<uuid>``), each instance with the device as
 its own process sees it. A bad argument is one line on stderr and exit code 2.
-Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (``pip install kvcached[ui]``).
+Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (``pip install rich``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kvcached.cli_support import (
     OneLineArgumentParser,
     add_version_argument,
     check_settings,
+    quiet_on_broken_pipe,
     report_failure,
 )
 from kvcached.errors import KvcachedError
@@ -274,11 +275,12 @@ def _stream_snapshots(console: Console, devices: Sequence[str], interval_s: floa
         time.sleep(interval_s)
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if Console is None:
-        report_failure("kvtop", "kvtop needs rich: pip install rich (or 'kvcached[ui]')", as_json=False)
+        report_failure("kvtop", "kvtop needs rich: pip install rich", as_json=False)
         return EXIT_FAILED
     try:
         devices = shown_devices(args.device or [])

@@ -402,3 +402,10 @@ def test_sigterm_stops_every_engine_and_leaves_no_registry_entry(serve):
     assert registry_usage(serve) == {name: {"mapped": 0, "live": 0, "targets": []} for name in MODELS}
     assert registry_entries(serve.registry_dir) == []
     assert "stopped: every engine's processes are gone" in serve.log()
+    # Serve created the registry with its budget; it leaves it with the budget a new one gets.
+    from kvcached.registry import default_budget_bytes, open_existing
+    from kvcached.testing.registry_env import using_registry_dir
+
+    with using_registry_dir(serve.registry_dir):
+        assert open_existing("cpu").budget_bytes == default_budget_bytes("cpu")
+    assert "device cpu: budget put back to" in serve.log()

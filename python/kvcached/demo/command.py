@@ -80,15 +80,24 @@ def _installed(module: str) -> bool:
 
 
 def _output_path(option: str, path: str) -> Path:
-    """``path`` if a file can be written there (checked now, not after the whole run)."""
+    """``path`` if a file can be written there (checked now, not after the whole run).
+
+    Tried for real, since permissions do not tell (root passes ``os.access`` for ``/proc``, where no
+    file can be made): opened for appending, without blocking (a FIFO with no reader is refused), and
+    removed again if the try created it."""
     target = Path(path)
     folder = target.parent
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path!r} is a directory; give a file name")
     if not folder.is_dir():
         raise InvalidArgumentError(f"{option} {path!r}: the directory {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(f"{option} {path!r}: the directory {str(folder)!r} is not writable")
+    existed = target.exists()
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
+    except OSError as exc:
+        raise InvalidArgumentError(f"{option} {path!r} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        target.unlink()
     return target
 
 
@@ -98,11 +107,9 @@ def _plot_path(requested: Optional[str]) -> Optional[Path]:
         return None
     if not _installed("matplotlib"):
         if requested is None:
-            print("kvcached demo: no plot (pip install matplotlib, or 'kvcached[plot]', to get one)")
+            print("kvcached demo: no plot (pip install matplotlib to get one)")
             return None
-        raise InvalidArgumentError(
-            f"--plot {requested!r} needs matplotlib: pip install matplotlib (or 'kvcached[plot]')"
-        )
+        raise InvalidArgumentError(f"--plot {requested!r} needs matplotlib: pip install matplotlib")
     return _output_path("--plot", requested or DEFAULT_PLOT_PATH)
 
 

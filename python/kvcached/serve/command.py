@@ -10,7 +10,7 @@ import sys
 from kvcached.cli_support import check_settings
 from kvcached.errors import ServeError
 
-# What `pip install "kvcached[serve]"` brings: module name -> distribution name.
+# What the serve extra (`pip install ".[serve]"` in a kvcached clone) brings: module name -> distribution name.
 SERVE_REQUIREMENTS = {
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
@@ -50,13 +50,17 @@ def run_command(args: argparse.Namespace) -> int:
     """Checks the whole config first (one error naming the key, before anything starts), then serves."""
     missing = missing_requirements()
     if missing:
-        raise ServeError(f"kvcached serve needs {', '.join(missing)}: pip install 'kvcached[serve]'")
+        # Named one by one: "kvcached" on the package index is another project.
+        raise ServeError(
+            f"kvcached serve needs {', '.join(missing)}: pip install {' '.join(missing)} "
+            '(or the whole serve extra: pip install ".[serve]" in a kvcached clone)'
+        )
     from kvcached.serve.config import load_config
-    from kvcached.serve.engines import check_environments
+    from kvcached.serve.machine_checks import check_machine
 
     check_settings()  # a bad KVCACHED_* variable would fail in every engine
     config = load_config(args.config)
-    check_environments(config)
+    check_machine(config, args.log_dir)  # log directory, model paths, every engine's Python
     if args.check:
         names = ", ".join(f"{spec.name} ({spec.engine})" for spec in config.models)
         print(f"{args.config}: ok: {len(config.models)} models on {config.device}: {names}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +35,9 @@ from typing import Any, Optional
 from kvcached.config import OPTIONS
 from kvcached.errors import KvcachedError, ServeConfigError
 from kvcached.option_values import InstanceName, Size, describe
+from kvcached.serve.config_limits import capped, check_values, key_text, load_yaml, read_config_file, shown
 from kvcached.serve.engines import ENGINES, OWNED_ARGUMENTS, POLICY_VARIABLES
+from kvcached.serve.owned_arguments import owned_flag
 from kvcached.sizes import format_bytes
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -46,6 +49,7 @@ _TOP_KEYS = ("listen", "device", "budget", "log_dir", "startup_timeout_s", "stop
 _MODEL_KEYS = ("name", "engine", "model", "python", "module", "args", "env", "memory")
 _MEMORY_KEYS = ("min", "max", "priority")
 _RESTART_KEYS = ("max_attempts", "backoff_s", "max_backoff_s")
+_PORT = re.compile(r"[0-9]{1,5}")  # ASCII digits only: str.isdigit() and int() take '١٨٩٩٩' too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,7 @@ class ModelSpec:
     python: str
     module: str
     args: tuple[str, ...] = ()
+    python_written: str = ""  # ``python`` as the config wrote it, for messages (``python`` is absolute)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     memory: MemoryPolicy = MemoryPolicy()
 
@@ -106,7 +111,7 @@ class ServeConfig:
 
 
 def _fail(key: str, message: str) -> ServeConfigError:
-    return ServeConfigError(f"{key}: {message}")
+    return ServeConfigError(f"{key}: {capped(message)}")
 
 
 def _check_keys(section: Any, allowed: tuple[str, ...], where: str) -> dict:
@@ -114,42 +119,43 @@ def _check_keys(section: Any, allowed: tuple[str, ...], where: str) -> dict:
         raise _fail(where or "the file", f"expected a mapping of keys ({', '.join(allowed)})")
     for key in section:
         if key not in allowed:
-            raise _fail(f"{where}.{key}" if where else str(key), f"unknown key; expected one of {', '.join(allowed)}")
+            name = key_text(key)
+            raise _fail(f"{where}.{name}" if where else name, f"unknown key; expected one of {', '.join(allowed)}")
     return section
 
 
 def _text(value: Any, key: str, what: str = "text") -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _fail(key, f"expected {what}, got {value!r}")
+        raise _fail(key, f"expected {what}, got {shown(value)}")
     return value.strip()
 
 
 def _size(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _fail(key, f"expected a size (4096, 512MiB, 8GiB), got {value!r}")
+        raise _fail(key, f"expected a size (4096, 512MiB, 8GiB), got {shown(value)}")
     try:
         return Size()(str(value).strip())
     except ValueError as exc:
-        raise _fail(key, f"{value!r} is {exc}") from None
+        raise _fail(key, f"{shown(value)} is {exc}") from None
 
 
 def _seconds(value: Any, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise _fail(key, f"expected a number of seconds above 0, got {value!r}")
+        raise _fail(key, f"expected a number of seconds above 0, got {shown(value)}")
     return float(value)
 
 
 def _whole(value: Any, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _fail(key, f"expected a whole number from {low} to {high}, got {value!r}")
+        raise _fail(key, f"expected a whole number from {low} to {high}, got {shown(value)}")
     return value
 
 
 def _listen(value: Any) -> tuple[str, int]:
     text = _text(value, "listen", "host:port (127.0.0.1:8000)")
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _fail("listen", f"expected host:port with a port from 1 to 65535 (127.0.0.1:8000), got {text!r}")
+    if not sep or not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
+        raise _fail("listen", f"expected host:port with a port from 1 to 65535 (127.0.0.1:8000), got {shown(text)}")
     return host.strip("[]"), int(port)
 
 
@@ -167,11 +173,11 @@ def _device(value: Any) -> str:
 def _option(name: str, value: Any, key: str) -> Any:
     """``value`` read by the grammar of the ``KVCACHED_*`` option the engine gets it through."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _fail(key, f"expected {describe(OPTIONS[name].parse)}, got {value!r}")
+        raise _fail(key, f"expected {describe(OPTIONS[name].parse)}, got {shown(value)}")
     try:
         return OPTIONS[name].parse(str(value).strip())
     except ValueError as exc:
-        raise _fail(key, f"{value!r} is {exc}") from None
+        raise _fail(key, f"{shown(value)} is {exc}") from None
 
 
 def _memory(value: Any, key: str) -> MemoryPolicy:
@@ -188,26 +194,29 @@ def _args(value: Any, key: str, engine: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(
         isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value
     ):
-        raise _fail(key, f'expected a list of command-line words (["--max-model-len", "4096"]), got {value!r}')
+        raise _fail(key, f'expected a list of command-line words (["--max-model-len", "4096"]), got {shown(value)}')
     words = tuple(str(a) for a in value)
-    for word in words:
-        flag = word.split("=", 1)[0]
-        if flag in OWNED_ARGUMENTS[engine]:
-            raise _fail(
-                key, f"{flag} is set by kvcached serve (from the model's name, model and a free port); remove it"
-            )
+    for index, word in enumerate(words):
+        flag = owned_flag(word, OWNED_ARGUMENTS[engine])
+        if flag is None:
+            continue
+        what = flag if word.split("=", 1)[0] == flag else f"{shown(word)} is read as {flag}, which"
+        raise _fail(
+            key if what == flag else f"{key}[{index}]",
+            f"{what} is set by kvcached serve (from the model's name, model and a free port); remove it",
+        )
     return words
 
 
 def _env(value: Any, key: str) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise _fail(key, f"expected a mapping of environment variables, got {value!r}")
+        raise _fail(key, f"expected a mapping of environment variables, got {shown(value)}")
     env: dict[str, str] = {}
     for name, setting in value.items():
         if not isinstance(name, str) or not name or "=" in name:
-            raise _fail(key, f"{name!r} is not an environment variable name")
+            raise _fail(key, f"{shown(name)} is not an environment variable name")
         if isinstance(setting, bool) or not isinstance(setting, (str, int, float)):
-            raise _fail(f"{key}.{name}", f"expected text or a number, got {setting!r}")
+            raise _fail(f"{key}.{key_text(name)}", f"expected text or a number, got {shown(setting)}")
         if name in POLICY_VARIABLES:
             raise _fail(f"{key}.{name}", "is set by kvcached serve from the model's name and memory; remove it")
         env[name] = str(setting)
@@ -224,14 +233,13 @@ def _model(value: Any, index: int, base_dir: Path) -> ModelSpec:
     try:
         InstanceName()(name)
     except ValueError as exc:
-        raise _fail(f"{key}.name", f"{name!r}: {exc}") from None
+        raise _fail(f"{key}.name", f"{shown(name)}: {exc}") from None
     engine = _text(section["engine"], f"{key}.engine", "an engine")
     if engine not in ENGINES:
-        raise _fail(f"{key}.engine", f"{engine!r} is not an engine; expected one of {', '.join(ENGINES)}")
+        raise _fail(f"{key}.engine", f"{shown(engine)} is not an engine; expected one of {', '.join(ENGINES)}")
     model = _text(section["model"], f"{key}.model", "a model (a Hugging Face id or a directory)")
-    python = _text(section.get("python", sys.executable), f"{key}.python", "the path of a Python interpreter")
-    if os.sep in python and not Path(python).is_absolute():
-        python = str((base_dir / python).resolve())
+    written = _text(section.get("python", sys.executable), f"{key}.python", "the path of a Python interpreter")
+    python = _path_from(base_dir, written) if os.sep in written else written  # a bare name is looked up in PATH
     module = _text(section.get("module", ENGINES[engine].module), f"{key}.module", "a Python module name")
     return ModelSpec(
         name=name,
@@ -240,9 +248,17 @@ def _model(value: Any, index: int, base_dir: Path) -> ModelSpec:
         python=python,
         module=module,
         args=_args(section.get("args", []), f"{key}.args", engine),
+        python_written=written,
         env=_env(section.get("env", {}), f"{key}.env"),
         memory=_memory(section.get("memory", {}), f"{key}.memory"),
     )
+
+
+def _path_from(base_dir: Path, written: str) -> str:
+    """``written`` (``~`` expanded) relative to ``base_dir``, absolute and normalised without following
+    symbolic links: a venv's ``bin/python`` is a link to the base interpreter, and only the link's own
+    path makes Python use the venv."""
+    return os.path.normpath(os.path.join(base_dir, os.path.expanduser(written)))
 
 
 def _restart(value: Any) -> RestartPolicy:
@@ -259,8 +275,9 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> ServeConfig:
     """Checks a configuration already read from YAML (see the module docstring) and returns it.
 
     ``base_dir``: what a relative ``python`` or ``log_dir`` path is relative to (the file's folder).
-    Does not look at the machine beyond parsing the device name: :func:`check_engines` does.
+    Does not look at the machine beyond parsing the device name: :mod:`kvcached.serve.machine_checks` does.
     """
+    check_values(data)  # NUL bytes, huge numbers, deep nesting: refused before any message quotes them
     section = _check_keys(data, _TOP_KEYS, "")
     if "device" not in section:
         raise _fail("device", "missing; name the device the models share (cpu, cuda:0, hip:0)")
@@ -273,14 +290,14 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> ServeConfig:
     seen: dict[str, int] = {}
     for i, spec in enumerate(models):
         if spec.name in seen:
-            raise _fail(f"models[{i}].name", f"{spec.name!r} is already the name of models[{seen[spec.name]}]")
+            raise _fail(f"models[{i}].name", f"{shown(spec.name)} is already the name of models[{seen[spec.name]}]")
         seen[spec.name] = i
     budget = _size(section["budget"], "budget") if "budget" in section else None
     if budget is not None:
         check_min_sum(models, budget, "budget")
     log_dir = section.get("log_dir")
     if log_dir is not None:
-        log_dir = str((base_dir / _text(log_dir, "log_dir", "a directory")).resolve())
+        log_dir = _path_from(base_dir, _text(log_dir, "log_dir", "a directory"))
     return ServeConfig(
         host=host,
         port=port,
@@ -306,20 +323,11 @@ def check_min_sum(models: tuple[ModelSpec, ...], budget_bytes: int, budget_key: 
 
 
 def load_config(path: str | os.PathLike) -> ServeConfig:
-    """Reads and checks the YAML file at ``path`` (see :func:`parse_config`)."""
-    import yaml
-
-    path = Path(path)
+    """Reads and checks the YAML file at ``path`` (see :func:`parse_config`), within the bounds of
+    :mod:`kvcached.serve.config_limits` (size, encoding, aliases, depth, numbers)."""
+    text = read_config_file(path)  # names the path itself
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ServeConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ServeConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-    try:
-        return parse_config(data, path.resolve().parent)
+        return parse_config(load_yaml(text), Path(os.path.abspath(path)).parent)
     except ServeConfigError as exc:
         raise ServeConfigError(f"{path}: {exc}") from None
 

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvcached.errors import ServeConfigError
 
 if TYPE_CHECKING:
-    from kvcached.serve.config import ModelSpec, ServeConfig
+    from kvcached.serve.config import ModelSpec
 
 ENGINE_HOST = "127.0.0.1"
-# A Python that cannot even answer which modules it has is broken; this is generous for a cold disk.
-IMPORT_CHECK_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,49 +109,24 @@ def engine_environment(spec: ModelSpec, device: str, base: Mapping[str, str] | N
     return env
 
 
-_FIND_MODULES = (
-    "import importlib.util, sys\n"
-    "for name in sys.argv[1:]:\n"
-    "    try:\n"
-    "        found = importlib.util.find_spec(name) is not None\n"
-    "    except (ImportError, ValueError):\n"
-    "        found = False\n"
-    "    if not found:\n"
-    "        print(name)\n"
-)
-
-
 def check_environment(spec: ModelSpec, index: int, device: str) -> None:
-    """Refuses a ``python`` that cannot run the engine: it must start and find the engine's package,
-    kvcached (the engine's plugin) and the top package of ``module``, with the model's own environment."""
-    key = f"models[{index}].python"
-    wanted = list(dict.fromkeys([ENGINES[spec.engine].package, "kvcached", spec.module.split(".")[0]]))
-    try:
-        done = subprocess.run(
-            [spec.python, "-c", _FIND_MODULES, *wanted],
-            env=engine_environment(spec, device),
-            capture_output=True,
-            text=True,
-            timeout=IMPORT_CHECK_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ServeConfigError(f"{key}: {spec.python!r} cannot be run: {exc}") from None
-    if done.returncode != 0:
-        tail = " ".join(done.stderr.split()[-30:])
-        raise ServeConfigError(f"{key}: {spec.python!r} failed to start (exit {done.returncode}): {tail}")
-    missing = done.stdout.split()
-    if missing:
-        raise ServeConfigError(
-            f"{key}: {spec.python!r} cannot import {', '.join(missing)} (needed to run {spec.engine} with "
-            f"kvcached as `python -m {spec.module}`); install them there or point python at the engine's environment"
-        )
+    """Refuses a ``python`` that cannot run the engine: with the model's own environment it must
+    import what the engine will import (:mod:`kvcached.serve.python_probe`): ``module``, the
+    engine's server, kvcached and kvcached's plugin, which must support the engine's version."""
+    from kvcached.serve.python_probe import probe_python
 
-
-def check_environments(config: ServeConfig) -> None:
-    """:func:`check_environment` for every model, in order."""
-    for index, spec in enumerate(config.models):
-        check_environment(spec, index, config.device)
+    problem = probe_python(
+        spec.python,
+        engine_environment(spec, device),
+        spec.engine,
+        spec.module,
+        ENGINES[spec.engine].module,
+        f"kvcached.integration.{spec.engine}",
+    )
+    if problem is not None:
+        written = spec.python_written or spec.python
+        shown = repr(spec.python) if written == spec.python else f"{written!r} ({spec.python})"
+        raise ServeConfigError(f"models[{index}].python: {shown} {problem}")
 
 
 __all__ = [
@@ -164,6 +136,5 @@ __all__ = [
     "POLICY_VARIABLES",
     "EngineKind",
     "check_environment",
-    "check_environments",
     "engine_environment",
 ]

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvcached.errors import KvcachedError
 from kvcached.serve.config import ModelSpec
 from kvcached.serve.handover import Handover, HandoverTracker, WaitEnded, WaitStarted
 
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 #: How often the registry is sampled for waits and hand-overs (the hand-over figure's precision).
 SAMPLE_INTERVAL_S = 0.01
-UNKNOWN_MODEL = "_unknown"  # one label for every name not served, so clients cannot grow the series
+# One label for every name not served, so clients cannot grow the series; no model can be named "".
+UNKNOWN_MODEL = ""
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 HANDOVER_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
@@ -34,6 +36,16 @@ class _StateCollector:
 
     def __init__(self, models: list[ModelSpec], memory: Any, engines: Optional[Mapping[str, Any]]) -> None:
         self._models, self._memory, self._engines = models, memory, engines
+
+    def _read(self, read: Any, without_memory: Any) -> Any:
+        """``read(memory)``; ``without_memory`` when serve has none, None when the registry fails."""
+        if self._memory is None:
+            return without_memory
+        try:
+            return read(self._memory)
+        except KvcachedError as exc:  # counted by the memory's errors; the scrape goes on without it
+            logger.warning("/metrics: the device registry cannot be read: %s", exc)
+            return None
 
     def collect(self) -> Iterable[Any]:
         label = ["model"]
@@ -48,12 +60,13 @@ class _StateCollector:
         wanted = GaugeMetricFamily(
             "kvcached_serve_model_wanted_bytes", "KV memory the model was refused in the last second", labels=label
         )
-        usage = self._memory.usage() if self._memory is not None else {}
+        usage = self._read(lambda memory: memory.usage(), {})
         for spec in self._models:
-            model = usage.get(spec.name)
-            mapped.add_metric([spec.name], model.mapped_bytes if model else 0)
-            used.add_metric([spec.name], model.used_bytes if model else 0)
-            wanted.add_metric([spec.name], model.wanted_bytes if model else 0)
+            model = usage.get(spec.name) if usage is not None else None
+            if usage is not None:  # unknown while the registry cannot be read: left out, not shown as 0
+                mapped.add_metric([spec.name], model.mapped_bytes if model else 0)
+                used.add_metric([spec.name], model.used_bytes if model else 0)
+                wanted.add_metric([spec.name], model.wanted_bytes if model else 0)
             live = model is not None and model.entries > 0
             minimum.add_metric(
                 [spec.name], model.min_bytes if live and model.min_bytes is not None else spec.memory.min_bytes
@@ -62,10 +75,17 @@ class _StateCollector:
             if cap is not None:
                 maximum.add_metric([spec.name], cap)
         yield from (mapped, used, minimum, maximum, wanted)
-        if self._memory is not None:
+        budget_bytes = self._read(lambda memory: memory.budget_bytes, None)
+        if budget_bytes is not None:
             budget = GaugeMetricFamily("kvcached_serve_device_budget_bytes", "The device budget all models share")
-            budget.add_metric([], self._memory.budget_bytes)
+            budget.add_metric([], budget_bytes)
             yield budget
+        if self._memory is not None:
+            yield CounterMetricFamily(
+                "kvcached_serve_registry_errors",
+                "Reads of the device registry that failed (its file removed or moved while serve ran, ...)",
+                value=self._memory.errors,
+            )
         if self._engines is not None:
             up = GaugeMetricFamily("kvcached_serve_engine_up", "1 while the model's engine is ready", labels=label)
             crashes = CounterMetricFamily(
@@ -165,8 +185,8 @@ class ServeMetrics:
         while not self._stop.wait(interval_s):
             try:
                 self.apply(self._tracker.observe(time.monotonic(), self._memory.usage()))
-            except Exception:  # a registry replaced under us must not end the sampling for good
-                logger.exception("reading the device registry failed")
+            except Exception as exc:  # the registry unusable for now must not end the sampling for good
+                logger.warning("sampling the device registry failed: %s", exc)
                 self._stop.wait(1.0)
 
     def exposition(self) -> tuple[bytes, str]:

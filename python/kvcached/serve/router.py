@@ -4,14 +4,14 @@ Request and response bodies pass through unchanged (the body is parsed only to r
 streaming responses are passed on chunk by chunk. A model not configured is a 404 and a model whose
 engine is not ready a 503 (with ``Retry-After``), both as OpenAI-style error JSON. A client that
 goes away cancels its request: the connection to the engine is closed, and vLLM and SGLang abort a
-request whose client disconnected.
+request whose client disconnected. Each engine is reached through a connection pool of its own
+(:mod:`kvcached.serve.upstreams`): one model's load never delays another's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,15 +20,17 @@ from typing import Any, Optional, Protocol
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from kvcached.serve.metrics import ServeMetrics
+from kvcached.serve.request_body import MAX_BODY_BYTES, BadBody, model_of, read_body
+from kvcached.serve.upstreams import DEFAULT_LIMITS, UpstreamLimits, Upstreams
 
 logger = logging.getLogger(__name__)
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("GET /v1/models", *(f"POST {path}" for path in ROUTED_PATHS), "GET /health", "GET /metrics")
 RETRY_AFTER_S = 5
-# No read timeout: a long generation streams (or thinks) for as long as it needs.
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
 # Headers that belong to one connection, not to the request or response passed on.
 _HOP_BY_HOP = frozenset(
     (
@@ -44,6 +46,15 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     )
 )
+# The OpenAI error `type` of each status the router itself answers with.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client that went away; logged, never sent
 ENGINE_BROKE_OFF = 502  # counted for a stream the engine ended early (the client already has a 200)
 
@@ -88,13 +99,21 @@ def _passed_headers(headers: Any) -> dict[str, str]:
 
 
 class Router:
-    """The app's request handling, around one shared HTTP client."""
+    """The app's request handling, around one HTTP client per engine."""
 
-    def __init__(self, routes: Routes, model_names: list[str], metrics: ServeMetrics) -> None:
+    def __init__(
+        self,
+        routes: Routes,
+        model_names: list[str],
+        metrics: ServeMetrics,
+        limits: UpstreamLimits = DEFAULT_LIMITS,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.max_body_bytes = max_body_bytes
         self.routes = routes
         self.model_names = model_names
         self.metrics = metrics
-        self.client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
+        self.upstreams = Upstreams(model_names, limits)
         self.created = int(time.time())
 
     def models(self) -> dict[str, Any]:
@@ -115,13 +134,11 @@ class Router:
     async def forward(self, request: Request, path: str) -> Response:
         """Passes one OpenAI request to its model's engine and the answer back."""
         started = time.monotonic()
-        body = await request.body()
         try:
-            model = json.loads(body).get("model")
-        except (ValueError, AttributeError):
-            return openai_error(400, "the request body is not a JSON object", "BadRequestError", "invalid_json")
-        if not isinstance(model, str):
-            return openai_error(400, "the request names no `model`", "BadRequestError", "model_missing", "model")
+            body = await read_body(request, self.max_body_bytes)
+            model = model_of(body)
+        except BadBody as bad:
+            return openai_error(bad.status, bad.message, ERROR_TYPES[bad.status], bad.code, bad.param)
         route = self.routes.route(model)
         if route is None:
             message = f"The model `{model}` does not exist. Served models: {', '.join(self.model_names)}."
@@ -131,8 +148,9 @@ class Router:
         if url is None:
             self.metrics.request_done(model, path, 503, started)
             return self._unavailable(model, route)
-        upstream = self.client.build_request("POST", url + path, content=body, headers=_passed_headers(request.headers))
-        sending = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        client = self.upstreams.client(model)
+        upstream = client.build_request("POST", url + path, content=body, headers=_passed_headers(request.headers))
+        sending = asyncio.ensure_future(client.send(upstream, stream=True))
         gone = asyncio.ensure_future(_client_gone(request))
         await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()  # a streaming response watches for the disconnect itself from here
@@ -142,10 +160,13 @@ class Router:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         try:
             answer = sending.result()
+        except httpx.PoolTimeout:
+            self.metrics.request_done(model, path, 503, started)
+            return self._busy(model)
         except httpx.HTTPError as exc:
             logger.warning("%s: engine did not answer %s: %s", model, path, str(exc) or type(exc).__name__)
             self.metrics.request_done(model, path, 503, started)
-            return self._unavailable(model, route)
+            return self._unreachable(model)
         headers = _passed_headers(answer.headers)
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(
@@ -173,23 +194,61 @@ class Router:
             await answer.aclose()
             self.metrics.request_done(model, path, status, started)
 
+    def _busy(self, model: str) -> JSONResponse:
+        limits = self.upstreams.limits
+        message = (
+            f"The model `{model}` has {limits.connections} requests in flight, its most, and none ended within "
+            f"{limits.pool_timeout_s:g} s; retry in a few seconds."
+        )
+        return openai_error(503, message, "ServiceUnavailableError", "engine_busy", "model")
+
+    def _unreachable(self, model: str) -> JSONResponse:
+        # Its state may still read "ready": the engine died a moment ago and serve has not seen it yet.
+        message = f"The model `{model}` is not available now (its engine did not answer); retry in a few seconds."
+        return openai_error(503, message, "ServiceUnavailableError", "engine_unreachable", "model")
+
     def _unavailable(self, model: str, route: Route) -> JSONResponse:
         state = _state_text(route.state)
         message = f"The model `{model}` is not available now (its engine is {state}); retry in a few seconds."
         return openai_error(503, message, "ServiceUnavailableError", f"engine_{state}", "model")
 
 
-def create_app(routes: Routes, model_names: list[str], metrics: ServeMetrics) -> FastAPI:
-    """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``."""
-    router = Router(routes, model_names, metrics)
+def create_app(
+    routes: Routes,
+    model_names: list[str],
+    metrics: ServeMetrics,
+    limits: UpstreamLimits = DEFAULT_LIMITS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``;
+    every error the router answers itself (unknown path, wrong method, a fault) in the OpenAI shape."""
+    router = Router(routes, model_names, metrics, limits, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
-        await router.client.aclose()
+        await router.upstreams.aclose()
 
     app = FastAPI(title="kvcached serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = router
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"There is no {request.url.path} here; kvcached serve answers {', '.join(ENDPOINTS)}."
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}."
+        else:
+            message = str(exc.detail)
+        code = {404: "path_not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+        return openai_error(exc.status_code, message, ERROR_TYPES.get(exc.status_code, "BadRequestError"), code)
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, exc: Exception) -> Response:
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+        return openai_error(
+            500, "kvcached serve failed to answer; its log says why", ERROR_TYPES[500], "internal_error"
+        )
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -66,7 +66,10 @@ def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optio
     """Serves ``config`` until SIGINT or SIGTERM; 0 after a clean stop. Raises :class:`ServeError`
     (every engine already stopped) when the engines cannot all be started."""
     logs = Path(log_dir or config.log_dir or tempfile.mkdtemp(prefix="kvcached-serve-"))
-    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ServeError(f"log_dir: cannot create {logs}: {exc.strerror or exc}") from None
     sock = _bind(config.host, config.port)
     memory = DeviceMemory(config)
     supervisor = Supervisor(config, memory, logs)
@@ -94,6 +97,7 @@ def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optio
         finally:
             metrics.stop_sampling()
             supervisor.stop()
+            memory.restore_budget()
             sock.close()
             logger.info("stopped: every engine's processes are gone")
 

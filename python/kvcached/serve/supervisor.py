@@ -6,7 +6,9 @@ it to exit. An engine that dies is reported, the rest of its process group is ki
 entries are reclaimed (its memory returns to the budget) and it is started again after a backoff,
 at most ``restart.max_attempts`` times in a row; meanwhile the router answers 503 for it and the
 other models keep serving. An engine that fails before it was ever ready is not restarted: a bad
-model or argument would fail again, so the start of ``kvcached serve`` fails and says why.
+model or argument would fail again, so the start of ``kvcached serve`` fails and says why. So does
+an engine that cannot even be launched (its log cannot be opened, its command cannot be run), and
+whatever goes wrong in an engine's thread ends that engine as failed, never leaves it "starting".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Optional
 import httpx
 
 from kvcached.serve.config import ModelSpec, ServeConfig
+from kvcached.serve.engine_logs import LAUNCH_HEADER, log_file_name, read_tail
 from kvcached.serve.engines import ENGINE_HOST, ENGINES, engine_environment
 from kvcached.serve.memory import DeviceMemory
 from kvcached.serve.processes import free_port, stop_group
@@ -35,6 +38,8 @@ READY_REQUEST_TIMEOUT_S = 30.0
 STABLE_AFTER_S = 300.0
 LOG_TAIL_LINES = 30
 STARTING_GRACE_S = 5.0
+# What the start waits beyond startup_timeout_s for an engine's own verdict (killing a group takes up to 10 s).
+STARTUP_SLACK_S = 15.0
 
 
 class EngineState(str, enum.Enum):
@@ -99,10 +104,12 @@ class Engine:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the engine's log."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return read_tail(self.log_path, lines)
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine's thread runs (False before :meth:`start` and once it has ended)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _launch(self) -> subprocess.Popen:
         self.port = free_port(ENGINE_HOST)
@@ -111,7 +118,7 @@ class Engine:
         self.started_at = time.monotonic()
         self.ready_after_s = None
         with open(self.log_path, "a") as log:
-            log.write(f"\n=== kvcached serve: {' '.join(command)} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===\n")
+            log.write(f"\n{LAUNCH_HEADER}{' '.join(command)} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===\n")
             log.flush()
             process = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -156,42 +163,27 @@ class Engine:
             logger.warning("%s: %s of KV memory returned to the device budget", self.spec.name, format_bytes(returned))
 
     def _run(self) -> None:
+        try:
+            self._keep_running()
+        except Exception as exc:  # a fault of serve's own: the model fails, the start or restart does not hang
+            logger.exception("%s: the engine's supervision failed", self.spec.name)
+            self.failure = f"{self.spec.name}: supervising the engine failed: {_reason(exc)} (log: {self.log_path})"
+            self.state = EngineState.FAILED
+
+    def _keep_running(self) -> None:
         attempts = 0
         while not self._stopping.is_set():
-            with self._lock:
-                if self._stopping.is_set():
-                    break
-                process = self._process = self._launch()
-            self.state = EngineState.STARTING
-            problem = self._wait_ready(process)
+            problem, served_s = self._run_once()
             if self._stopping.is_set():
                 return
-            if problem is None:
-                self.ready_after_s = time.monotonic() - self.started_at
-                self.state, self.ever_ready = EngineState.READY, True
-                logger.info("%s: ready after %.1f s", self.spec.name, self.ready_after_s)
-                process.wait()
-                if self._stopping.is_set():
-                    return
-                self.state = EngineState.RESTARTING
-                self.crashes += 1
-                served_s = time.monotonic() - self.started_at
-                logger.error(
-                    "%s: engine exited with %s after %.0f s", self.spec.name, _exit_text(process.returncode), served_s
-                )
-                if served_s >= STABLE_AFTER_S:
-                    attempts = 0
-            else:
-                logger.error(
-                    "%s: engine %s; last lines of %s:\n%s", self.spec.name, problem, self.log_path, self.log_tail()
-                )
-            self._clean_up(process)
             if problem is not None and not self.ever_ready:
                 self.failure, self.state = (
                     f"{self.spec.name}: engine {problem} (log: {self.log_path})",
                     EngineState.FAILED,
                 )
                 return
+            if served_s >= STABLE_AFTER_S:
+                attempts = 0
             attempts += 1
             if attempts > self._config.restart.max_attempts:
                 self.failure = f"{self.spec.name}: gave up after {attempts - 1} restarts (log: {self.log_path})"
@@ -211,6 +203,47 @@ class Engine:
                 return
             self.restarts += 1
 
+    def _run_once(self) -> tuple[Optional[str], float]:
+        """Launches the engine and follows it to its end: why it never got ready (None: it was ready,
+        then exited) and how long it served."""
+        with self._lock:
+            if self._stopping.is_set():
+                return None, 0.0
+            try:
+                process = self._process = self._launch()
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                problem = f"could not be launched: {_reason(exc)}"
+                logger.error("%s: engine %s", self.spec.name, problem)
+                return problem, 0.0
+        self.state = EngineState.STARTING
+        problem = self._wait_ready(process)
+        if self._stopping.is_set():
+            return problem, 0.0  # stop() cleans up
+        served_s = 0.0
+        if problem is None:
+            self.ready_after_s = time.monotonic() - self.started_at
+            self.state, self.ever_ready = EngineState.READY, True
+            logger.info("%s: ready after %.1f s", self.spec.name, self.ready_after_s)
+            process.wait()
+            if self._stopping.is_set():
+                return None, 0.0
+            self.state = EngineState.RESTARTING
+            self.crashes += 1
+            served_s = time.monotonic() - self.started_at
+            logger.error(
+                "%s: engine exited with %s after %.0f s", self.spec.name, _exit_text(process.returncode), served_s
+            )
+        else:
+            logger.error(
+                "%s: engine %s; last lines of %s:\n%s", self.spec.name, problem, self.log_path, self.log_tail()
+            )
+        self._clean_up(process)
+        return problem, served_s
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
 
 def _exit_text(returncode: Optional[int]) -> str:
     if returncode is not None and returncode < 0:
@@ -223,14 +256,20 @@ class Supervisor:
 
     def __init__(self, config: ServeConfig, memory: DeviceMemory, log_dir: Path) -> None:
         self.config = config
-        self.engines = {spec.name: Engine(spec, config, memory, log_dir / f"{spec.name}.log") for spec in config.models}
+        self.engines = {
+            spec.name: Engine(spec, config, memory, log_dir / log_file_name(spec.name)) for spec in config.models
+        }
 
     def start(self) -> None:
         for engine in self.engines.values():
             engine.start()
 
     def wait_ready(self, should_stop: Callable[[], bool], on_tick: Callable[[], None] = lambda: None) -> Optional[str]:
-        """Waits until every engine is ready; None then, else why not (a failure, or a stop request)."""
+        """Waits until every engine is ready; None then, else why not (a failure, or a stop request).
+
+        Each engine applies ``startup_timeout_s`` to itself; this wait applies it too, to all of
+        them, and notices an engine whose thread ended without a verdict, so it always ends."""
+        deadline = time.monotonic() + self.config.startup_timeout_s + STARTUP_SLACK_S
         while True:
             on_tick()
             failed = [e.failure for e in self.engines.values() if e.state is EngineState.FAILED]
@@ -238,8 +277,15 @@ class Supervisor:
                 return "; ".join(str(f) for f in failed)
             if should_stop():
                 return "stopped by a signal while starting"
-            if all(e.state is EngineState.READY for e in self.engines.values()):
+            waiting = [e for e in self.engines.values() if e.state is not EngineState.READY]
+            if not waiting:
                 return None
+            ended = [e.spec.name for e in waiting if not e.thread_alive and e.state is not EngineState.FAILED]
+            if ended:
+                return f"{', '.join(ended)}: the engine's supervision ended before it was ready"
+            if time.monotonic() > deadline:
+                names = ", ".join(e.spec.name for e in waiting)
+                return f"{names}: not ready within startup_timeout_s ({self.config.startup_timeout_s:g} s)"
             time.sleep(0.2)
 
     def route(self, name: str) -> Optional[Engine]:
