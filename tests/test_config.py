@@ -232,7 +232,7 @@ def test_a_pool_gets_its_device_kinds_layout_unless_told(monkeypatch, host_devic
 
 
 def test_info_shows_the_layout_pools_get_and_why(monkeypatch, capsys):
-    from kvcached.cli import collect_info, main
+    from kvcached.cli.main import collect_info, main
 
     monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
     host = next(b for b in collect_info()["backends"] if b["name"] == "host")

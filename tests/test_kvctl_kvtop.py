@@ -182,7 +182,7 @@ def assert_one_line_failure(done, rc: int, words: str) -> None:
 
 def run_in_process(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
     """The tool's main() in this process (fast): an uncaught exception fails the test like a traceback."""
-    main = importlib.import_module(f"kvcached.{module}").main
+    main = importlib.import_module(f"kvcached.cli.{module}").main
     try:
         code = main(list(args))
     except SystemExit as exit_:

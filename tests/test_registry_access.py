@@ -208,7 +208,7 @@ def run_as(account: pwd.struct_passwd, action, directory: Path, group: str | Non
 
 
 def kvctl_as(account, directory, *args, group=None) -> tuple[int, str, str]:
-    from kvcached.kvctl import main
+    from kvcached.cli.kvctl import main
 
     return run_as(account, lambda: main(list(args)), directory, group)
 

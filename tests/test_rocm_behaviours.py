@@ -28,7 +28,7 @@ def test_a_device_without_vmm_support_fails_to_open_naming_the_attribute():
         "hip",
         """
         import json, kvcached
-        from kvcached.cli import collect_info
+        from kvcached.cli.main import collect_info
         from kvcached.devices import canonical_device_name
         try:
             kvcached.open_device("hip:0")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from kvcached.cli_support import EXIT_USAGE, check_settings, names_a_setting, report_failure
+from kvcached.cli.support import EXIT_USAGE, check_settings, names_a_setting, report_failure
 from kvcached.errors import ConfigurationError, InvalidArgumentError, KvcachedError
 from kvcached.registry import format_bytes, parse_bytes
 

@@ -35,7 +35,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from kvcached.cli_support import (
+from kvcached.cli.kvctl_output import EXIT_OK, emit, fail, no_registry
+from kvcached.cli.kvctl_steer import TARGET_HELP, cmd_clear_limit, cmd_set_limit, cmd_set_policy
+from kvcached.cli.support import (
     EXIT_FAILED,
     REGISTRY_OPTIONS,
     OneLineArgumentParser,
@@ -45,8 +47,6 @@ from kvcached.cli_support import (
     wants_json,
 )
 from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
-from kvcached.kvctl_output import EXIT_OK, emit, fail, no_registry
-from kvcached.kvctl_steer import TARGET_HELP, cmd_clear_limit, cmd_set_limit, cmd_set_policy
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from kvcached import config
-from kvcached.cli_support import (
+from kvcached.cli.support import (
     EXIT_FAILED,
     OneLineArgumentParser,
     add_version_argument,

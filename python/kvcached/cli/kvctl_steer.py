@@ -10,8 +10,8 @@ import argparse
 import os
 from typing import Any, Optional, Union
 
+from kvcached.cli.kvctl_output import EXIT_OK, emit, fail, no_registry
 from kvcached.errors import InvalidArgumentError
-from kvcached.kvctl_output import EXIT_OK, emit, fail, no_registry
 from kvcached.registry import format_bytes, open_existing, printable
 from kvcached.sizes import parse_bytes
 
