@@ -323,7 +323,7 @@ def test_mirrors_on_the_shared_registry_budget():
         ids = manager.alloc(2 * manager.blocks_per_page)
         assert [r.mapped_bytes for r in ranks] == [2 * page, 2 * page]
         mirrors.apply(manager, manager.take_page_ops())
-        registry.set_limit("rank-1", 2 * page)  # rank 1 may hold no more
+        registry.set_policy("rank-1", max_bytes=2 * page)  # rank 1 may hold no more
         with pytest.raises(kvcached.OutOfMemoryError):
             manager.alloc(manager.blocks_per_page)
         assert [r.mapped_bytes for r in ranks] == [2 * page, 2 * page]

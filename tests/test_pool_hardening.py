@@ -254,7 +254,7 @@ def test_stats_report_a_limit_set_from_outside_and_the_tighter_of_two():
         page = pool.page_id_bytes
         registry = registry_for("cpu")
         assert pool.stats()["limit_bytes"] is None
-        assert registry.set_limit(pool.name, 3 * page + 1) == 1  # what kvctl set-limit does
+        assert registry.set_policy(pool.name, max_bytes=3 * page + 1) == 1  # what kvctl set-limit does
         stats = pool.stats()
         assert (stats["limit_bytes"], stats["limit_pages"]) == (3 * page + 1, 3)
         assert pool.available() == 3 * pool.blocks_per_page  # and it is obeyed
@@ -262,7 +262,7 @@ def test_stats_report_a_limit_set_from_outside_and_the_tighter_of_two():
         assert pool.stats()["limit_bytes"] == 2 * page
         pool.resize(5 * page)  # looser than the outside one: that one is in force
         assert pool.stats()["limit_bytes"] == 3 * page + 1
-        registry.set_limit(pool.name, None)
+        registry.set_policy(pool.name, clear_max=True)
         assert pool.stats()["limit_bytes"] == 5 * page
         pool.resize(None)
         assert pool.stats()["limit_bytes"] is None

@@ -280,13 +280,14 @@ OPTIONS: dict[str, Option] = {
         read_by="vLLM and SGLang integrations",
         default_note="derived from the model",
     ),
-    "limit_bytes": Option(
+    "max_bytes": Option(
         "KVCACHED_LIMIT_BYTES",
         None,
         Size(),
         (
-            "The engine's own limit (its max) on physical KV memory of each rank, beside the device's "
-            "shared budget; `kvctl set-limit` or `set-policy --max` changes it while the engine runs."
+            "The engine's max (its limit, `MemoryPolicy.max_bytes`): most physical KV memory of each rank, "
+            "beside the device's shared budget; `kvctl set-policy --max` or `kvctl set-limit` changes it "
+            "while the engine runs. See [memory-policy.md](memory-policy.md)."
         ),
         read_by="vLLM and SGLang integrations",
         default_note="vLLM's `kv_cache_memory_bytes` if given, else none",

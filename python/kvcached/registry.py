@@ -5,8 +5,9 @@ Every kvcached pool registers itself in a small table in shared memory, one per
 with ``KVCACHED_REGISTRY_DIR``). The table holds a device-wide *budget* that all
 instances respect together: each mapped page is taken from it atomically across
 processes and returned only once really unmapped, so no engine can push another
-into out-of-memory. Each instance may also have its own *limit* (its max), a
-guaranteed *min* and a *priority* (``docs/memory-policy.md``). All can be
+into out-of-memory. Each instance may also have its own *max* (its limit), a
+guaranteed *min* and a *priority*: one :class:`MemoryPolicy` value
+(``docs/memory-policy.md``). All can be
 changed while engines run (``kvctl``) and take effect at once; ``kvtop`` shows
 the table live. Entries of processes that died are recognised (pid and process
 start time) and their memory returns to the budget.
@@ -32,7 +33,7 @@ Default budget, decided by the first process that creates the registry:
 
 Typical use by a pool::
 
-    budget = registry_for("cuda:0").register("llama-8b")
+    budget = registry_for("cuda:0").register("llama-8b", policy=MemoryPolicy(max_bytes=8 << 30))
     if budget.try_acquire(page_bytes): ...map the page...
     ...unmap the page...; budget.release(page_bytes)
 """
@@ -48,6 +49,7 @@ from kvcached import _core, config
 from kvcached._core import (
     REGISTRY_CAPACITY,
     DeviceRegistry,
+    MemoryPolicy,
     RegistryBudget,
     registry_device_kind,
 )
@@ -83,13 +85,14 @@ class RegistryEntry(TypedDict):
     uid: int  # effective uid of the registering process
     local_device: str  # the device as that process sees it ("cuda:1"), or ""
     alive: bool
-    limit_bytes: Optional[int]
+    max_bytes: Optional[int]  # its max (MemoryPolicy.max_bytes), None: only the device budget caps it
+    limit_bytes: Optional[int]  # the same, under its older name (kvctl --json readers)
     mapped_bytes: int  # taken from the device budget: every mapped page
     used_bytes: int  # pages holding blocks in use (reported by the pool)
     free_mapped_bytes: int  # mapped pages holding no block in use (reported)
     wanted_bytes: int  # a request refused in the last second (memory pressure)
     worker_errors: int  # background worker failures (reported by the pool)
-    min_bytes: int  # guaranteed to it (docs/memory-policy.md); limit_bytes is its max
+    min_bytes: int  # guaranteed to it (docs/memory-policy.md)
     priority: int  # higher wins; lower gives memory back first
     reclaim_target_bytes: Optional[int]  # a shrink a higher priority asks of it now, or None
 
@@ -268,6 +271,7 @@ __all__ = [
     "DEFAULT_GPU_UTILIZATION",
     "DeviceName",
     "DeviceRegistry",
+    "MemoryPolicy",
     "RegistryAccessError",
     "RegistryBudget",
     "RegistryEntry",

@@ -61,7 +61,9 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["uid"] = info.uid;
   entry["local_device"] = text_of(info.local_device);
   entry["alive"] = info.alive;
-  entry["limit_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
+  // The cap is max_bytes, as in MemoryPolicy; limit_bytes is its older name, kept for kvctl --json readers.
+  entry["max_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
+  entry["limit_bytes"] = entry["max_bytes"];
   entry["mapped_bytes"] = info.mapped_bytes;
   entry["used_bytes"] = info.used_bytes;
   // Mapped but free: "reserved" is kept for virtual reservations (pool stats, device counters).
@@ -177,6 +179,7 @@ nb::list registry_files_as_dicts(std::vector<RegistryFileInfo> (*walk)()) {
 
 void bind_registry(nb::module_& m) {
   install_registry_error_translator();
+  bind_memory_policy(m);
   m.attr("REGISTRY_CAPACITY") = kRegistryCapacity;
   m.attr("REGISTRY_NAME_MAX_BYTES") = kRegistryNameMaxBytes;
   m.attr("REGISTRY_DEVICE_MAX_BYTES") = kRegistryDeviceMaxBytes;
@@ -223,7 +226,8 @@ void bind_registry(nb::module_& m) {
       .def_prop_ro("instance_id", &RegistryBudget::instance_id)
       .def_prop_ro("registered", &RegistryBudget::registered,
                    "False once unregistered, reclaimed as stale, or the registry file is gone.")
-      .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes, "This instance's own limit (set by kvctl), or None.")
+      .def_prop_ro("max_bytes", &RegistryBudget::limit_bytes,
+                   "This instance's max (its limit; kvctl changes it), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
                    "Bytes this instance holds against the device budget.")
       .def_prop_ro("min_bytes", &RegistryBudget::min_bytes,
@@ -313,18 +317,6 @@ void bind_registry(nb::module_& m) {
           nb::sig("def entries(self) -> list[dict[str, typing.Any]]"),
           "Snapshot of the live table: one dict per registered instance.")
       .def(
-          "set_limit",
-          [](DeviceRegistry& self, nb::handle name_or_pid, std::optional<std::int64_t> limit_bytes) {
-            const auto target = name_or_pid_of(name_or_pid);
-            const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
-            nb::gil_scoped_release unlocked;
-            return self.set_limit(target, limit);
-          },
-          "name_or_pid"_a, "limit_bytes"_a.none(),
-          nb::sig("def set_limit(self, name_or_pid: int | str | bytes, limit_bytes: int | None) -> int"),
-          "Sets (None: clears) the limit of instances matching a pid (int) or name (str or "
-          "bytes); returns how many matched.")
-      .def(
           "set_policy",
           [](DeviceRegistry& self, nb::handle name_or_pid, std::optional<std::int64_t> min_bytes,
              std::optional<std::int64_t> max_bytes, std::optional<std::int64_t> priority, bool clear_max) {
@@ -350,21 +342,16 @@ void bind_registry(nb::module_& m) {
       .def(
           "register",
           [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
-             std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device, std::int64_t min_bytes,
-             std::int64_t priority) {
-            InstancePolicy policy;
-            policy.max_bytes = checked_optional_bytes("limit_bytes", limit_bytes);
-            policy.min_bytes = checked_bytes("min_bytes", min_bytes);
-            policy.priority = priority;
+             const InstancePolicy& policy, std::optional<std::string> local_device) {
             nb::gil_scoped_release unlocked;
             return self.register_instance(name, pid, policy, local_device);
           },
-          "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
-          "min_bytes"_a = 0, "priority"_a = 0,
+          "name"_a, "pid"_a = nb::none(), "policy"_a = InstancePolicy{}, "local_device"_a = nb::none(),
+          nb::sig("def register(self, name: str, pid: int | None = None, policy: MemoryPolicy = MemoryPolicy(), "
+                  "local_device: str | None = None) -> RegistryBudget"),
           "Registers an instance (default pid: this process; default local_device: the one "
-          "given when opening) with its memory policy (limit_bytes is its max) and returns its "
-          "RegistryBudget. ValueError when min_bytes is above limit_bytes or the mins of the "
-          "device's instances would sum above its budget.")
+          "given when opening) with its MemoryPolicy and returns its RegistryBudget. ValueError "
+          "when the mins of the device's instances would sum above its budget.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");
 }

@@ -96,7 +96,7 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
             format_bytes(entry["free_mapped_bytes"]),
             format_bytes(entry["mapped_bytes"]),
             format_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
-            format_bytes(entry["limit_bytes"]),
+            format_bytes(entry["max_bytes"]),
             str(entry["priority"]),
             format_bytes(entry["reclaim_target_bytes"]) if entry["reclaim_target_bytes"] is not None else "-",
             format_bytes(entry["wanted_bytes"]) if entry["wanted_bytes"] else "-",

@@ -87,7 +87,7 @@ def _status(entry: dict[str, Any]) -> Text:
 
 
 def _instance_row(entry: dict[str, Any], budget_bytes: int) -> dict[str, Any]:
-    limit = entry["limit_bytes"]
+    limit = entry["max_bytes"]
     # Used comes from the pool's last report; mapped is what the budget counts.
     free_mapped = max(entry["free_mapped_bytes"], entry["mapped_bytes"] - entry["used_bytes"])
     return {

@@ -77,14 +77,7 @@ class Plan:
             from .ranks import open_agreed_blocks
 
             return open_agreed_blocks(self, layout)
-        budget = register_rank(
-            self.name,
-            self.rank,
-            limit_bytes=self.settings.limit_bytes,
-            min_bytes=self.settings.min_bytes,
-            priority=self.settings.priority,
-            logger=logger,
-        )
+        budget = register_rank(self.name, self.rank, policy=self.settings.policy, logger=logger)
         try:
             return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
         except BaseException:

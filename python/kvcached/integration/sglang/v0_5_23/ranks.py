@@ -92,10 +92,8 @@ def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
                 layouts,
                 ranks,
                 name=plan.name,
-                limit_bytes=plan.settings.limit_bytes,
+                policy=plan.settings.policy,
                 ack_timeout_s=plan.settings.rank_ack_timeout_s,
-                min_bytes=plan.settings.min_bytes,
-                priority=plan.settings.priority,
             )
             answer = [("ok", setup)]
         except BaseException as exc:
