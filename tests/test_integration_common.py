@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
-from kvcached.errors import OutOfMemoryError
+from kvcached.errors import IntegrationError, OutOfMemoryError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.engine_layout import engine_layout, engine_page_bytes, stage_layout
 from kvcached.integration.common.mirrors import process_alive
-from kvcached.integration.common.rank_devices import RankDevice, describe_rank
+from kvcached.integration.common.rank_devices import RankDevice, describe_rank, require_one_host
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
 from kvcached.registry import DeviceRegistry, MemoryPolicy, registry_for
@@ -184,6 +185,22 @@ def test_a_rank_describes_its_device_and_registers_under_its_label():
     assert {(e["max_bytes"], e["min_bytes"], e["priority"]) for e in entries} == {(1 << 20, 1 << 19, -3)}
     for budget in budgets:
         budget.unregister()
+
+
+def test_every_rank_must_run_on_the_deciding_host():
+    here = describe_rank("cpu", 0)
+    require_one_host([here, dataclasses.replace(here, rank=1)], ranks_called="worker", decider="the EngineCore")
+    away = dataclasses.replace(here, rank=1, host="elsewhere-node")
+    with pytest.raises(
+        IntegrationError, match=r"every worker on the host of the EngineCore .*workers run on elsewhere-node"
+    ):
+        require_one_host([here, away], ranks_called="worker", decider="the EngineCore")
+
+    class EngineRefusal(IntegrationError):
+        pass
+
+    with pytest.raises(EngineRefusal, match="Unset KVCACHED_ENABLE"):
+        require_one_host([away], ranks_called="rank", decider="rank 0", error=EngineRefusal)
 
 
 def test_a_zombie_is_not_alive():

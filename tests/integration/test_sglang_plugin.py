@@ -44,12 +44,12 @@ def test_register_is_a_no_op_when_disabled(no_flags):
 @pytest.mark.parametrize("version", ["0.5.15", "0.5.22", "0.5.24", "0.6.0", "dev"])
 def test_other_sglang_versions_are_refused_by_name(version):
     with pytest.raises(plugin.UnsupportedSGLangVersion, match="supported: 0.5.23"):
-        plugin.hook_module_for(version)
+        plugin.module_for(version)
 
 
 def test_supported_versions_resolve_to_one_module():
-    assert plugin.hook_module_for("0.5.23").__name__.endswith("v0_5_23")
-    assert plugin.hook_module_for("0.5.23.post1").__name__.endswith("v0_5_23")
+    assert plugin.module_for("0.5.23").__name__.endswith("v0_5_23")
+    assert plugin.module_for("0.5.23.post1").__name__.endswith("v0_5_23")
 
 
 def test_register_logs_and_survives_an_unsupported_sglang(no_flags, caplog):
@@ -69,7 +69,7 @@ def test_entry_point_is_in_sglangs_plugin_group():
 
 @needs_supported
 def test_every_hooked_sglang_name_is_in_place_and_declared():
-    module = plugin.hook_module_for(sglang.__version__)
+    module = plugin.module_for(sglang.__version__)
     assert [point.problem() for point in module.PATCH_POINTS if point.problem()] == []
     declared = {point.name for point in module.PATCH_POINTS}
     assert {target for target, _, _ in module.HOOKS} <= declared
@@ -79,7 +79,7 @@ def test_every_hooked_sglang_name_is_in_place_and_declared():
 def test_hooks_register_once_per_process(no_flags):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    module = plugin.hook_module_for(sglang.__version__)
+    module = plugin.module_for(sglang.__version__)
     no_flags.setenv("KVCACHED_ENABLE", "1")
     plugin.register()
     plugin.register()
@@ -98,7 +98,7 @@ def test_hooks_register_once_per_process(no_flags):
 def v():
     if not SUPPORTED:
         pytest.skip(f"SGLang {sglang.__version__} is not supported")
-    return plugin.hook_module_for(sglang.__version__)
+    return plugin.module_for(sglang.__version__)
 
 
 def _plan(v, name: str, limit_bytes=None):

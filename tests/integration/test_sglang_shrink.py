@@ -28,7 +28,7 @@ MiB = 1 << 20
 def v():
     if plugin.POLICY.release_of(sglang.__version__) not in plugin.POLICY.releases:
         pytest.skip(f"SGLang {sglang.__version__} is not supported")
-    return plugin.hook_module_for(sglang.__version__)
+    return plugin.module_for(sglang.__version__)
 
 
 class _LruTree:

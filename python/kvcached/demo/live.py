@@ -13,7 +13,7 @@ import time
 from typing import Any, Optional, TextIO
 
 from kvcached.cli.widgets import UsageBar, short_bytes
-from kvcached.demo.run import engine_name
+from kvcached.demo.fleet import engine_name
 from kvcached.demo.traffic import TrafficProfile
 
 # Plain lines are for logs: one per second is plenty.
