@@ -25,7 +25,7 @@ from kvcached.registry import DeviceRegistry
 from rank_processes import Machine, Worker
 
 # 2 layers x K,V of 256 KiB blocks on 2 MiB pages: 8 blocks a page, a page id is 8 MiB on every rank.
-LAYOUT = kvcached.KVLayout(2, 256 << 10, 256, page_bytes=2 << 20)
+LAYOUT = kvcached.KVLayout(2, 256 << 10, 256, page_bytes=2 << 20, kind="contiguous")
 PAGE_ID_BYTES = LAYOUT.page_id_bytes
 BLOCKS_PER_PAGE = LAYOUT.blocks_per_page
 

@@ -207,7 +207,8 @@ def test_an_older_name_is_honoured_when_the_option_is_unset(monkeypatch):
 
 
 def test_every_device_kind_defaults_to_the_contiguous_layout(monkeypatch):
-    from kvcached.layout import DEFAULT_LAYOUTS, default_layout
+    from kvcached.configured import default_layout
+    from kvcached.layout import DEFAULT_LAYOUTS
 
     monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
     assert DEFAULT_LAYOUTS == {"cuda": "contiguous", "hip": "contiguous", "host": "contiguous"}
@@ -245,7 +246,7 @@ def test_info_shows_the_layout_pools_get_and_why(monkeypatch, capsys):
 
 
 def test_the_space_options_follow_the_configuration(monkeypatch):
-    from kvcached.layout import space_options
+    from kvcached.configured import space_options
 
     monkeypatch.setenv("KVCACHED_ZERO_FRONTIER_PAGES", "16")
     assert space_options().zero_frontier_pages == 16

@@ -45,10 +45,9 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, TypedDict, Union
 
-from kvcached import _core, config
+from kvcached import _core, config, configured
 from kvcached._core import (
     REGISTRY_CAPACITY,
-    DeviceRegistry,
     MemoryPolicy,
     RegistryBudget,
     registry_device_kind,
@@ -105,8 +104,37 @@ class DeviceName:
     local: str  # "cpu", "cuda:0", "hip:1"; "" when this process was given only the registry name
 
 
+def _configure() -> None:
+    """Hands the core the registry options as they are now (the variables a process was started
+    with, or set since): before every call that opens or lists registries. ConfigurationError,
+    naming the variable, for a bad one."""
+    group = config.get("registry_group")
+    _core.configure_registry(config.get("registry_dir"), group or "")
+
+
+class DeviceRegistry(_core.DeviceRegistry):
+    """The shared-memory registry of one device (``kvcached._core.DeviceRegistry``), opened where
+    ``KVCACHED_REGISTRY_DIR`` and ``KVCACHED_REGISTRY_GROUP`` say now.
+
+    ``DeviceRegistry(device, budget_bytes=None, local_device="")`` opens the registry of
+    canonical ``device``, creating it with ``budget_bytes`` if it does not exist;
+    :func:`registry_for` resolves names such as ``"cuda:0"`` first.
+    """
+
+    def __new__(cls, device: str, budget_bytes: Optional[int] = None, local_device: str = "") -> DeviceRegistry:
+        _configure()
+        return super().__new__(cls, device, budget_bytes, local_device)
+
+    @staticmethod
+    def segment_path(device: str) -> str:
+        """Where the registry file of ``device`` lives."""
+        _configure()
+        return _core.DeviceRegistry.segment_path(device)
+
+
 def registry_dir() -> Path:
     """The directory holding the registry files (``KVCACHED_REGISTRY_DIR``, :data:`kvcached.config.OPTIONS`)."""
+    _configure()
     return Path(_core.registry_directory())
 
 
@@ -178,10 +206,6 @@ def resolve_device(device: Union[str, Any]) -> DeviceName:
     return DeviceName(_identity_of(open_device(local), local), local)
 
 
-def _host_capacity_bytes() -> int:
-    return int(_core.default_host_capacity_bytes())
-
-
 def _gpu_total_bytes(device: str) -> int:
     """Total memory of a GPU this process sees, through kvcached's own backend (opens the device)."""
     from kvcached.devices import open_device
@@ -205,7 +229,7 @@ def default_budget_bytes(device: str, total_bytes: Optional[int] = None) -> int:
     """
     utilization = gpu_utilization()
     if device.strip().lower() in _HOST_SPELLINGS:
-        return int(total_bytes) if total_bytes is not None else _host_capacity_bytes()
+        return int(total_bytes) if total_bytes is not None else configured.host_capacity_bytes()
     total = int(total_bytes) if total_bytes is not None else _gpu_total_bytes(device)
     return int(total * utilization)
 
@@ -234,6 +258,12 @@ def registry_for(
     return registry
 
 
+def register_pool(device: Union[str, Any], name: str) -> RegistryBudget:
+    """Registers pool ``name`` in the registry of ``device`` (created if needed): the budget a
+    pool given none takes (what ``import kvcached`` installs, :mod:`kvcached.defaults`)."""
+    return registry_for(device).register(name)
+
+
 def open_existing(device: Union[str, Any]) -> Optional[DeviceRegistry]:
     """The registry of ``device`` if some engine has created it, else None (creates nothing)."""
     name = resolve_device(device)
@@ -247,12 +277,14 @@ def registry_files() -> list[dict[str, Any]]:
     """Every ``kvcached-*`` file of :func:`registry_dir` with its status ("current",
     "old_style", "damaged", "foreign", "other_version", "denied", "link", "unfinished")
     and what to do about it; changes nothing."""
+    _configure()
     return list(_core.scan_registry_directory())
 
 
 def clean_directory() -> list[dict[str, Any]]:
     """Removes what no process can use (old-style files without live instances, damaged
     files, unfinished creations, the caller's symbolic links); returns what it removed."""
+    _configure()
     return list(_core.clean_registry_directory())
 
 
@@ -289,5 +321,6 @@ __all__ = [
     "registry_dir",
     "registry_files",
     "registry_for",
+    "register_pool",
     "resolve_device",
 ]

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "configured_option.hpp"
 #include "core/bindings.hpp"
 #include "error_translation.hpp"
 #include "kvcached/registry/device_registry.hpp"
@@ -24,14 +23,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace {
-
-// Hands the core the registry settings of kvcached.config as they are now (the variables a
-// process was started with, or set since): called before every registry call.
-void configure_registry_from_config() {
-  const nb::object group = configured_option("registry_group");
-  configure_registry({nb::cast<std::string>(configured_option("registry_dir")),
-                      group.is_none() ? std::string() : nb::cast<std::string>(group)});
-}
 
 // Byte counts come from Python as signed ints so a negative one is a clear
 // ValueError instead of an overflow or a TypeError about unsigned conversion.
@@ -164,7 +155,6 @@ void ensure_memory_budget_bound(nb::module_& m) {
 
 // Runs a directory walk (scan or clean) with the GIL released and returns its files as dicts.
 nb::list registry_files_as_dicts(std::vector<RegistryFileInfo> (*walk)()) {
-  configure_registry_from_config();
   std::vector<RegistryFileInfo> files;
   {
     nb::gil_scoped_release unlocked;
@@ -197,12 +187,15 @@ void bind_registry(nb::module_& m) {
   m.def("validate_instance_name", &validate_instance_name, "name"_a,
         "ValueError unless `name` is a valid instance name (1-63 bytes of UTF-8, no control characters).");
   m.def(
-      "registry_directory",
-      [] {
-        configure_registry_from_config();
-        return registry_directory_path();
-      },
-      "The registry directory (KVCACHED_REGISTRY_DIR through kvcached.config).");
+      "configure_registry",
+      [](const std::string& directory, const std::string& group) { configure_registry({directory, group}); },
+      "directory"_a, "group"_a = "",
+      "Makes `directory` (absolute) and `group` (a group name or gid; '': private registries) the "
+      "settings of every later registry call of this process. kvcached.registry passes "
+      "KVCACHED_REGISTRY_DIR and KVCACHED_REGISTRY_GROUP before each call that opens or lists "
+      "registries; ValueError (nothing changed) for a relative directory or an unknown group.");
+  m.def("registry_directory", &registry_directory_path,
+        "The registry directory configure_registry() was last given; ValueError if it never was.");
   m.def("resolve_registry_group", &resolve_registry_group, "text"_a,
         "The gid a KVCACHED_REGISTRY_GROUP value names (a group name, or a gid from 0 to "
         "2**32 - 2); ValueError naming the variable otherwise.");
@@ -271,7 +264,6 @@ void bind_registry(nb::module_& m) {
       .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes,
                        const std::string& local_device) {
              const auto budget = checked_optional_bytes("budget_bytes", budget_bytes);
-             configure_registry_from_config();
              nb::gil_scoped_release unlocked;
              return DeviceRegistry::open(device, budget, local_device);
            }),
@@ -281,13 +273,8 @@ void bind_registry(nb::module_& m) {
            "Without a budget a missing registry raises RegistryNotFoundError. `local_device` "
            "('cuda:1') is recorded by register() as the device this process sees. "
            "kvcached.registry.registry_for resolves names such as 'cuda:0' first.")
-      .def_static(
-          "segment_path",
-          [](const std::string& device) {
-            configure_registry_from_config();
-            return DeviceRegistry::segment_path(device);
-          },
-          "device"_a, "Where the registry file of `device` lives (in KVCACHED_REGISTRY_DIR).")
+      .def_static("segment_path", &DeviceRegistry::segment_path, "device"_a,
+                  "Where the registry file of `device` lives (in the configured registry directory).")
       .def_prop_ro("device", &DeviceRegistry::device)
       .def_prop_ro("local_device", &DeviceRegistry::local_device)
       .def_prop_ro("path", &DeviceRegistry::path)
