@@ -25,7 +25,7 @@ from kvcached.registry import DeviceRegistry
 from rank_processes import Machine, Worker
 
 # 2 layers x K,V of 256 KiB blocks on 2 MiB pages: 8 blocks a page, a page id is 8 MiB on every rank.
-LAYOUT = kvcached.KVLayout(2, 256 << 10, 256, page_bytes=2 << 20)
+LAYOUT = kvcached.KVLayout(2, 256 << 10, 256, page_bytes=2 << 20, kind="contiguous")
 PAGE_ID_BYTES = LAYOUT.page_id_bytes
 BLOCKS_PER_PAGE = LAYOUT.blocks_per_page
 
@@ -297,9 +297,9 @@ def check_refusal_leaves_nothing_taken(ranks: Sequence[Rank]) -> list[str]:
         ledger.charge(1)
         _apply_everywhere(manager, ranks, ledger, manager.take_page_ops(), "one page mapped")
         for j, rank in enumerate(ranks):
-            rank.registry.set_limit(rank.name, PAGE_ID_BYTES)  # rank j may hold no more than it has
+            rank.registry.set_policy(rank.name, max_bytes=PAGE_ID_BYTES)  # rank j may hold no more than it has
             _refused(manager, ledger, "limit", f"rank {j} at its limit")
-            rank.registry.set_limit(rank.name, None)
+            rank.registry.set_policy(rank.name, clear_max=True)
 
             on_device = ledger.by_registry()[rank.identity]
             budget_bytes = rank.registry.budget_bytes

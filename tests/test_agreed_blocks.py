@@ -15,7 +15,7 @@ from kvcached.integration.common.agreed_blocks import LeaderBlocks
 from kvcached.integration.common.decision_channel import DecisionReceiver, DecisionSender
 from kvcached.integration.common.engine_layout import engine_layout, stage_layout
 from kvcached.integration.common.rank_devices import describe_rank
-from kvcached.registry import registry_for
+from kvcached.registry import MemoryPolicy, registry_for
 
 KiB = 1 << 10
 # 100 blocks of 4 KiB in 64 KiB pages (16 blocks a page); rank 1 is a pipeline stage holding one of the two layers.
@@ -34,7 +34,7 @@ def engine(request):
     name = request.node.name[:60]
     follower = FollowerProcess(LAYOUTS, 1)
     ranks = [describe_rank("cpu", 0), follower.device]
-    leader, setup = LeaderBlocks.open(LAYOUTS, ranks, name=name, limit_bytes=None, ack_timeout_s=0.5)
+    leader, setup = LeaderBlocks.open(LAYOUTS, ranks, name=name, policy=MemoryPolicy(), ack_timeout_s=0.5)
     follower.attach(setup)
     leader.followers_attached()
     yield leader, follower, name
@@ -70,7 +70,7 @@ def test_a_follower_gets_the_leaders_answers_and_maps_the_same_pages(engine):
 
 def test_a_limit_on_one_rank_refuses_every_rank_all_or_nothing(engine):
     leader, follower, name = engine
-    registry_for("cpu").set_limit(follower.process.pid, 2 * PAGE_ID_BYTES // 2)  # rank 1: two page ids
+    registry_for("cpu").set_policy(follower.process.pid, max_bytes=2 * PAGE_ID_BYTES // 2)  # rank 1: two page ids
     assert not leader.secure(40)  # three pages: rank 1 cannot hold them, so no rank takes them
     assert follower.call("secure", 40) == ("ok", False)
     assert leader.secured == 31  # what one more page allows (15 free on the null block's page + 16)
@@ -81,7 +81,7 @@ def test_a_limit_on_one_rank_refuses_every_rank_all_or_nothing(engine):
         leader.alloc(16)  # one block past what is secured needs a page rank 1 may not hold
     status, error = follower.call("alloc", 16)
     assert status == "error" and "OutOfMemoryError" in error  # refused on the follower too
-    registry_for("cpu").set_limit(follower.process.pid, None)
+    registry_for("cpu").set_policy(follower.process.pid, clear_max=True)
 
 
 def test_a_dead_follower_is_lost_and_its_budget_returns(engine):

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import kvcached
-from kvcached.registry import DeviceRegistry
+from kvcached.registry import DeviceRegistry, MemoryPolicy
 
 PAGE_BYTES = 2 * 1024 * 1024
 BUDGET_BYTES = 64 * PAGE_BYTES
@@ -93,17 +93,17 @@ def test_kvctl_refuses_a_target_that_can_name_no_instance_in_one_line(env, regis
 def test_registry_set_limit_refuses_a_pid_no_process_can_have(registry):
     for pid in (2**63, 2**64, 0, -1):
         with pytest.raises(ValueError, match="pid"):
-            registry.set_limit(pid, PAGE_BYTES)
+            registry.set_policy(pid, max_bytes=PAGE_BYTES)
 
 
 def test_kvctl_names_instances_by_pid_or_by_name_even_all_digits(env, registry):
     numeric, llama = registry.register("12345"), registry.register("llama")
     assert kvctl_json(env, "set-limit", "name:12345", "4MiB")["matched"] == 1
-    assert (numeric.limit_bytes, llama.limit_bytes) == (2 * PAGE_BYTES, None)
+    assert (numeric.max_bytes, llama.max_bytes) == (2 * PAGE_BYTES, None)
     assert kvctl_json(env, "set-limit", "llama", "8MiB")["matched"] == 1, "a bare name still works"
     assert kvctl_json(env, "set-limit", f"pid:{os.getpid()}", "16MiB")["matched"] == 2
     assert kvctl_json(env, "clear-limit", str(os.getpid()))["matched"] == 2, "a bare pid still works"
-    assert numeric.limit_bytes is None and llama.limit_bytes is None
+    assert numeric.max_bytes is None and llama.max_bytes is None
 
 
 def test_kvctl_refuses_to_limit_a_dead_instance(env, registry):
@@ -167,7 +167,9 @@ def test_registry_views_call_mapped_but_free_memory_free_mapped(env, registry):
 
 
 def test_kvtop_keeps_names_whole_at_80_columns(env, registry):
-    busy = DeviceRegistry(GPU, BUDGET_BYTES).register(LONG_NAME, local_device="cuda:3", limit_bytes=8 * PAGE_BYTES)
+    busy = DeviceRegistry(GPU, BUDGET_BYTES).register(
+        LONG_NAME, local_device="cuda:3", policy=MemoryPolicy(max_bytes=8 * PAGE_BYTES)
+    )
     assert busy.try_acquire(4 * PAGE_BYTES)
     busy.report_usage(PAGE_BYTES, 4 * PAGE_BYTES)
     busy.report_worker_errors(3)

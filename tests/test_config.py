@@ -82,7 +82,7 @@ def test_defaults_apply_when_unset(monkeypatch):
         ("min_reserve_pages", "0", 0),
         ("virtual_capacity_bytes", "1.5G", 3 << 29),
         ("virtual_capacity_bytes", "2GB", 2 * 10**9),
-        ("limit_bytes", "512MiB", 512 << 20),
+        ("max_bytes", "512MiB", 512 << 20),
         ("idle_cache_bytes", "0", 0),
         ("name", "llama-8b", "llama-8b"),
         ("registry_dir", "/run/kvcached", "/run/kvcached"),
@@ -112,7 +112,7 @@ def test_valid_values_parse(monkeypatch, name, text, value):
         ("virtual_capacity_bytes", "1e99"),
         ("gpu_utilization", "abc"),
         ("gpu_utilization", "nan"),
-        ("limit_bytes", "0.5"),
+        ("max_bytes", "0.5"),
         ("host_capacity_bytes", "0"),
         ("name", "bad\x1bname"),
         ("registry_dir", "relative/dir"),
@@ -207,7 +207,8 @@ def test_an_older_name_is_honoured_when_the_option_is_unset(monkeypatch):
 
 
 def test_every_device_kind_defaults_to_the_contiguous_layout(monkeypatch):
-    from kvcached.layout import DEFAULT_LAYOUTS, default_layout
+    from kvcached.configured import default_layout
+    from kvcached.layout import DEFAULT_LAYOUTS
 
     monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
     assert DEFAULT_LAYOUTS == {"cuda": "contiguous", "hip": "contiguous", "host": "contiguous"}
@@ -232,7 +233,7 @@ def test_a_pool_gets_its_device_kinds_layout_unless_told(monkeypatch, host_devic
 
 
 def test_info_shows_the_layout_pools_get_and_why(monkeypatch, capsys):
-    from kvcached.cli import collect_info, main
+    from kvcached.cli.main import collect_info, main
 
     monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
     host = next(b for b in collect_info()["backends"] if b["name"] == "host")
@@ -245,7 +246,7 @@ def test_info_shows_the_layout_pools_get_and_why(monkeypatch, capsys):
 
 
 def test_the_space_options_follow_the_configuration(monkeypatch):
-    from kvcached.layout import space_options
+    from kvcached.configured import space_options
 
     monkeypatch.setenv("KVCACHED_ZERO_FRONTIER_PAGES", "16")
     assert space_options().zero_frontier_pages == 16

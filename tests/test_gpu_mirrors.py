@@ -16,7 +16,9 @@ pytestmark = pytest.mark.gpu
 NUM_LAYERS = 4
 BLOCK_BYTES = 256 << 10
 NUM_BLOCKS = 512
-LAYOUT = kvcached.KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=2 << 20)  # one value on both sides
+LAYOUT = kvcached.KVLayout(
+    NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=2 << 20, kind="contiguous"
+)  # one value on both sides
 
 
 def gpu_mirror_main(conn, device: str) -> None:

@@ -31,7 +31,7 @@ SCENARIO = """
     for page_bytes in pages:
         for layout in ("per_layer", "contiguous"):
             for zero_backing in (True, False):
-                kv_layout = kvcached.KVLayout(2, block_bytes, num_buffers=2, kind=layout, page_bytes=page_bytes,
+                kv_layout = kvcached.KVLayout.from_config(2, block_bytes, num_buffers=2, kind=layout, page_bytes=page_bytes,
                                               capacity_bytes={capacity}, device=device)
                 space = kvcached.KVSpace(kv_layout, device, kvcached.KVSpaceOptions(zero_backing=zero_backing))
                 per_page = space.blocks_per_page

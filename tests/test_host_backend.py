@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from kvcached import _core
+from kvcached import _core, configured
 
 
 def page(device) -> int:
@@ -48,8 +48,7 @@ def _resident_bytes() -> int:
 
 
 def test_host_anonymous_release_gives_the_memory_back(monkeypatch):
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "anonymous")
-    device = _core.open_host_device(256 * 2**20)
+    device = _core.open_host_device(256 * 2**20, memory="anonymous")
     size = 64 * 2**20
     r = device.reserve(size)
     a = device.create(size)
@@ -67,8 +66,7 @@ def test_host_anonymous_release_gives_the_memory_back(monkeypatch):
 @pytest.mark.parametrize("kind", ["anonymous", "huge_pages"])
 def test_host_anonymous_memory_is_allocated_at_create(monkeypatch, kind):
     # As cuMemCreate on a GPU: no page fault left for the engine's forward pass.
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", kind)
-    device = _core.open_host_device(256 * 2**20)
+    device = _core.open_host_device(256 * 2**20, memory=kind)
     size = 64 * 2**20
     before = _resident_bytes()
     a = device.create(size)
@@ -107,8 +105,7 @@ def _anon_huge_kib(address: int) -> int:
     _huge_page_setting() not in ("always", "madvise"), reason="transparent huge pages are off or absent on this kernel"
 )
 def test_host_huge_pages_are_huge_pages_allocated_at_create(monkeypatch):
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "huge_pages")
-    device = _core.open_host_device(64 * 2**20)
+    device = _core.open_host_device(64 * 2**20, memory="huge_pages")
     size = 8 * 2**20
     r = device.reserve(size, 2 * 2**20)
     fallbacks = _vmstat("thp_fault_fallback")
@@ -128,8 +125,7 @@ def test_host_huge_pages_are_huge_pages_allocated_at_create(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["anonymous", "huge_pages", "shared_files"])
 def test_every_host_memory_kind_keeps_the_contract(monkeypatch, kind):
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", kind)
-    device = _core.open_host_device(64 * 2**20)
+    device = _core.open_host_device(64 * 2**20, memory=kind)
     p = page(device)
     r = device.reserve(6 * p)
     a = device.create(p)
@@ -152,9 +148,11 @@ def test_every_host_memory_kind_keeps_the_contract(monkeypatch, kind):
 
 
 def test_an_unknown_host_memory_kind_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="'hugepages' is not a host memory kind: expected anonymous, huge_pages or"):
+        _core.open_host_device(64 * 2**20, memory="hugepages")
     monkeypatch.setenv("KVCACHED_HOST_MEMORY", "hugepages")
     with pytest.raises(ValueError, match="KVCACHED_HOST_MEMORY='hugepages'.*anonymous, huge_pages or shared_files"):
-        _core.open_host_device(64 * 2**20)
+        configured.host_device_settings()
 
 
 def _resident_pages(address: int, size: int) -> int:
@@ -196,9 +194,7 @@ def _populated_after_access(device) -> int:
 
 @pytest.mark.parametrize("populate", ["background", "on_touch"])
 def test_shared_files_pages_are_populated_when_mapped_unless_asked_otherwise(monkeypatch, bound_to_one_cpu, populate):
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
-    monkeypatch.setenv("KVCACHED_HOST_POPULATE", populate)
-    device = _core.open_host_device(64 * 2**20)
+    device = _core.open_host_device(64 * 2**20, memory="shared_files", populate=populate)
     expected = page(device) // os.sysconf("SC_PAGESIZE") if populate == "background" else 0
     assert _populated_after_access(device) == expected
 
@@ -218,9 +214,7 @@ def _threads_with_policy(policy: int) -> dict[int, set[int]]:
 def test_the_populating_thread_runs_only_when_the_other_cpus_are_idle(monkeypatch, bound_to_one_cpu):
     # SCHED_IDLE: the engine's own threads on those CPUs (vLLM's EngineCore)
     # preempt it at once; and never on the mapping thread's CPU.
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
-    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "background")
-    assert _populated_after_access(_core.open_host_device(64 * 2**20)) > 0
+    assert _populated_after_access(_core.open_host_device(64 * 2**20, memory="shared_files", populate="background")) > 0
     populating = _threads_with_policy(os.SCHED_IDLE)
     assert len(populating) == 1, populating
     (cpus,) = populating.values()
@@ -229,21 +223,19 @@ def test_the_populating_thread_runs_only_when_the_other_cpus_are_idle(monkeypatc
 
 def test_a_mapping_thread_free_to_run_anywhere_leaves_its_pages_to_their_first_write(monkeypatch):
     # No CPU to spare: a populating thread would only compete with the engine's own.
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
-    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "background")
     everywhere = os.sched_getaffinity(0)
     online = set(range(os.cpu_count()))
     if everywhere != online:
         pytest.skip(f"this process may not run on every online CPU ({sorted(everywhere)} of {sorted(online)})")
-    assert _populated_after_access(_core.open_host_device(64 * 2**20)) == 0
+    assert (
+        _populated_after_access(_core.open_host_device(64 * 2**20, memory="shared_files", populate="background")) == 0
+    )
 
 
 def test_background_population_keeps_up_with_pages_moving_under_it(monkeypatch, bound_to_one_cpu):
     # Ranges unmapped, released or mapped to other memory before the populating
     # thread reaches them: it must neither fail the caller nor touch the data.
-    monkeypatch.setenv("KVCACHED_HOST_MEMORY", "shared_files")
-    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "background")
-    device = _core.open_host_device(64 * 2**20)
+    device = _core.open_host_device(64 * 2**20, memory="shared_files", populate="background")
     p = page(device)
     r = device.reserve(4 * p)
     for round_index in range(50):
@@ -262,9 +254,11 @@ def test_background_population_keeps_up_with_pages_moving_under_it(monkeypatch, 
 
 
 def test_an_unknown_host_populate_way_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="'eager' is not a way to populate host pages: expected background or"):
+        _core.open_host_device(64 * 2**20, populate="eager")
     monkeypatch.setenv("KVCACHED_HOST_POPULATE", "eager")
     with pytest.raises(ValueError, match="KVCACHED_HOST_POPULATE='eager'.*background or on_touch"):
-        _core.open_host_device(64 * 2**20)
+        configured.host_device_settings()
 
 
 def test_host_capacity_is_enforced_as_memory_error():
@@ -282,11 +276,15 @@ def test_host_capacity_is_enforced_as_memory_error():
 
 def test_host_default_capacity_follows_the_environment(monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", str(64 * 2**20))
-    assert _core.default_host_capacity_bytes() == 64 * 2**20
-    assert _core.open_host_device().memory_info()[1] == 64 * 2**20
+    assert configured.host_capacity_bytes() == 64 * 2**20
+    settings = configured.host_device_settings()
+    assert _core.open_host_device(settings.capacity_bytes).memory_info()[1] == 64 * 2**20
+    assert _core.open_host_device().memory_info()[1] == _core.machine_host_capacity_bytes(), (
+        "given nothing, reads nothing"
+    )
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", "lots")
     with pytest.raises(ValueError, match="KVCACHED_HOST_CAPACITY_BYTES"):
-        _core.default_host_capacity_bytes()
+        configured.host_capacity_bytes()
 
 
 def test_host_views_are_numpy_and_torch_visible(host_device):

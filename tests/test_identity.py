@@ -139,7 +139,7 @@ def test_info_shows_each_device_identity_beside_its_index():
         "hip",
         """
         import contextlib, io, json
-        from kvcached.cli import collect_info, main
+        from kvcached.cli.main import collect_info, main
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             main(["info"])

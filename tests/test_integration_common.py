@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
-from kvcached.errors import OutOfMemoryError
+from kvcached.errors import IntegrationError, OutOfMemoryError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.engine_layout import engine_layout, engine_page_bytes, stage_layout
 from kvcached.integration.common.mirrors import process_alive
-from kvcached.integration.common.rank_devices import RankDevice, describe_rank
+from kvcached.integration.common.rank_devices import RankDevice, describe_rank, require_one_host
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.settings import DEFAULT_PAGE_BYTES, Settings, is_enabled
-from kvcached.registry import DeviceRegistry, registry_for
+from kvcached.registry import DeviceRegistry, MemoryPolicy, registry_for
 from rank_process import RankProcess, close_all
 
 KiB = 1 << 10
@@ -74,7 +75,7 @@ def test_engine_blocks_refuse_bad_frees_and_change_nothing(blocks):
 def test_secured_blocks_survive_a_budget_taken_by_another_process(blocks):
     """What a check secured is still there when the step allocates."""
     assert blocks.secure(20) and blocks.secured == 20
-    registry_for("cpu").set_limit(blocks.manager.name, blocks.stats()["held_bytes"])  # no more pages
+    registry_for("cpu").set_policy(blocks.manager.name, max_bytes=blocks.stats()["held_bytes"])  # no more pages
     assert not blocks.secure(40) and blocks.num_short_secures == 1
     ids = blocks.alloc(20)  # takes the secured blocks: no new page needed
     assert ids.size == 20 and blocks.secured == 11  # partial securing kept the rest of the mapped pages
@@ -85,7 +86,7 @@ def test_secured_blocks_survive_a_budget_taken_by_another_process(blocks):
 
 
 def test_alloc_that_fails_keeps_secured_blocks(blocks):
-    registry_for("cpu").set_limit(blocks.manager.name, 2 * PAGE_ID_BYTES)
+    registry_for("cpu").set_policy(blocks.manager.name, max_bytes=2 * PAGE_ID_BYTES)
     assert blocks.secure(8)
     with pytest.raises(OutOfMemoryError):
         blocks.alloc(100)
@@ -177,14 +178,29 @@ def test_an_ack_board_is_shared_by_its_path():
 def test_a_rank_describes_its_device_and_registers_under_its_label():
     rank = describe_rank("cpu", 3)
     assert (rank.device, rank.local_device, rank.label, rank.rank) == ("cpu", "cpu", "rank3-cpu", 3)
-    budgets = register_ranks(
-        "described", [rank, describe_rank("cpu", 4)], limit_bytes=1 << 20, min_bytes=1 << 19, priority=-3
-    )
+    policy = MemoryPolicy(min_bytes=1 << 19, max_bytes=1 << 20, priority=-3)
+    budgets = register_ranks("described", [rank, describe_rank("cpu", 4)], policy=policy)
     entries = [e for e in registry_for("cpu").entries() if e["name"] == "described"]
     assert sorted(e["local_device"] for e in entries) == ["rank3-cpu", "rank4-cpu"]
-    assert {(e["limit_bytes"], e["min_bytes"], e["priority"]) for e in entries} == {(1 << 20, 1 << 19, -3)}
+    assert {(e["max_bytes"], e["min_bytes"], e["priority"]) for e in entries} == {(1 << 20, 1 << 19, -3)}
     for budget in budgets:
         budget.unregister()
+
+
+def test_every_rank_must_run_on_the_deciding_host():
+    here = describe_rank("cpu", 0)
+    require_one_host([here, dataclasses.replace(here, rank=1)], ranks_called="worker", decider="the EngineCore")
+    away = dataclasses.replace(here, rank=1, host="elsewhere-node")
+    with pytest.raises(
+        IntegrationError, match=r"every worker on the host of the EngineCore .*workers run on elsewhere-node"
+    ):
+        require_one_host([here, away], ranks_called="worker", decider="the EngineCore")
+
+    class EngineRefusal(IntegrationError):
+        pass
+
+    with pytest.raises(EngineRefusal, match="Unset KVCACHED_ENABLE"):
+        require_one_host([away], ranks_called="rank", decider="rank 0", error=EngineRefusal)
 
 
 def test_a_zombie_is_not_alive():
@@ -217,7 +233,7 @@ def two_ranks(request):
     board = AckBoard.create(2)
     ranks = [RankProcess(layout, rank, board.path, 2) for rank, layout in enumerate(layouts)]
     devices = [rank.device for rank in ranks]
-    budgets = register_ranks(name, devices, limit_bytes=None)
+    budgets = register_ranks(name, devices, policy=MemoryPolicy())
     engine = EngineBlocks.deciding(layouts, budgets, ranks=devices, board=board, name=name, ack_timeout_s=0.5)
     yield engine, ranks, name
     close_all(ranks)
@@ -372,7 +388,7 @@ def test_describe_rank_keys_a_gpu_by_its_physical_identity_whatever_the_index():
     assert ranks[0].device == ranks[1].device and ranks[0].device.startswith("cuda-GPU-")
     assert [r.label for r in ranks] == ["rank0-cuda:0", "rank1-cuda:1", "rank2-hip:0"]
     assert ranks[2].device.startswith("hip-GPU-")
-    budgets = register_ranks("tp-engine", ranks, limit_bytes=None)  # this process never opens a GPU
+    budgets = register_ranks("tp-engine", ranks, policy=MemoryPolicy())  # this process never opens a GPU
     try:
         entries = registry_for(ranks[0].device).entries()
         assert sorted(e["local_device"] for e in entries if e["name"] == "tp-engine") == [
@@ -400,9 +416,7 @@ def test_settings_come_from_the_one_options_table(monkeypatch):
     settings = Settings.from_env()
     assert settings == Settings(
         virtual_bytes=None,
-        limit_bytes=64 << 20,
-        min_bytes=16 << 20,
-        priority=-7,
+        policy=MemoryPolicy(min_bytes=16 << 20, max_bytes=64 << 20, priority=-7),
         page_bytes=DEFAULT_PAGE_BYTES,
         name="engine-a",
         idle_cache_bytes=0,

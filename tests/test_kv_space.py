@@ -13,7 +13,7 @@ LAYERS, BUFFERS, BLOCK_BYTES = 2, 2, 64 << 10
 
 
 def make_space(device, layout: str = "per_layer", **options) -> kvcached.KVSpace:
-    kv_layout = kvcached.KVLayout(
+    kv_layout = kvcached.KVLayout.from_config(
         LAYERS, BLOCK_BYTES, kind=layout, num_buffers=BUFFERS, capacity_bytes=1 << 30, device=device
     )
     return kvcached.KVSpace(kv_layout, device, kvcached.KVSpaceOptions(**options))

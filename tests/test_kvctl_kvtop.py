@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvcached.registry import DeviceRegistry
+from kvcached.registry import DeviceRegistry, MemoryPolicy
 from registry_files import entry_offset, poke
 
 PAGE_BYTES = 2 * 1024 * 1024
@@ -57,7 +57,7 @@ def child_register_and_exit(name: str) -> None:
 
 
 def test_kvctl_list_shows_instances_and_device_totals(env, registry):
-    engine = registry.register("llama", limit_bytes=8 * PAGE_BYTES)
+    engine = registry.register("llama", policy=MemoryPolicy(max_bytes=8 * PAGE_BYTES))
     assert engine.try_acquire(3 * PAGE_BYTES)
     engine.report_usage(PAGE_BYTES, 3 * PAGE_BYTES)
     listing = kvctl_json(env, "list")
@@ -92,11 +92,11 @@ def test_kvctl_limits_reach_the_running_instance(env, registry):
     other = registry.register("other")
     result = kvctl_json(env, "set-limit", "qwen", "4MiB")
     assert (result["matched"], result["limit_bytes"]) == (1, 2 * PAGE_BYTES)
-    assert engine.limit_bytes == 2 * PAGE_BYTES and other.limit_bytes is None
+    assert engine.max_bytes == 2 * PAGE_BYTES and other.max_bytes is None
     assert engine.try_acquire(2 * PAGE_BYTES) and not engine.try_acquire(PAGE_BYTES)
     assert kvctl_json(env, "set-limit", str(os.getpid()), "16M")["matched"] == 2, "by pid: both of ours"
     assert kvctl_json(env, "clear-limit", "qwen")["limit_bytes"] is None
-    assert engine.limit_bytes is None and other.limit_bytes == 8 * PAGE_BYTES
+    assert engine.max_bytes is None and other.max_bytes == 8 * PAGE_BYTES
 
 
 def test_kvctl_unknown_instance_or_bad_size_fails_clearly(env, registry):
@@ -135,7 +135,7 @@ def test_kvctl_clean_reclaims_dead_instances(env, registry):
 
 
 def test_kvtop_once_prints_one_frame_of_every_device(env, registry):
-    engine = registry.register("llama-8b", limit_bytes=32 * PAGE_BYTES)
+    engine = registry.register("llama-8b", policy=MemoryPolicy(max_bytes=32 * PAGE_BYTES))
     assert engine.try_acquire(8 * PAGE_BYTES)
     engine.report_usage(4 * PAGE_BYTES, 8 * PAGE_BYTES)
     other_device = DeviceRegistry(GPU, BUDGET_BYTES).register("mistral-7b", local_device="cuda:3")  # kept
@@ -182,7 +182,7 @@ def assert_one_line_failure(done, rc: int, words: str) -> None:
 
 def run_in_process(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
     """The tool's main() in this process (fast): an uncaught exception fails the test like a traceback."""
-    main = importlib.import_module(f"kvcached.{module}").main
+    main = importlib.import_module(f"kvcached.cli.{module}").main
     try:
         code = main(list(args))
     except SystemExit as exit_:
@@ -258,7 +258,7 @@ def test_names_that_are_not_printable_utf8_are_shown_escaped(env, registry):
     frame = run(env, "kvtop", "--once").stdout
     assert "crafted\\xff\\xfe" in frame and "\x1b[2J" not in frame
     assert kvctl_json(env, "set-limit", "crafted\udcff\udcfe\x1b[2J", "4M")["matched"] == 1, "named as it is stored"
-    assert engine.limit_bytes == 2 * PAGE_BYTES
+    assert engine.max_bytes == 2 * PAGE_BYTES
 
 
 def test_kvctl_files_and_list_report_a_damaged_registry_in_one_line(env, registry, tmp_path):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvcached.registry import DeviceRegistry
+from kvcached.registry import DeviceRegistry, MemoryPolicy
 from test_kvctl_kvtop import BUDGET_BYTES, DEVICE, PAGE_BYTES, kvctl_json, run
 
 MIB = 1 << 20
@@ -34,7 +34,7 @@ def test_set_policy_reaches_the_running_instance_and_list_shows_it(env, registry
         32 * MIB,
         3,
     )
-    assert (engine.min_bytes, engine.limit_bytes, engine.priority) == (8 * MIB, 32 * MIB, 3)
+    assert (engine.min_bytes, engine.max_bytes, engine.priority) == (8 * MIB, 32 * MIB, 3)
     (entry,) = kvctl_json(env, "list")["instances"]
     assert (entry["min_bytes"], entry["limit_bytes"], entry["priority"], entry["reclaim_target_bytes"]) == (
         8 * MIB,
@@ -47,17 +47,17 @@ def test_set_policy_reaches_the_running_instance_and_list_shows_it(env, registry
     # One field at a time; the others stay.
     assert kvctl_json(env, "set-policy", "qwen", "--priority", "-2")["priority"] == -2
     assert kvctl_json(env, "set-policy", str(os.getpid()), "--max", "none")["max_bytes"] is None
-    assert (engine.min_bytes, engine.limit_bytes, engine.priority) == (8 * MIB, None, -2)
+    assert (engine.min_bytes, engine.max_bytes, engine.priority) == (8 * MIB, None, -2)
 
 
 def test_set_policy_refuses_mins_above_the_budget_naming_the_numbers(env, registry):
-    first = registry.register("first", min_bytes=BUDGET_BYTES // 2)
+    first = registry.register("first", policy=MemoryPolicy(min_bytes=BUDGET_BYTES // 2))
     second = registry.register("second")
     failed = kvctl_json(env, "set-policy", "second", "--min", f"{BUDGET_BYTES // 2 + PAGE_BYTES}", expect_rc=1)
     assert "would sum to 136314880 bytes (130 MiB), above the device budget of 134217728 bytes" in failed["error"]
     assert second.min_bytes == 0 and first.min_bytes == BUDGET_BYTES // 2, "nothing changed"
     failed = kvctl_json(env, "set-policy", "first", "--max", "1MiB", expect_rc=1)
-    assert "above its max" in failed["error"] and first.limit_bytes is None
+    assert "above its max" in failed["error"] and first.max_bytes is None
     refused = run(env, "kvctl", "set-budget", "32MiB", expect_rc=1)
     assert "guaranteed minimums" in refused.stderr and registry.budget_bytes == BUDGET_BYTES
 
@@ -73,8 +73,8 @@ def test_set_policy_bad_input_is_one_clear_line(env, registry):
 
 
 def test_kvtop_shows_the_policy_and_who_is_asked_to_shrink(env, registry):
-    low = registry.register("low-prio", min_bytes=4 * PAGE_BYTES, priority=0)
-    high = registry.register("high-prio", priority=7)
+    low = registry.register("low-prio", policy=MemoryPolicy(min_bytes=4 * PAGE_BYTES, priority=0))
+    high = registry.register("high-prio", policy=MemoryPolicy(priority=7))
     assert low.try_acquire(BUDGET_BYTES)
     low.report_usage(BUDGET_BYTES, BUDGET_BYTES)
     stop = threading.Event()

@@ -13,13 +13,31 @@ PAGE_BYTES = 16 << 10
 
 
 def test_a_layout_knows_its_geometry_and_a_partial_last_page():
-    layout = kvcached.KVLayout(2, 4 << 10, 30, page_bytes=PAGE_BYTES)
+    layout = kvcached.KVLayout(2, 4 << 10, 30, page_bytes=PAGE_BYTES, kind="per_layer")
     assert (layout.num_pages, layout.blocks_per_page, layout.num_blocks) == (8, 4, 30)
     assert [layout.blocks_on_page(p) for p in (0, 6, 7, 8)] == [4, 4, 2, 0]
     assert layout.page_id_bytes == 2 * 2 * PAGE_BYTES and layout.block_id_bytes == 2 * 2 * (4 << 10)
-    assert layout.kind == "contiguous" and layout.as_dict()["num_blocks"] == 30  # the default (no device: host's)
+    assert layout.kind == "per_layer" and layout.as_dict()["num_blocks"] == 30
     with pytest.raises(ValueError, match="outside the layout"):
         layout.offset_of(0, 0, 30)
+
+
+def test_a_layout_takes_explicit_values_and_from_config_fills_the_rest(monkeypatch):
+    with pytest.raises(TypeError):
+        kvcached.KVLayout(2, 4 << 10, 30)  # no page size, no kind: nothing is read from anywhere
+    monkeypatch.delenv("KVCACHED_LAYOUT", raising=False)
+    monkeypatch.setenv("KVCACHED_PAGE_BYTES", str(PAGE_BYTES))
+    filled = kvcached.KVLayout.from_config(2, 4 << 10, 30)
+    assert filled == kvcached.KVLayout(2, 4 << 10, 30, page_bytes=PAGE_BYTES, kind="contiguous")  # no device: host's
+    assert type(filled) is kvcached.KVLayout
+    monkeypatch.setenv("KVCACHED_LAYOUT", "per_layer")
+    monkeypatch.setenv("KVCACHED_VIRTUAL_CAPACITY_BYTES", str(8 * 2 * 2 * PAGE_BYTES))
+    assert kvcached.KVLayout.from_config(2, 4 << 10).as_dict() == dict(
+        num_layers=2, num_buffers=2, block_bytes=4 << 10, page_bytes=PAGE_BYTES, num_blocks=32, kind="per_layer"
+    )
+    assert kvcached.KVLayout.from_config(2, 4 << 10, 30, kind="contiguous", page_bytes=2 * PAGE_BYTES).kind == (
+        "contiguous"
+    ), "what the caller gives wins"
 
 
 def test_for_capacity_holds_whole_pages():
@@ -73,11 +91,11 @@ def test_options_are_checked_once():
 
 
 def test_one_layout_value_is_shared_by_the_space_and_the_manager(host_device):
-    layout = kvcached.KVLayout(2, 4 << 10, 30, page_bytes=PAGE_BYTES)
+    layout = kvcached.KVLayout(2, 4 << 10, 30, page_bytes=PAGE_BYTES, kind="contiguous")
     with kvcached.KVPool(kv_layout=layout, device=host_device, background_worker=False) as pool:
         assert pool.kv_layout == layout == pool.space.kv_layout
         assert pool.num_blocks == 30 and pool.space.num_blocks == 30
-    other = kvcached.KVLayout(2, 4 << 10, 32, page_bytes=PAGE_BYTES)
+    other = kvcached.KVLayout(2, 4 << 10, 32, page_bytes=PAGE_BYTES, kind="contiguous")
     space = kvcached.KVSpace(other, host_device)
     with pytest.raises(ValueError, match="differs"):
         _core.BlockManager(layout, kvcached.BlockManagerOptions(), space=space)

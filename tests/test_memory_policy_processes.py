@@ -16,7 +16,7 @@ import pytest
 
 import kvcached
 from kvcached.integration.common.idle import IdleRelease
-from kvcached.registry import DeviceRegistry
+from kvcached.registry import DeviceRegistry, MemoryPolicy
 
 PAGE_BYTES = 2 * 1024 * 1024
 BLOCK_BYTES = 256 * 1024
@@ -57,7 +57,7 @@ def make_pool(budget) -> kvcached.KVPool:
 
 def child_idle_low(pages: int, ready, stop, results) -> None:
     """Fills `pages` with blocks (cached prefixes), then idles; gives them back when wanted."""
-    budget = DeviceRegistry(DEVICE).register("idle-low", priority=0)
+    budget = DeviceRegistry(DEVICE).register("idle-low", policy=MemoryPolicy(priority=0))
     pool = make_pool(budget)
     held = pool.alloc(pages * BLOCKS_PER_PAGE).tolist()
     idle = IdleRelease(60.0, [budget])  # a long hold: only the device's wanting ends it early
@@ -79,7 +79,9 @@ def child_idle_low(pages: int, ready, stop, results) -> None:
 
 def child_busy_low(pages: int, min_pages: int, ready, stop, results) -> None:
     """Holds `pages` of blocks in use; while over the limit in force, preempts a page's worth."""
-    budget = DeviceRegistry(DEVICE).register("busy-low", min_bytes=min_pages * PAGE_BYTES, priority=0)
+    budget = DeviceRegistry(DEVICE).register(
+        "busy-low", policy=MemoryPolicy(min_bytes=min_pages * PAGE_BYTES, priority=0)
+    )
     pool = make_pool(budget)
     held = pool.alloc(pages * BLOCKS_PER_PAGE).tolist()
     ready.set()
@@ -99,7 +101,7 @@ def child_busy_low(pages: int, min_pages: int, ready, stop, results) -> None:
 
 def child_greedy(priority: int, ready, stop, results) -> None:
     """Takes every page it can, then holds them."""
-    budget = DeviceRegistry(DEVICE).register("greedy", priority=priority)
+    budget = DeviceRegistry(DEVICE).register("greedy", policy=MemoryPolicy(priority=priority))
     pool = make_pool(budget)
     pages = 0
     while True:
@@ -139,7 +141,7 @@ def low_entry(registry: DeviceRegistry, name: str) -> dict:
 
 def test_a_min_holds_against_a_higher_priority_that_takes_all_it_can():
     registry = DeviceRegistry(DEVICE, BUDGET_PAGES * PAGE_BYTES)
-    guaranteed = registry.register("guaranteed", min_bytes=6 * PAGE_BYTES, priority=0)
+    guaranteed = registry.register("guaranteed", policy=MemoryPolicy(min_bytes=6 * PAGE_BYTES, priority=0))
     process, stop, results = start(child_greedy, 9)
     try:
         pool = make_pool(guaranteed)
@@ -159,7 +161,7 @@ def test_a_higher_priority_gets_an_idle_lower_prioritys_memory_at_once():
     process, stop, results = start(child_idle_low, BUDGET_PAGES)
     try:
         assert registry.available_bytes == 0
-        pool = make_pool(registry.register("high", priority=5))
+        pool = make_pool(registry.register("high", policy=MemoryPolicy(priority=5)))
         began = time.monotonic()
         blocks = pool.alloc(8 * BLOCKS_PER_PAGE, timeout_s=CHILD_TIMEOUT_S)
         waited_s = time.monotonic() - began
@@ -177,7 +179,7 @@ def test_a_busy_lower_priority_shrinks_to_what_is_asked_never_below_its_min_and_
     min_pages = 4
     process, stop, results = start(child_busy_low, BUDGET_PAGES, min_pages)
     try:
-        high = registry.register("high", priority=5)
+        high = registry.register("high", policy=MemoryPolicy(priority=5))
         pool = make_pool(high)
         began = time.monotonic()
         blocks = pool.alloc(8 * BLOCKS_PER_PAGE, timeout_s=CHILD_TIMEOUT_S)

@@ -179,8 +179,8 @@ def test_a_limit_set_from_outside_shows_in_available_at_once():
     with make_manager(64, background_worker=False, name="truth-limit") as m:
         assert m.available_size() == 64
         page_id_bytes = m.pool.page_id_bytes
-        registry_for(m.pool.device.name).set_limit("truth-limit", 2 * page_id_bytes)
+        registry_for(m.pool.device.name).set_policy("truth-limit", max_bytes=2 * page_id_bytes)
         assert m.available_size() == 2 * m.pool.blocks_per_page
         assert m.alloc(2 * m.pool.blocks_per_page + 1) is None
-        registry_for(m.pool.device.name).set_limit("truth-limit", None)
+        registry_for(m.pool.device.name).set_policy("truth-limit", clear_max=True)
         assert m.available_size() == 64

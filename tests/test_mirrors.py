@@ -15,7 +15,7 @@ NUM_LAYERS = 2
 BLOCK_BYTES = 4 << 10
 PAGE_BYTES = 16 << 10
 NUM_BLOCKS = 32
-LAYOUT = kvcached.KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES)
+LAYOUT = kvcached.KVLayout(NUM_LAYERS, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind="contiguous")
 
 
 def mirror_main(conn) -> None:
@@ -233,10 +233,10 @@ def test_a_budget_refusing_on_one_mirror_leaves_nothing_taken_on_the_others():
 
 
 def test_pipeline_stages_are_charged_what_a_page_costs_on_them():
-    whole = kvcached.KVLayout(4, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES)  # 4 layers in all
+    whole = kvcached.KVLayout(4, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind="contiguous")  # 4 layers in all
     stages = [
-        kvcached.KVLayout(3, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES),
-        kvcached.KVLayout(1, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES),
+        kvcached.KVLayout(3, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind="contiguous"),
+        kvcached.KVLayout(1, BLOCK_BYTES, NUM_BLOCKS, page_bytes=PAGE_BYTES, kind="contiguous"),
     ]
     budgets = [_core.FixedBudget(1 << 30) for _ in stages]
     manager = kvcached.BlockManager(whole, mirrors=[kvcached.Mirror(b, s) for b, s in zip(budgets, stages)])
@@ -251,7 +251,7 @@ def test_pipeline_stages_are_charged_what_a_page_costs_on_them():
     manager.trim()
     mirrors.apply(manager, manager.take_page_ops())
     assert used(budgets) == [0, 0]
-    other = kvcached.KVLayout(1, BLOCK_BYTES, NUM_BLOCKS, page_bytes=2 * PAGE_BYTES)
+    other = kvcached.KVLayout(1, BLOCK_BYTES, NUM_BLOCKS, page_bytes=2 * PAGE_BYTES, kind="contiguous")
     with pytest.raises(ValueError, match="blocks per page"):
         kvcached.BlockManager(whole, mirrors=[kvcached.Mirror(None, other)])
     manager.close()
@@ -323,7 +323,7 @@ def test_mirrors_on_the_shared_registry_budget():
         ids = manager.alloc(2 * manager.blocks_per_page)
         assert [r.mapped_bytes for r in ranks] == [2 * page, 2 * page]
         mirrors.apply(manager, manager.take_page_ops())
-        registry.set_limit("rank-1", 2 * page)  # rank 1 may hold no more
+        registry.set_policy("rank-1", max_bytes=2 * page)  # rank 1 may hold no more
         with pytest.raises(kvcached.OutOfMemoryError):
             manager.alloc(manager.blocks_per_page)
         assert [r.mapped_bytes for r in ranks] == [2 * page, 2 * page]

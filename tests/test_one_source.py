@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvcached
-from kvcached import _core
+from kvcached import _core, configured, registry
 from kvcached.errors import ConfigurationError
 from kvcached.integration.common import pins
 
@@ -29,12 +29,38 @@ def test_the_core_reads_no_environment_variable():
     assert not readers, f"these read the environment themselves: {readers}"
 
 
+def test_no_binding_calls_back_into_python_for_a_setting():
+    """Settings go down (Python passes them to the core), never up: the bindings import no Python
+    module but kvcached.errors (to raise its exceptions)."""
+    bindings = sorted((ROOT / "cpp" / "bindings").rglob("*.[ch]pp"))
+    assert bindings, "the bindings are part of the source tree"
+    imported = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in bindings
+        for name in re.findall(r'import_\("([^"]+)"\)', path.read_text())
+        if name != "kvcached.errors"
+    }
+    assert not imported, f"these bindings call back into Python: {sorted(imported)}"
+
+
+def test_the_core_takes_only_the_settings_it_is_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", "24M")
+    monkeypatch.setenv("KVCACHED_HOST_POPULATE", "eager")  # a bad value nobody reads here
+    assert _core.open_host_device(8 << 20).memory_info()[1] == 8 << 20
+    assert _core.open_host_device().memory_info()[1] == _core.machine_host_capacity_bytes()
+    _core.configure_registry(str(tmp_path))
+    monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path / "elsewhere"))
+    assert _core.registry_directory() == str(tmp_path)
+
+
 def test_the_host_backend_gets_its_settings_through_the_python_grammar(monkeypatch):
     # Case and whitespace are the Python grammar's: the core once compared the raw text itself.
     monkeypatch.setenv("KVCACHED_HOST_MEMORY", " Anonymous ")
     monkeypatch.setenv("KVCACHED_HOST_POPULATE", "ON_TOUCH")
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", " 8M ")
-    device = _core.open_host_device()
+    settings = configured.host_device_settings()
+    assert (settings.capacity_bytes, settings.memory, settings.populate) == (8 << 20, "anonymous", "on_touch")
+    device = _core.open_host_device(settings.capacity_bytes, settings.memory, settings.populate)
     assert device.memory_info()[1] == 8 << 20
     allocation = device.create(2 << 20)
     allocation.release()
@@ -43,19 +69,22 @@ def test_the_host_backend_gets_its_settings_through_the_python_grammar(monkeypat
 def test_a_bad_host_setting_is_the_configuration_error_of_python(monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_POPULATE", "eager")
     with pytest.raises(ConfigurationError, match="KVCACHED_HOST_POPULATE='eager' is invalid: .*background or on_touch"):
-        _core.open_host_device(1 << 20)
+        configured.host_device_settings()
 
 
 def test_the_registry_directory_follows_the_variable_as_python_reads_it(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCACHED_REGISTRY_DIR", f"  {tmp_path}/ ")
-    assert _core.registry_directory() == str(tmp_path)
+    assert registry.registry_dir() == tmp_path
     monkeypatch.setenv("KVCACHED_REGISTRY_DIR", "")
-    assert _core.registry_directory() == kvcached.config.OPTIONS["registry_dir"].default
+    assert str(registry.registry_dir()) == kvcached.config.OPTIONS["registry_dir"].default
 
 
 def test_a_child_process_honours_the_variables_it_inherits(tmp_path):
     """Engines start workers and schedulers as processes: the variables reach their core too."""
-    code = "from kvcached import _core; print(_core.registry_directory(), _core.default_host_capacity_bytes())"
+    code = (
+        "import kvcached; from kvcached import registry; "
+        "print(registry.registry_dir(), kvcached.open_device('cpu').memory_info()[1])"
+    )
     env = {"KVCACHED_REGISTRY_DIR": str(tmp_path), "KVCACHED_HOST_CAPACITY_BYTES": "24M", "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.split() == [str(tmp_path), str(24 << 20)]
@@ -112,7 +141,7 @@ def test_a_malformed_pins_file_is_refused_naming_the_line(tmp_path):
 
 def test_the_core_value_types_default_to_the_options_defaults():
     """C++ value types keep defaults for C++-only callers; Python always fills them from
-    kvcached.config (kvcached.layout.space_options), and they must not drift from it."""
+    kvcached.config (kvcached.configured.space_options), and they must not drift from it."""
     from kvcached import config
 
     options = _core.KVSpaceOptions()

@@ -181,3 +181,13 @@ def test_both_engines_enter_through_the_same_front_door():
     assert isinstance(vllm_plugin._plugin, EnginePlugin) and isinstance(sglang_plugin._plugin, EnginePlugin)
     assert vllm_plugin.register.__code__ is not sglang_plugin.register.__code__  # each its own entry point
     assert vllm_plugin._plugin.policy is vllm_plugin.POLICY and sglang_plugin._plugin.policy is sglang_plugin.POLICY
+
+
+def test_both_front_doors_name_the_same_operations_alike():
+    verbs = {"register", "install", "module_for", "POLICY", "SUPPORTED_VERSIONS", "PatchPointMoved", "is_enabled"}
+    for plugin in (vllm_plugin, sglang_plugin):
+        assert verbs <= set(plugin.__all__), f"{plugin.__name__} lacks {verbs - set(plugin.__all__)}"
+    with pytest.raises(vllm_plugin.UnsupportedVLLMVersion):
+        vllm_plugin.module_for("0.31.0")
+    with pytest.raises(sglang_plugin.UnsupportedSGLangVersion):
+        sglang_plugin.module_for("0.5.22")

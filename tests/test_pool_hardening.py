@@ -58,7 +58,9 @@ def test_close_from_two_threads_at_once_neither_hangs_nor_raises(kind):
             obj = make_manager()
             obj.free(obj.alloc(5))
         else:
-            layout = kvcached.KVLayout(num_layers=2, block_bytes=BLOCK_BYTES, num_blocks=64, page_bytes=PAGE_BYTES)
+            layout = kvcached.KVLayout(
+                num_layers=2, block_bytes=BLOCK_BYTES, num_blocks=64, page_bytes=PAGE_BYTES, kind="contiguous"
+            )
             obj = kvcached.BlockManager(layout)
             obj.free(obj.alloc(5))
         close_from_two_threads(obj)
@@ -146,7 +148,9 @@ def test_a_geometry_whose_bookkeeping_would_exhaust_the_host_is_refused_up_front
 
 
 def test_a_device_less_block_manager_refuses_such_a_geometry_too():
-    layout = kvcached.KVLayout(1, 4096, 2**30, num_buffers=1, page_bytes=4096, device=_core.open_host_device(64 << 20))
+    layout = kvcached.KVLayout.from_config(
+        1, 4096, 2**30, num_buffers=1, page_bytes=4096, device=_core.open_host_device(64 << 20)
+    )
     with pytest.raises(ValueError, match=r"a block manager over 1073741824 page ids"):
         kvcached.BlockManager(layout, mirrors=2)
 
@@ -196,7 +200,7 @@ def test_worker_failures_are_counted_and_visible_in_stats():
 
 
 def _block_manager() -> kvcached.BlockManager:
-    return kvcached.BlockManager(kvcached.KVLayout(2, BLOCK_BYTES, 64, page_bytes=PAGE_BYTES))
+    return kvcached.BlockManager(kvcached.KVLayout(2, BLOCK_BYTES, 64, page_bytes=PAGE_BYTES, kind="contiguous"))
 
 
 @pytest.mark.parametrize("kind", ["block_manager", "pool", "manager"])
@@ -254,7 +258,7 @@ def test_stats_report_a_limit_set_from_outside_and_the_tighter_of_two():
         page = pool.page_id_bytes
         registry = registry_for("cpu")
         assert pool.stats()["limit_bytes"] is None
-        assert registry.set_limit(pool.name, 3 * page + 1) == 1  # what kvctl set-limit does
+        assert registry.set_policy(pool.name, max_bytes=3 * page + 1) == 1  # what kvctl set-limit does
         stats = pool.stats()
         assert (stats["limit_bytes"], stats["limit_pages"]) == (3 * page + 1, 3)
         assert pool.available() == 3 * pool.blocks_per_page  # and it is obeyed
@@ -262,7 +266,7 @@ def test_stats_report_a_limit_set_from_outside_and_the_tighter_of_two():
         assert pool.stats()["limit_bytes"] == 2 * page
         pool.resize(5 * page)  # looser than the outside one: that one is in force
         assert pool.stats()["limit_bytes"] == 3 * page + 1
-        registry.set_limit(pool.name, None)
+        registry.set_policy(pool.name, clear_max=True)
         assert pool.stats()["limit_bytes"] == 5 * page
         pool.resize(None)
         assert pool.stats()["limit_bytes"] is None

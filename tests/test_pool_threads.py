@@ -90,7 +90,7 @@ def test_concurrent_alloc_and_free_never_duplicate_ids(layout):
 
 
 def _hold_registry_lock(device: str, locked) -> None:
-    from kvcached._core import DeviceRegistry
+    from kvcached.registry import DeviceRegistry
 
     DeviceRegistry(device)._hold_lock_for_test()
     locked.set()

@@ -11,6 +11,7 @@ from kvcached.errors import KvcachedError, RegistryError, RegistryUnusableError
 from kvcached.registry import (
     DEFAULT_GPU_UTILIZATION,
     DeviceRegistry,
+    MemoryPolicy,
     RegistryNotFoundError,
     default_budget_bytes,
     known_devices,
@@ -69,12 +70,12 @@ def test_foreign_file_is_refused_not_misread_nor_replaced(isolated_registry_dir)
 
 def test_try_acquire_respects_device_budget_and_own_limit():
     registry = make_registry(4)
-    budget = registry.register("engine", limit_bytes=3 * PAGE_BYTES)
+    budget = registry.register("engine", policy=MemoryPolicy(max_bytes=3 * PAGE_BYTES))
     assert budget.available_bytes == 3 * PAGE_BYTES
     assert budget.try_acquire(2 * PAGE_BYTES)
     assert not budget.try_acquire(2 * PAGE_BYTES), "own limit"
     assert budget.try_acquire(PAGE_BYTES)
-    registry.set_limit("engine", None)
+    registry.set_policy("engine", clear_max=True)
     other = registry.register("other")
     assert other.try_acquire(PAGE_BYTES)
     assert not budget.try_acquire(PAGE_BYTES), "device budget"
@@ -86,7 +87,7 @@ def test_try_acquire_respects_device_budget_and_own_limit():
 
 def test_refused_request_is_pressure_on_the_others_but_own_limit_is_not():
     registry = make_registry(2)
-    holder, needy = registry.register("holder"), registry.register("needy", limit_bytes=PAGE_BYTES)
+    holder, needy = registry.register("holder"), registry.register("needy", policy=MemoryPolicy(max_bytes=PAGE_BYTES))
     assert holder.try_acquire(PAGE_BYTES)
     assert not needy.try_acquire(2 * PAGE_BYTES)  # own limit: nobody else can help
     assert holder.pressure_bytes == 0
@@ -99,7 +100,10 @@ def test_refused_request_is_pressure_on_the_others_but_own_limit_is_not():
 def test_memory_wanted_without_asking_is_pressure_only_when_the_device_is_full():
     """An engine that checks free memory before it allocates says it waits with want()."""
     registry = make_registry(2)
-    holder, waiting = registry.register("holder"), registry.register("waiting", limit_bytes=2 * PAGE_BYTES)
+    holder, waiting = (
+        registry.register("holder"),
+        registry.register("waiting", policy=MemoryPolicy(max_bytes=2 * PAGE_BYTES)),
+    )
     waiting.want(PAGE_BYTES)  # the device has room: nobody needs to give back
     assert holder.pressure_bytes == 0
     assert holder.try_acquire(2 * PAGE_BYTES)
@@ -140,7 +144,7 @@ def test_a_partial_grant_leaves_the_rest_wanted():
 
 def test_entries_report_identity_and_usage():
     registry = make_registry(8)
-    budget = registry.register("llama", limit_bytes=6 * PAGE_BYTES)
+    budget = registry.register("llama", policy=MemoryPolicy(max_bytes=6 * PAGE_BYTES))
     assert budget.try_acquire(3 * PAGE_BYTES)
     budget.report_usage(PAGE_BYTES, 3 * PAGE_BYTES)
     (entry,) = registry.entries()
@@ -168,11 +172,11 @@ def test_limits_change_from_outside_and_take_effect():
     registry = make_registry(16)
     budget = registry.register("engine")
     assert budget.try_acquire(4 * PAGE_BYTES)
-    assert registry.set_limit(os.getpid(), 2 * PAGE_BYTES) == 1
-    assert budget.limit_bytes == budget.external_limit_bytes == 2 * PAGE_BYTES
+    assert registry.set_policy(os.getpid(), max_bytes=2 * PAGE_BYTES) == 1
+    assert budget.max_bytes == budget.external_limit_bytes == 2 * PAGE_BYTES
     assert not budget.try_acquire(PAGE_BYTES), "limit below use: no growth, shrink is deferred"
-    assert registry.set_limit("no-such-engine", PAGE_BYTES) == 0
-    assert registry.set_limit("engine", None) == 1
+    assert registry.set_policy("no-such-engine", max_bytes=PAGE_BYTES) == 0
+    assert registry.set_policy("engine", clear_max=True) == 1
     assert budget.external_limit_bytes is None and budget.try_acquire(PAGE_BYTES)
 
 
@@ -197,8 +201,8 @@ def test_lowered_device_budget_tells_every_instance_to_shrink():
         (lambda r: r.register(""), "name must be"),
         (lambda r: r.register("x" * 64), "name must be"),
         (lambda r: r.register("engine", pid=2**31 - 1), "not a running process"),
-        (lambda r: r.register("engine", limit_bytes=-1), ">= 0"),
-        (lambda r: r.set_limit("engine", -4096), ">= 0"),
+        (lambda r: r.register("engine", policy=MemoryPolicy(max_bytes=-1)), "max_bytes must not be negative"),
+        (lambda r: r.set_policy("engine", max_bytes=-4096), ">= 0"),
         (lambda r: setattr(r, "budget_bytes", -1), ">= 0"),
         (lambda r: DeviceRegistry("cuda/0", 1), "device name"),
         (lambda r: DeviceRegistry("", 1), "device name"),

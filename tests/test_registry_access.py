@@ -208,7 +208,7 @@ def run_as(account: pwd.struct_passwd, action, directory: Path, group: str | Non
 
 
 def kvctl_as(account, directory, *args, group=None) -> tuple[int, str, str]:
-    from kvcached.kvctl import main
+    from kvcached.cli.kvctl import main
 
     return run_as(account, lambda: main(list(args)), directory, group)
 
@@ -241,7 +241,7 @@ def test_another_user_can_neither_read_nor_change_nor_damage_a_private_registry(
 
     code, stdout, stderr = run_as(accounts["peer"], damage, shared_dir)
     assert code == 0 and stdout.split() == ["denied"] * 4, stderr
-    assert registry.budget_bytes == 8 * PAGE_BYTES and engine.limit_bytes is None and engine.registered
+    assert registry.budget_bytes == 8 * PAGE_BYTES and engine.max_bytes is None and engine.registered
 
 
 @as_root
@@ -253,7 +253,7 @@ def test_a_group_shares_a_registry_with_its_members_only(accounts, shared_dir, m
     assert os.stat(registry.path).st_gid == accounts["group"].gr_gid
     code, _, stderr = kvctl_as(accounts["peer"], shared_dir, "set-limit", "root-engine", "4MiB", group=SHARED_GROUP)
     assert code == 0, stderr
-    assert engine.limit_bytes == 2 * PAGE_BYTES, "a member steers the shared registry"
+    assert engine.max_bytes == 2 * PAGE_BYTES, "a member steers the shared registry"
 
     def join() -> None:
         budget = registry_for("cpu").register("peer-engine")

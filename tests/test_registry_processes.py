@@ -283,7 +283,7 @@ def test_threads_and_a_reader_share_one_registry_exactly():
         while not stop.is_set():
             try:
                 assert registry.mapped_bytes <= registry.budget_bytes
-                registry.set_limit("nobody", PAGE_BYTES)
+                registry.set_policy("nobody", max_bytes=PAGE_BYTES)
                 registry.entries()
             except BaseException as error:
                 errors.append(error)

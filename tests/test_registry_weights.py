@@ -9,7 +9,7 @@ import pytest
 
 from kvcached import _core
 from kvcached.errors import RegistryUnusableError
-from kvcached.registry import DeviceRegistry
+from kvcached.registry import DeviceRegistry, MemoryPolicy
 from registry_files import PAGE_BYTES, entry_offset, poke
 
 DEVICE = "cpu"
@@ -62,8 +62,8 @@ def test_weights_and_kv_share_the_budget_both_ways():
 
 def test_a_refused_wake_sees_to_it_that_others_are_asked():
     registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
-    high = registry.register("high", priority=5)
-    low = registry.register("low", priority=0)
+    high = registry.register("high", policy=MemoryPolicy(priority=5))
+    low = registry.register("low", policy=MemoryPolicy(priority=0))
     assert low.try_acquire(8 * PAGE_BYTES)
     assert not high.weights_budget().try_charge(4 * PAGE_BYTES)
     assert low.pressure_bytes == 4 * PAGE_BYTES
@@ -72,7 +72,7 @@ def test_a_refused_wake_sees_to_it_that_others_are_asked():
 
 def test_the_weights_leave_their_own_entrys_unclaimed_min_free():
     registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
-    model = registry.register("model", min_bytes=3 * PAGE_BYTES)
+    model = registry.register("model", policy=MemoryPolicy(min_bytes=3 * PAGE_BYTES))
     weights = model.weights_budget()
     assert not weights.try_charge(6 * PAGE_BYTES), "the KV min of 3 pages must stay claimable"
     assert weights.try_charge(5 * PAGE_BYTES)
@@ -84,7 +84,7 @@ def test_a_dead_processs_weights_return_to_the_budget(isolated_registry_dir):
     registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
     code = (
         "from kvcached import _core\n"
-        "from kvcached.registry import DeviceRegistry\n"
+        "from kvcached.registry import DeviceRegistry, MemoryPolicy\n"
         f"budget = DeviceRegistry('cpu', None).register('doomed')\n"
         f"space = _core.WeightSpace(_core.open_host_device(), {6 * PAGE_BYTES}, budget.weights_budget())\n"
         "import os; os._exit(0)\n"
@@ -113,7 +113,9 @@ def test_an_engines_weights_and_kv_join_one_entry_per_rank_and_the_last_handle_f
     registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
     weights_side = registry.register("engine", join=True)  # the rank loads its weights first
     space = _core.WeightSpace(_core.open_host_device(), 2 * PAGE_BYTES, weights_side.weights_budget())
-    kv_side = registry.register("engine", pid=os.getpid(), min_bytes=PAGE_BYTES, priority=3, join=True)
+    kv_side = registry.register(
+        "engine", pid=os.getpid(), policy=MemoryPolicy(min_bytes=PAGE_BYTES, priority=3), join=True
+    )
     assert kv_side.slot == weights_side.slot and kv_side.instance_id == weights_side.instance_id
     assert kv_side.try_acquire(PAGE_BYTES)
     (only,) = registry.entries()

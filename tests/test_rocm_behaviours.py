@@ -28,7 +28,7 @@ def test_a_device_without_vmm_support_fails_to_open_naming_the_attribute():
         "hip",
         """
         import json, kvcached
-        from kvcached.cli import collect_info
+        from kvcached.cli.main import collect_info
         from kvcached.devices import canonical_device_name
         try:
             kvcached.open_device("hip:0")
@@ -131,7 +131,7 @@ def test_zero_backing_reads_zeros_even_over_garbage_memory():
         import json, kvcached
         from device_access import EmulatedHipWork
         work = EmulatedHipWork()
-        layout = kvcached.KVLayout(2, 64 << 10, capacity_bytes=256 << 20, device="hip:0")
+        layout = kvcached.KVLayout.from_config(2, 64 << 10, capacity_bytes=256 << 20, device="hip:0")
         space = kvcached.KVSpace(layout, "hip:0", kvcached.KVSpaceOptions(zero_backing=True))
         base = space.base_address
         space.map_pages([3])

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from kvcached import cli
+from kvcached.cli import main as cli
 from kvcached.serve import command
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached import _core, config
+from kvcached import config, configured
 from kvcached.sizes import MAX_SIZE_BYTES, format_bytes, format_bytes_short, parse_bytes
 
 KIB, MIB, GIB, TIB, PIB = (1 << shift for shift in (10, 20, 30, 40, 50))
@@ -90,21 +90,21 @@ def test_the_host_backend_reads_its_capacity_with_the_same_grammar(monkeypatch, 
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", text)
     if value < HOST_PAGE_BYTES:
         with pytest.raises(ValueError, match="KVCACHED_HOST_CAPACITY_BYTES=.*at least 4KiB"):
-            _core.default_host_capacity_bytes()
+            configured.host_capacity_bytes()
     else:
-        assert _core.default_host_capacity_bytes() == value
+        assert configured.host_capacity_bytes() == value
 
 
 @pytest.mark.parametrize("text, words", [case for case in INVALID if case[0].strip() and case[0].isascii()])
 def test_the_host_backend_refuses_what_python_refuses(monkeypatch, text, words):
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", text)
     with pytest.raises(ValueError, match=f"KVCACHED_HOST_CAPACITY_BYTES=.*{words}"):
-        _core.default_host_capacity_bytes()
+        configured.host_capacity_bytes()
 
 
 def test_an_empty_host_capacity_means_the_default(monkeypatch):
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY_BYTES", "")
-    assert _core.default_host_capacity_bytes() > 0
+    assert configured.host_capacity_bytes() > 0
 
 
 @pytest.mark.parametrize("name", [name for name, option in config.OPTIONS.items() if option.env.endswith("_BYTES")])

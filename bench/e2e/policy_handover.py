@@ -61,9 +61,9 @@ def _pool(device: str, capacity_bytes: int, budget: Any) -> Any:
 
 
 def _register(device: str, name: str, **policy: int) -> Any:
-    from kvcached.registry import registry_for
+    from kvcached.registry import MemoryPolicy, registry_for
 
-    return registry_for(device).register(name, **policy)
+    return registry_for(device).register(name, policy=MemoryPolicy(**policy))
 
 
 def holder(conn: Any, device: str, mode: str, min_bytes: int, capacity_bytes: int, poll_s: float) -> None:

@@ -39,7 +39,11 @@ class Replay:
 
     def __init__(self, placement: str, blocks_per_page: int) -> None:
         self.layout = KVLayout(
-            NUM_LAYERS, PAGE_BYTES // blocks_per_page, NUM_PAGES * blocks_per_page, page_bytes=PAGE_BYTES
+            NUM_LAYERS,
+            PAGE_BYTES // blocks_per_page,
+            NUM_PAGES * blocks_per_page,
+            page_bytes=PAGE_BYTES,
+            kind="contiguous",
         )
         options = BlockManagerOptions(placement=placement)  # no reserve, no worker
         self.manager = BlockManager(self.layout, options)

@@ -35,7 +35,7 @@ ROUNDS_FAST, ITERATIONS_FAST = 200, 50  # alloc/free and available(): sub-micros
 
 
 KV_LAYOUTS = {
-    kind: KVLayout(
+    kind: KVLayout.from_config(
         NUM_LAYERS,
         BLOCK_BYTES,
         num_buffers=NUM_BUFFERS,

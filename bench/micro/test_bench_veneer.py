@@ -27,7 +27,7 @@ RATIO_TARGET = 1.5
 
 
 def make_manager(device_spec: str) -> KVCacheManager:
-    layout = KVLayout(
+    layout = KVLayout.from_config(
         NUM_LAYERS, BLOCK_SIZE * CELL_BYTES, kind="contiguous", page_bytes=PAGE_BYTES, capacity_bytes=CAPACITY_BYTES
     )
     manager = KVCacheManager(

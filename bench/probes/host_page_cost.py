@@ -44,7 +44,9 @@ def measure(layout_kind: str, layers: int, repeats: int, mode: str) -> dict[str,
     cpus = os.sched_getaffinity(0)
     if len(cpus) > 1:
         os.sched_setaffinity(0, {min(cpus)})  # as a CPU engine's worker: the other CPUs are spare
-    layout = kvcached.KVLayout(layers, 128 << 10, kind=layout_kind, num_buffers=1, capacity_bytes=4 << 30, device="cpu")
+    layout = kvcached.KVLayout.from_config(
+        layers, 128 << 10, kind=layout_kind, num_buffers=1, capacity_bytes=4 << 30, device="cpu"
+    )
     space = kvcached.KVSpace(layout, "cpu", kvcached.KVSpaceOptions(max_spare_pages=repeats if mode == "spare" else 0))
     import torch
 

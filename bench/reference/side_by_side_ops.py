@@ -258,7 +258,7 @@ def _layout(kind: str, dev) -> kvcached.KVLayout:  # noqa: F821 (imported per fu
     """The benchmark geometry as kvcached's one layout value."""
     from kvcached.layout import KVLayout
 
-    return KVLayout(
+    return KVLayout.from_config(
         NUM_LAYERS,
         BLOCK_BYTES,
         num_buffers=NUM_BUFFERS,

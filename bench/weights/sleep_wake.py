@@ -173,7 +173,7 @@ def main() -> int:
         if device.type == "cuda" and chunk == chunks[-1]:
             summary["checks"] = graph_and_memory_checks(weights, module, device)
         weights.close()
-        del module, weights
+        module = weights = None  # the next size starts from a clean device
         if device.type == "cuda":
             torch.cuda.empty_cache()
         report["by_chunk"][format_bytes(chunk)] = summary

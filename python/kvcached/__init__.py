@@ -7,7 +7,7 @@ Backends: CUDA (driver VMM API), HIP, and host memory with the same semantics.
 
 from __future__ import annotations
 
-from kvcached import geometry, tensor_views
+from kvcached import configured, defaults, geometry, registry, tensor_views
 from kvcached.devices import BackendStatus, backends, default_device, open_device, parse_device
 from kvcached.errors import (
     BackendUnavailableError,
@@ -24,6 +24,10 @@ from kvcached.pool import BlockManager, KVPool, KVSpace, PageOps
 from kvcached.weights import ModelWeights
 
 __version__ = "0.1.0"
+
+# The core is given its defaults from here, above it: the options, and a pool registered in its
+# device's registry (kvcached/defaults.py says why the core never reads them itself).
+defaults.install(configured.ConfiguredDefaults(pool_budget=registry.register_pool))
 
 __all__ = [
     "BackendStatus",

@@ -1,5 +1,5 @@
 """``python -m kvcached``: same as the ``kvcached`` command."""
 
-from kvcached.cli import main
+from kvcached.cli.main import main
 
 raise SystemExit(main())

@@ -183,8 +183,8 @@ OPTIONS: dict[str, Option] = {
         None,
         Size(minimum=4 << 10),
         (
-            "Bytes of physical memory the host backend may create; a size, more than 0. "
-            "`kvcached._core.open_host_device(capacity)` overrides it."
+            "Bytes of physical memory the host backend may create; a size, more than 0. The low-level "
+            "`kvcached._core.open_host_device(capacity)` reads no option: its caller gives the capacity."
         ),
         read_by="host backend, when a host device is opened",
         default_note="half of the machine's (or cgroup's) memory limit",
@@ -194,16 +194,14 @@ OPTIONS: dict[str, Option] = {
         "shared_files",
         Choice(HOST_MEMORY_KINDS),
         (
-            "What the host backend's allocations are. `shared_files`: `memfd` files mapped shared, each 4"
-            " KiB page faulted in by its first use. `anonymous`: private anonymous memory in 4 KiB pages,"
-            " allocated when an allocation is created (as `cuMemCreate` does on a GPU) and moved into "
+            "What the host backend's allocations are. `shared_files`: `memfd` files mapped shared, each 4 "
+            "KiB page faulted in by its first use. `anonymous`: private anonymous memory in 4 KiB pages, "
+            "allocated when an allocation is created (as `cuMemCreate` does on a GPU) and moved into "
             "place with `mremap`, freed at once on release; running out of memory is a `MemoryError` at "
-            "create. Whichever kind, a child of `fork()` inherits none of it "
-            "([allocator.md](allocator.md#fork)). `huge_pages`: `anonymous` in 2 MiB transparent"
-            " huge pages where the kernel allows them: far cheaper per page where the kernel has free "
-            "huge pages at hand, far dearer on a VM whose host reclaims the guest's free 2 MiB blocks "
-            "(free page reporting). Why `shared_files` is the default, and figures for all three: "
-            "[gpu-backends.md](gpu-backends.md), `bench/probes/host_page_cost.py`."
+            "create. `huge_pages`: `anonymous` in 2 MiB transparent huge pages where the kernel allows "
+            "them. Whichever kind, a child of `fork()` inherits none of it "
+            "([allocator.md](allocator.md#fork)). How the three compare: "
+            "[gpu-backends.md](gpu-backends.md)."
         ),
         read_by="host backend, when a host device is opened",
     ),
@@ -218,13 +216,9 @@ OPTIONS: dict[str, Option] = {
             "running on the other CPUs, so the engine's forward pass does not take a page fault and zero "
             "a page for each 4 KiB it writes first; a range unmapped before its turn is skipped; a "
             "mapping thread free to run on every CPU has none to spare, and its pages fault in on first "
-            "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated"
-            " at create either way. Figures: [gpu-backends.md](gpu-backends.md). Unset, an SGLang engine with several"
-            " ranks or replicas on the CPU takes `on_touch`: where SGLang binds each rank to cores of its "
-            "own (its CPU kernels built: AMX or arm64) the populating thread of one rank would run on "
-            "another's cores, and every rank waits for the slowest at its collectives; where it does "
-            "not bind them, both ways fault pages in alike ("
-            "`python/kvcached/integration/common/host_populate.py`)."
+            "write. `on_touch`: always by those faults. Anonymous and huge-page allocations are allocated "
+            "at create either way. Unset, an SGLang engine with several ranks or replicas on the CPU "
+            "takes `on_touch` (`python/kvcached/integration/common/host_populate.py` says why)."
         ),
         read_by="host backend, when a host device is opened; SGLang integration (scheduler, CPU ranks)",
     ),
@@ -280,13 +274,14 @@ OPTIONS: dict[str, Option] = {
         read_by="vLLM and SGLang integrations",
         default_note="derived from the model",
     ),
-    "limit_bytes": Option(
+    "max_bytes": Option(
         "KVCACHED_LIMIT_BYTES",
         None,
         Size(),
         (
-            "The engine's own limit (its max) on physical KV memory of each rank, beside the device's "
-            "shared budget; `kvctl set-limit` or `set-policy --max` changes it while the engine runs."
+            "The engine's max (its limit, `MemoryPolicy.max_bytes`): most physical KV memory of each rank, "
+            "beside the device's shared budget; `kvctl set-policy --max` or `kvctl set-limit` changes it "
+            "while the engine runs. See [memory-policy.md](memory-policy.md)."
         ),
         read_by="vLLM and SGLang integrations",
         default_note="vLLM's `kv_cache_memory_bytes` if given, else none",
@@ -331,12 +326,10 @@ OPTIONS: dict[str, Option] = {
             "`idle_release_max_s` of the spell's start grows to 1.5 times that spell (the spell before "
             "the engine's first work teaches nothing), and a longer spell sets it back to this value. It "
             "gives it back at once when another instance on the same device is refused memory (the "
-            "registry's pressure) or when it holds more than its limit (`kvctl set-limit`, `set-budget`),"
-            " within about 10 ms. `0`: as soon as the engine is idle. An in-process vLLM EngineCore "
+            "registry's pressure) or when it holds more than its limit (`kvctl set-limit`, `set-budget`), "
+            "within about 10 ms. `0`: as soon as the engine is idle. An in-process vLLM EngineCore "
             "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the same way (the watching thread gives the "
-            "memory back). Why: taking memory back costs page faults or driver calls per page, which "
-            "bursts a few seconds apart would pay every time "
-            "(`python/kvcached/integration/common/idle.py`)."
+            "memory back); `python/kvcached/integration/common/idle.py`."
         ),
         read_by="vLLM (EngineCore) and SGLang (scheduler) integrations",
     ),
@@ -345,12 +338,8 @@ OPTIONS: dict[str, Option] = {
         30.0,
         Seconds(zero_means="a fixed hold of idle_release_s"),
         (
-            "The longest a learnt idle hold grows to; at most `idle_release_s`: the hold stays fixed. "
-            "Why: an engine whose bursts come 5–20 s apart would otherwise take its memory back after "
-            "every idle spell (in `bench/e2e/vllm_e2e_paired.py` each engine idles about 10 s while the other"
-            " serves, and with the hold fixed at 5 s its output tokens/s read 0.959× of an engine without"
-            " kvcached, against 0.972× with the learnt hold — 0.941× against 0.982× pooled — on the "
-            "2-core development VM, `bench/RESULTS.md`)."
+            "The longest a learnt idle hold grows to, so that an engine whose bursts keep coming back "
+            "within it keeps its memory between them; at most `idle_release_s`: the hold stays fixed."
         ),
         read_by="vLLM (EngineCore) and SGLang (scheduler) integrations",
     ),
@@ -360,14 +349,10 @@ OPTIONS: dict[str, Option] = {
         Boolean(),
         (
             "Pages the engine frees (a flushed radix cache, aborted requests) stay mapped for its next "
-            "requests; they go back with the rest of its memory at the end of its idle hold "
-            "(`idle_release_s`), at once when another instance on the device waits for memory, or when it"
-            " holds more than its limit. Off: beyond `max_reserve_pages` they go back at the end of the "
-            "step. Why: a burst of frees followed by a burst of allocs would otherwise unmap pages and "
-            "map them again, paying the page faults or driver calls of every page twice: in "
-            "`bench/e2e/sglang_e2e_paired.py --flush-cache` the engine mapped about 8 pages inline in every "
-            "pass, and with both engines running kvcached, keeping them read 1.036× (pooled 1.029×) the "
-            "output tokens/s of not keeping them on the 2-core development VM (`bench/RESULTS.md`)."
+            "requests, so a burst of allocs after a burst of frees maps no page again; they go back with "
+            "the rest of its memory at the end of its idle hold (`idle_release_s`), at once when another "
+            "instance on the device waits for memory, or when it holds more than its limit. Off: beyond "
+            "`max_reserve_pages` they go back at the end of the step."
         ),
         read_by="SGLang integration (scheduler)",
     ),
@@ -377,19 +362,12 @@ OPTIONS: dict[str, Option] = {
         Size(zero_means="glibc's own behaviour"),
         (
             "Freed heap memory the process that runs the model (SGLang's scheduler, vLLM's CPU worker) "
-            "keeps for its next step: glibc's trim threshold is fixed at this size and its mmap threshold"
-            " at glibc's own ceiling, 32 MiB (`mallopt`; fixing either stops glibc adjusting both). `0`: "
+            "keeps for its next step: glibc's trim threshold is fixed at this size and its mmap threshold "
+            "at glibc's own ceiling, 32 MiB (`mallopt`; fixing either stops glibc adjusting both). `0`: "
             "glibc's own behaviour. Not glibc (tcmalloc or jemalloc preloaded, musl): left as it is. The "
-            "KV cache is not on this heap and stays elastic. Why: on the CPU the scheduler also runs the "
-            "model, whose temporaries come from glibc's heap each step; with kvcached handing out the "
-            "slots, glibc gave the top of that heap back and faulted it in again every step (about 250 "
-            "000 minor page faults a pass against about 2 000 without kvcached, in "
-            "`bench/e2e/sglang_e2e_paired.py`; SGLang without kvcached did the same in three of six engine "
-            "pairs, `bench/RESULTS.md`). With the setting, SGLang's output tokens/s with kvcached read "
-            "1.012× of without over six engine pairs (0.954× before); with both engines keeping their "
-            "heap, 0.985×. vLLM's CPU worker is given the same setting; the vLLM figures once quoted here "
-            "(`--lockstep --in-process`) are withdrawn: that mode's step timer kept kvcached's plugin from "
-            "patching vLLM (`bench/RESULTS.md`)."
+            "KV cache is not on this heap and stays elastic. A process that runs the model on the CPU "
+            "takes its temporaries from this heap every step, which glibc would otherwise give back and "
+            "fault in again (`python/kvcached/integration/common/heap.py`)."
         ),
         read_by="SGLang integration (scheduler) and vLLM integration (each worker), KV cache on the CPU",
     ),

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from kvcached.cli_support import quiet_on_broken_pipe
+from kvcached.cli.support import quiet_on_broken_pipe
 from kvcached.config import OPTIONS, Option
 from kvcached.option_values import Size, describe
 

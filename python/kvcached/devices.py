@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any, Optional
 
-from kvcached import _core
+from kvcached import _core, defaults
 from kvcached.errors import BackendUnavailableError, InvalidArgumentError, InvalidTypeError, KvcachedError
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,9 @@ def open_device(spec: Any = "cpu") -> _core.Device:
     if device is not None:
         return device
     if backend == "host":
-        # The binding hands the core KVCACHED_HOST_* from kvcached.config (ConfigurationError if invalid).
-        device = _core.open_host_device()
+        # KVCACHED_HOST_* once kvcached is imported (ConfigurationError naming a bad one).
+        host = defaults.current().host_device_settings()
+        device = _core.open_host_device(host.capacity_bytes, host.memory, host.populate)
     else:
         status = backend_status(backend)
         if not status.available:
@@ -180,7 +181,8 @@ def open_device(spec: Any = "cpu") -> _core.Device:
                 f"cannot open {spec!r}: only {status.device_count} {backend} device(s) present"
             )
         module = importlib.import_module(GPU_BACKEND_MODULES[backend])
-        device = _core.open_backend_capsule(module.open_backend(ordinal))
+        settings = (defaults.current().hip_mapping_settle_us(),) if backend == "hip" else ()
+        device = _core.open_backend_capsule(module.open_backend(ordinal, *settings))
     with _lock:
         device = _devices.setdefault(key, device)
     logger.debug("opened %s (%s backend)", device.name, device.backend)

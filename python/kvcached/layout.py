@@ -8,15 +8,17 @@
 * :class:`BlockManagerOptions` — how a manager behaves (null block, limit,
   reserve targets, background worker, placement).
 
-This module only fills in defaults (``KVCACHED_*`` variables, the device's
-granularity and size); every check lives in the C++ values.
+Every value here is explicit; :meth:`KVLayout.from_config` fills what its caller leaves out
+from the installed defaults (:mod:`kvcached.defaults`: the ``KVCACHED_*`` options) and the
+device (its granularity and size). Options from the configuration:
+:func:`kvcached.configured.space_options`, :func:`kvcached.configured.block_manager_options`.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Union
 
-from kvcached import _core, config
+from kvcached import _core, defaults
 from kvcached.errors import InvalidArgumentError
 
 KVSpaceOptions = _core.KVSpaceOptions
@@ -26,23 +28,16 @@ DEFAULT_PAGE_BYTES = 2 << 20  # the recommended granularity of CUDA and the host
 DeviceLike = Union[str, "_core.Device", None]
 
 #: The layout a pool gets, by device kind (backend), when neither the caller nor
-#: ``KVCACHED_LAYOUT`` chooses. Measured on both sides of the trade (bench/RESULTS.md):
-#: a gather of random blocks of one layer reads as fast in either layout (H200: 0.96x /
-#: 1.15x / 1.01x for 512 / 2048 / 16384 blocks, contiguous / per-layer; host 1.03x / 0.99x),
-#: while moving memory costs per physical allocation, 2*L per page id per-layer against
-#: one contiguous (H200, 8 GiB hand-over: 14 ms contiguous, 578 ms per-layer). HIP: no
-#: measurement says otherwise (docs/amd.md). A device whose attention kernels read the
-#: contiguous layout slower (the reference's authors saw 56 % slower reads on a GB10)
-#: should default to per_layer here, from the same benchmark.
+#: ``KVCACHED_LAYOUT`` chooses. Why contiguous everywhere, and how a device kind would be
+#: measured into ``per_layer``: ``docs/configuration.md`` ("Defaults, and where they come from").
 DEFAULT_LAYOUTS = {"cuda": "contiguous", "hip": "contiguous", "host": "contiguous"}
 #: For a backend missing from the table.
 FALLBACK_LAYOUT = "contiguous"
 
 
-def default_layout(backend: Optional[str] = None) -> str:
-    """The layout a pool on ``backend`` ("cuda", "hip", "host") gets: ``KVCACHED_LAYOUT``, else
-    :data:`DEFAULT_LAYOUTS`."""
-    return config.get("layout") or DEFAULT_LAYOUTS.get(backend or "host", FALLBACK_LAYOUT)
+def device_kind_layout(backend: Optional[str] = None) -> str:
+    """The layout of :data:`DEFAULT_LAYOUTS` for ``backend`` ("cuda", "hip", "host"; None: host)."""
+    return DEFAULT_LAYOUTS.get(backend or "host", FALLBACK_LAYOUT)
 
 
 def _device_of(device: DeviceLike) -> Optional[_core.Device]:
@@ -54,27 +49,28 @@ def _device_of(device: DeviceLike) -> Optional[_core.Device]:
 
 
 class KVLayout(_core.KVLayout):
-    """A KV cache's geometry; defaults come from the configuration and the device.
+    """A KV cache's geometry, every value given (:meth:`from_config` fills in defaults).
 
     Args:
         num_layers: transformer layers (or, for a block-outermost engine
             layout, 1 with ``block_bytes`` holding every layer).
         block_bytes: one block of one layer and one buffer.
         num_blocks: block ids the cache addresses, ``[0, num_blocks)``; need not
-            be a whole number of pages. Default: as many whole pages as
-            ``capacity_bytes`` holds.
+            be a whole number of pages.
+        page_bytes: page size per layer and buffer (a multiple of the device's
+            granularity and of ``block_bytes``).
+        kind: ``"per_layer"`` or ``"contiguous"``.
         num_buffers: 2 (K and V) or 1 (MLA, K||V cells).
-        page_bytes: page size per layer and buffer (``KVCACHED_PAGE_BYTES``,
-            else the device's recommended granularity, else 2 MiB).
-        kind: ``"per_layer"`` or ``"contiguous"`` (``KVCACHED_LAYOUT``, else the device
-            kind's default: :func:`default_layout`).
-        capacity_bytes: virtual capacity when ``num_blocks`` is not given
-            (``KVCACHED_VIRTUAL_CAPACITY_BYTES``, else the device's total memory).
-        device: used only for the defaults above.
     """
 
     def __init__(
-        self,
+        self, num_layers: int, block_bytes: int, num_blocks: int, *, page_bytes: int, kind: str, num_buffers: int = 2
+    ) -> None:
+        super().__init__(num_layers, block_bytes, num_blocks, page_bytes, num_buffers, kind)
+
+    @classmethod
+    def from_config(
+        cls,
         num_layers: int,
         block_bytes: int,
         num_blocks: Optional[int] = None,
@@ -84,21 +80,30 @@ class KVLayout(_core.KVLayout):
         kind: Optional[str] = None,
         capacity_bytes: Optional[int] = None,
         device: DeviceLike = None,
-    ) -> None:
+    ) -> KVLayout:
+        """A layout whose values left out come from the configuration, then the device.
+
+        ``kind``: ``KVCACHED_LAYOUT``, else the device kind's (:data:`DEFAULT_LAYOUTS`).
+        ``page_bytes``: ``KVCACHED_PAGE_BYTES``, else the device's recommended granularity,
+        else 2 MiB. ``num_blocks``: as many whole pages as ``capacity_bytes`` holds
+        (``KVCACHED_VIRTUAL_CAPACITY_BYTES``, else the device's total memory).
+        ``device`` is used only for these defaults (opened only if one is needed).
+        """
+        supplied = defaults.current()
         dev = None
         if not kind:
-            kind = config.get("layout")
+            kind = supplied.layout_kind()
         if not kind:
             dev = _device_of(device)
-            kind = default_layout(dev.backend if dev is not None else None)
+            kind = device_kind_layout(dev.backend if dev is not None else None)
         if page_bytes is None:
-            page_bytes = config.get("page_bytes")
+            page_bytes = supplied.page_bytes()
             if not page_bytes:
                 dev = _device_of(device)
                 page_bytes = dev.granularity[1] if dev is not None else DEFAULT_PAGE_BYTES
         if num_blocks is None:
             if capacity_bytes is None:
-                capacity_bytes = config.get("virtual_capacity_bytes") or None
+                capacity_bytes = supplied.virtual_capacity_bytes() or None
             if capacity_bytes is None:
                 dev = dev or _device_of(device)
                 if dev is None:
@@ -109,59 +114,16 @@ class KVLayout(_core.KVLayout):
             num_blocks = _core.KVLayout.for_capacity(
                 num_layers, block_bytes, capacity_bytes, page_bytes, num_buffers, kind
             ).num_blocks
-        super().__init__(num_layers, block_bytes, num_blocks, page_bytes, num_buffers, kind)
-
-
-def space_options(*, zero_backing: Optional[bool] = None, max_spare_pages: Optional[int] = None) -> KVSpaceOptions:
-    """KVSpaceOptions from the configuration, with these overrides."""
-    return KVSpaceOptions(
-        zero_backing=config.get("zero_backing") if zero_backing is None else zero_backing,
-        zero_chunk_bytes=config.get("zero_chunk_bytes"),
-        max_spare_pages=config.get("max_spare_pages") if max_spare_pages is None else max_spare_pages,
-        zero_frontier_pages=config.get("zero_frontier_pages"),
-    )
-
-
-def block_manager_options(
-    *,
-    null_block: bool = False,
-    limit_bytes: Optional[int] = None,
-    min_reserve_pages: Optional[int] = None,
-    max_reserve_pages: Optional[int] = None,
-    spares: bool = True,
-    background_worker: bool = True,
-    placement: str = "fewest_pages",
-) -> BlockManagerOptions:
-    """BlockManagerOptions from the configuration, with these overrides.
-
-    ``min/max_reserve_pages``: mapped free pages kept ready (a maximum below the
-    minimum is raised to it). ``spares``: keep pre-created allocations (only
-    a manager with a local KV space has any).
-    """
-    min_free = config.get("min_reserve_pages") if min_reserve_pages is None else min_reserve_pages
-    max_free = config.get("max_reserve_pages") if max_reserve_pages is None else max_reserve_pages
-    min_spare, max_spare = (config.get("min_spare_pages"), config.get("max_spare_pages")) if spares else (0, 0)
-    if isinstance(min_free, int) and isinstance(max_free, int) and min(min_free, max_free) >= 0:
-        max_free = max(min_free, max_free)  # the C++ value refuses negative ones with their name
-    return BlockManagerOptions(
-        null_block=null_block,
-        limit_bytes=limit_bytes,
-        min_free_pages=min_free,
-        max_free_pages=max_free,
-        min_spare_pages=min_spare,
-        max_spare_pages=max(min_spare, max_spare),
-        background_worker=background_worker,
-        placement=placement,
-    )
+        return cls(num_layers, block_bytes, num_blocks, page_bytes=page_bytes, kind=kind, num_buffers=num_buffers)
 
 
 __all__ = [
     "DEFAULT_LAYOUTS",
+    "DEFAULT_PAGE_BYTES",
+    "FALLBACK_LAYOUT",
     "BlockManagerOptions",
     "KVLayout",
     "KVSpaceOptions",
     "Mirror",
-    "block_manager_options",
-    "default_layout",
-    "space_options",
+    "device_kind_layout",
 ]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from kvcached import _core
+from kvcached import _core, defaults
 from kvcached.devices import default_device, open_device
 from kvcached.errors import InvalidArgumentError, InvalidTypeError, OutOfMemoryError
-from kvcached.layout import KVLayout, block_manager_options
+from kvcached.layout import KVLayout
 from kvcached.pool import KVPool
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -90,7 +90,7 @@ class KVCacheManager:
         self.cell_size = _check_positive("cell_size", cell_size)
         self.block_mem_size = self.block_size * self.cell_size  # bytes of one block of one buffer
         dev = device if isinstance(device, _core.Device) else open_device(device or default_device())
-        kv_layout = KVLayout(
+        kv_layout = KVLayout.from_config(
             num_layers,
             self.block_mem_size,
             num_blocks,
@@ -99,7 +99,7 @@ class KVCacheManager:
             kind=layout,
             device=dev,
         )
-        options = block_manager_options(
+        options = defaults.current().block_manager_options(
             null_block=reserve_null_block, limit_bytes=limit_bytes, background_worker=background_worker
         )
         self.pool = KVPool(

@@ -26,17 +26,10 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from kvcached import _core
+from kvcached import _core, defaults
 from kvcached.devices import default_device, open_device
 from kvcached.errors import InvalidArgumentError, InvalidTypeError
-from kvcached.layout import (
-    BlockManagerOptions,
-    KVLayout,
-    KVSpaceOptions,
-    Mirror,
-    block_manager_options,
-)
-from kvcached.layout import space_options as configured_space_options
+from kvcached.layout import BlockManagerOptions, KVLayout, KVSpaceOptions, Mirror
 
 BlockIds = Union[Sequence[int], np.ndarray]
 PageOps = _core.PageOps
@@ -95,7 +88,7 @@ class KVSpace(_LayoutGeometry, _core.KVSpace):
         device: Union[str, _core.Device, None] = None,
         options: Optional[KVSpaceOptions] = None,
     ) -> None:
-        super().__init__(layout, _open(device), options if options is not None else configured_space_options())
+        super().__init__(layout, _open(device), options if options is not None else defaults.current().space_options())
 
     @property
     def num_blocks(self) -> int:
@@ -154,7 +147,7 @@ class BlockManager(_LayoutGeometry, _core.BlockManager):
     Args:
         layout: the cache's :class:`~kvcached.layout.KVLayout` (shared by every mirror).
         options: :class:`~kvcached.layout.BlockManagerOptions` (default: the
-            configuration's reserve, no worker).
+            configuration's reserve, no worker: :mod:`kvcached.defaults`).
         budget: with ``mirrors`` an int: the budget each of those mirrors is charged on.
         mirrors: how many mirrors, or one :class:`~kvcached.layout.Mirror` per
             mirror (its own budget; a pipeline stage's own layout).
@@ -181,7 +174,7 @@ class BlockManager(_LayoutGeometry, _core.BlockManager):
                 raise InvalidArgumentError("with a list of Mirror, give each its budget there")
             specs = list(mirrors)
         if options is None:
-            options = block_manager_options(spares=False, background_worker=False)
+            options = defaults.current().block_manager_options(spares=False, background_worker=False)
         super().__init__(layout, options, mirrors=specs)
         self.name = name or f"kvcached-{id(self):x}"
 
@@ -201,7 +194,10 @@ class KVPool(BlockManager):
 
     Give either the geometry (``num_layers``, ``block_bytes``, ...) or a whole
     ``kv_layout``; either way one :class:`~kvcached.layout.KVLayout` is built
-    and used by the space and the manager alike.
+    (:meth:`~kvcached.layout.KVLayout.from_config`) and used by the space and the
+    manager alike. What is left out comes from the installed defaults
+    (:mod:`kvcached.defaults`; after ``import kvcached``, the ``KVCACHED_*`` options and
+    the device registry).
 
     A child of ``fork()`` inherits none of the pool's memory: there its KV
     range reads as zeros and mapping raises; create pools after forking
@@ -220,12 +216,13 @@ class KVPool(BlockManager):
         limit_bytes: most physical memory this pool may hold (None: no limit).
         null_block: reserve block 0, which is never handed out or freed.
         budget: a budget shared with other pools. By default (``register=True``)
-            the pool registers itself in its device's shared registry and
-            takes its pages from the device-wide budget there, so pools in
-            other processes on the same device (and ``kvctl`` / ``kvtop``) see it.
+            the pool takes one from the installed defaults' ``pool_budget``: it
+            registers in its device's shared registry and takes its pages from
+            the device-wide budget there, so pools in other processes on the
+            same device (and ``kvctl`` / ``kvtop``) see it.
         background_worker, min_reserve_pages, max_reserve_pages, placement:
-            see :func:`~kvcached.layout.block_manager_options`.
-        register: register in the device registry when no budget is given.
+            see :func:`~kvcached.configured.block_manager_options`.
+        register: take the default budget when none is given (False: no budget).
         kv_layout: the whole geometry instead of the arguments above.
         options, space_options: whole option values instead of the arguments above.
     """
@@ -256,10 +253,11 @@ class KVPool(BlockManager):
         placement: str = "fewest_pages",
     ) -> None:
         dev = _open(device)
+        supplied = defaults.current()
         if kv_layout is None:
             if num_layers is None or block_bytes is None:
                 raise InvalidTypeError("give num_layers and block_bytes, or a kv_layout")
-            kv_layout = KVLayout(
+            kv_layout = KVLayout.from_config(
                 num_layers,
                 block_bytes,
                 num_blocks,
@@ -272,7 +270,7 @@ class KVPool(BlockManager):
         elif num_layers is not None or block_bytes is not None or num_blocks is not None or layout is not None:
             raise InvalidTypeError("give the geometry either as arguments or as kv_layout, not both")
         if options is None:
-            options = block_manager_options(
+            options = supplied.block_manager_options(
                 null_block=null_block,
                 limit_bytes=limit_bytes,
                 min_reserve_pages=min_reserve_pages,
@@ -281,24 +279,27 @@ class KVPool(BlockManager):
                 placement=placement,
             )
         if space_options is None:
-            space_options = configured_space_options(zero_backing=zero_backing)
+            space_options = supplied.space_options(zero_backing=zero_backing)
         space = KVSpace(kv_layout, dev, space_options)
         name = name or f"pool-{os.getpid()}-{next(_pool_numbers)}"
         self._registration = None
         try:
             if budget is None and register:
-                from kvcached.registry import registry_for
-
-                budget = self._registration = registry_for(space.device.name).register(name)
+                budget = self._registration = supplied.pool_budget(space.device.name, name)
             _core.BlockManager.__init__(self, kv_layout, options, space=space, budget=budget)
         except BaseException:
             space.close()
-            if self._registration is not None:
-                self._registration.unregister()
+            self._unregister()
             raise
         self.name = name
         self.space = space
         self.device = space.device
+
+    def _unregister(self) -> None:
+        """Ends the default budget's registration, if it has one (a registry entry does)."""
+        unregister = getattr(self._registration, "unregister", None)
+        if unregister is not None:
+            unregister()
 
     def tensor(self) -> Any:
         """The whole reservation as a flat DLPack byte array (see :meth:`KVSpace.tensor`)."""
@@ -317,8 +318,7 @@ class KVPool(BlockManager):
         Idempotent, also when several threads call it at once."""
         super().close()
         self.space.close()
-        if self._registration is not None:
-            self._registration.unregister()
+        self._unregister()
 
 
 __all__ = ["BlockManager", "KVPool", "KVSpace", "PageOps"]

@@ -5,8 +5,9 @@ Every kvcached pool registers itself in a small table in shared memory, one per
 with ``KVCACHED_REGISTRY_DIR``). The table holds a device-wide *budget* that all
 instances respect together: each mapped page is taken from it atomically across
 processes and returned only once really unmapped, so no engine can push another
-into out-of-memory. Each instance may also have its own *limit* (its max), a
-guaranteed *min* and a *priority* (``docs/memory-policy.md``). All can be
+into out-of-memory. Each instance may also have its own *max* (its limit), a
+guaranteed *min* and a *priority*: one :class:`MemoryPolicy` value
+(``docs/memory-policy.md``). All can be
 changed while engines run (``kvctl``) and take effect at once; ``kvtop`` shows
 the table live. Entries of processes that died are recognised (pid and process
 start time) and their memory returns to the budget.
@@ -32,7 +33,7 @@ Default budget, decided by the first process that creates the registry:
 
 Typical use by a pool::
 
-    budget = registry_for("cuda:0").register("llama-8b")
+    budget = registry_for("cuda:0").register("llama-8b", policy=MemoryPolicy(max_bytes=8 << 30))
     if budget.try_acquire(page_bytes): ...map the page...
     ...unmap the page...; budget.release(page_bytes)
 """
@@ -44,10 +45,10 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, TypedDict, Union
 
-from kvcached import _core, config
+from kvcached import _core, config, configured
 from kvcached._core import (
     REGISTRY_CAPACITY,
-    DeviceRegistry,
+    MemoryPolicy,
     RegistryBudget,
     registry_device_kind,
 )
@@ -83,13 +84,14 @@ class RegistryEntry(TypedDict):
     uid: int  # effective uid of the registering process
     local_device: str  # the device as that process sees it ("cuda:1"), or ""
     alive: bool
-    limit_bytes: Optional[int]
+    max_bytes: Optional[int]  # its max (MemoryPolicy.max_bytes), None: only the device budget caps it
+    limit_bytes: Optional[int]  # the same, under its older name (kvctl --json readers)
     mapped_bytes: int  # taken from the device budget: every mapped page
     used_bytes: int  # pages holding blocks in use (reported by the pool)
     free_mapped_bytes: int  # mapped pages holding no block in use (reported)
     wanted_bytes: int  # a request refused in the last second (memory pressure)
     worker_errors: int  # background worker failures (reported by the pool)
-    min_bytes: int  # guaranteed to it (docs/memory-policy.md); limit_bytes is its max
+    min_bytes: int  # guaranteed to it (docs/memory-policy.md)
     priority: int  # higher wins; lower gives memory back first
     reclaim_target_bytes: Optional[int]  # a shrink a higher priority asks of it now, or None
     weights_bytes: int  # model weights charged on it and awake now (kvcached.ModelWeights)
@@ -104,8 +106,37 @@ class DeviceName:
     local: str  # "cpu", "cuda:0", "hip:1"; "" when this process was given only the registry name
 
 
+def _configure() -> None:
+    """Hands the core the registry options as they are now (the variables a process was started
+    with, or set since): before every call that opens or lists registries. ConfigurationError,
+    naming the variable, for a bad one."""
+    group = config.get("registry_group")
+    _core.configure_registry(config.get("registry_dir"), group or "")
+
+
+class DeviceRegistry(_core.DeviceRegistry):
+    """The shared-memory registry of one device (``kvcached._core.DeviceRegistry``), opened where
+    ``KVCACHED_REGISTRY_DIR`` and ``KVCACHED_REGISTRY_GROUP`` say now.
+
+    ``DeviceRegistry(device, budget_bytes=None, local_device="")`` opens the registry of
+    canonical ``device``, creating it with ``budget_bytes`` if it does not exist;
+    :func:`registry_for` resolves names such as ``"cuda:0"`` first.
+    """
+
+    def __new__(cls, device: str, budget_bytes: Optional[int] = None, local_device: str = "") -> DeviceRegistry:
+        _configure()
+        return super().__new__(cls, device, budget_bytes, local_device)
+
+    @staticmethod
+    def segment_path(device: str) -> str:
+        """Where the registry file of ``device`` lives."""
+        _configure()
+        return _core.DeviceRegistry.segment_path(device)
+
+
 def registry_dir() -> Path:
     """The directory holding the registry files (``KVCACHED_REGISTRY_DIR``, :data:`kvcached.config.OPTIONS`)."""
+    _configure()
     return Path(_core.registry_directory())
 
 
@@ -177,10 +208,6 @@ def resolve_device(device: Union[str, Any]) -> DeviceName:
     return DeviceName(_identity_of(open_device(local), local), local)
 
 
-def _host_capacity_bytes() -> int:
-    return int(_core.default_host_capacity_bytes())
-
-
 def _gpu_total_bytes(device: str) -> int:
     """Total memory of a GPU this process sees, through kvcached's own backend (opens the device)."""
     from kvcached.devices import open_device
@@ -204,7 +231,7 @@ def default_budget_bytes(device: str, total_bytes: Optional[int] = None) -> int:
     """
     utilization = gpu_utilization()
     if device.strip().lower() in _HOST_SPELLINGS:
-        return int(total_bytes) if total_bytes is not None else _host_capacity_bytes()
+        return int(total_bytes) if total_bytes is not None else configured.host_capacity_bytes()
     total = int(total_bytes) if total_bytes is not None else _gpu_total_bytes(device)
     return int(total * utilization)
 
@@ -233,6 +260,12 @@ def registry_for(
     return registry
 
 
+def register_pool(device: Union[str, Any], name: str) -> RegistryBudget:
+    """Registers pool ``name`` in the registry of ``device`` (created if needed): the budget a
+    pool given none takes (what ``import kvcached`` installs, :mod:`kvcached.defaults`)."""
+    return registry_for(device).register(name)
+
+
 def open_existing(device: Union[str, Any]) -> Optional[DeviceRegistry]:
     """The registry of ``device`` if some engine has created it, else None (creates nothing)."""
     name = resolve_device(device)
@@ -246,12 +279,14 @@ def registry_files() -> list[dict[str, Any]]:
     """Every ``kvcached-*`` file of :func:`registry_dir` with its status ("current",
     "old_style", "damaged", "foreign", "other_version", "denied", "link", "unfinished")
     and what to do about it; changes nothing."""
+    _configure()
     return list(_core.scan_registry_directory())
 
 
 def clean_directory() -> list[dict[str, Any]]:
     """Removes what no process can use (old-style files without live instances, damaged
     files, unfinished creations, the caller's symbolic links); returns what it removed."""
+    _configure()
     return list(_core.clean_registry_directory())
 
 
@@ -270,6 +305,7 @@ __all__ = [
     "DEFAULT_GPU_UTILIZATION",
     "DeviceName",
     "DeviceRegistry",
+    "MemoryPolicy",
     "RegistryAccessError",
     "RegistryBudget",
     "RegistryEntry",
@@ -287,5 +323,6 @@ __all__ = [
     "registry_dir",
     "registry_files",
     "registry_for",
+    "register_pool",
     "resolve_device",
 ]

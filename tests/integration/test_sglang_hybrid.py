@@ -147,7 +147,7 @@ def _configurator(**family):
 
     from kvcached.integration import sglang as plugin
 
-    v = plugin.hook_module_for(sglang.__version__)
+    v = plugin.module_for(sglang.__version__)
     server_args = SimpleNamespace(kv_cache_dtype="auto", model_path="/m/hybrid", disaggregation_mode="null")
     fields = dict(is_hybrid_swa=False, mambaish_config=None, use_mla_backend=False)
     fields.update(family)

@@ -20,6 +20,7 @@ import torch  # noqa: E402  (SGLang needs it)
 
 from kvcached.integration import sglang as plugin  # noqa: E402
 from kvcached.integration.common.settings import Settings  # noqa: E402
+from kvcached.registry import MemoryPolicy  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 SUPPORTED = plugin.POLICY.release_of(sglang.__version__) in plugin.POLICY.releases
@@ -43,12 +44,12 @@ def test_register_is_a_no_op_when_disabled(no_flags):
 @pytest.mark.parametrize("version", ["0.5.15", "0.5.22", "0.5.24", "0.6.0", "dev"])
 def test_other_sglang_versions_are_refused_by_name(version):
     with pytest.raises(plugin.UnsupportedSGLangVersion, match="supported: 0.5.23"):
-        plugin.hook_module_for(version)
+        plugin.module_for(version)
 
 
 def test_supported_versions_resolve_to_one_module():
-    assert plugin.hook_module_for("0.5.23").__name__.endswith("v0_5_23")
-    assert plugin.hook_module_for("0.5.23.post1").__name__.endswith("v0_5_23")
+    assert plugin.module_for("0.5.23").__name__.endswith("v0_5_23")
+    assert plugin.module_for("0.5.23.post1").__name__.endswith("v0_5_23")
 
 
 def test_register_logs_and_survives_an_unsupported_sglang(no_flags, caplog):
@@ -68,7 +69,7 @@ def test_entry_point_is_in_sglangs_plugin_group():
 
 @needs_supported
 def test_every_hooked_sglang_name_is_in_place_and_declared():
-    module = plugin.hook_module_for(sglang.__version__)
+    module = plugin.module_for(sglang.__version__)
     assert [point.problem() for point in module.PATCH_POINTS if point.problem()] == []
     declared = {point.name for point in module.PATCH_POINTS}
     assert {target for target, _, _ in module.HOOKS} <= declared
@@ -78,7 +79,7 @@ def test_every_hooked_sglang_name_is_in_place_and_declared():
 def test_hooks_register_once_per_process(no_flags):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    module = plugin.hook_module_for(sglang.__version__)
+    module = plugin.module_for(sglang.__version__)
     no_flags.setenv("KVCACHED_ENABLE", "1")
     plugin.register()
     plugin.register()
@@ -97,13 +98,13 @@ def test_hooks_register_once_per_process(no_flags):
 def v():
     if not SUPPORTED:
         pytest.skip(f"SGLang {sglang.__version__} is not supported")
-    return plugin.hook_module_for(sglang.__version__)
+    return plugin.module_for(sglang.__version__)
 
 
 def _plan(v, name: str, limit_bytes=None):
     from kvcached.integration.common.rank_devices import describe_rank
 
-    settings = Settings(virtual_bytes=None, limit_bytes=limit_bytes, page_bytes=2 * MiB, name=name)
+    settings = Settings(virtual_bytes=None, policy=MemoryPolicy(max_bytes=limit_bytes), page_bytes=2 * MiB, name=name)
     return v.Plan(settings=settings, rank=describe_rank("cpu", 0), name=name, virtual_bytes=64 * MiB)
 
 
@@ -131,7 +132,7 @@ def test_an_engine_on_the_cpu_keeps_its_freed_heap(v, monkeypatch, keep_bytes):
     kept = []
     monkeypatch.setattr(plan_module, "keep_freed_heap", kept.append)
     settings = Settings(
-        virtual_bytes=None, limit_bytes=None, page_bytes=2 * MiB, name="heap", host_heap_keep_bytes=keep_bytes
+        virtual_bytes=None, policy=MemoryPolicy(), page_bytes=2 * MiB, name="heap", host_heap_keep_bytes=keep_bytes
     )
     from kvcached.integration.common.rank_devices import describe_rank
 
@@ -243,7 +244,7 @@ def test_limit_makes_allocation_refuse_instead_of_raise(v):
     pool = _mha_pool(v, "limited", size=16384, page_size=16)
     allocator = v.KvcachedPagedTokenToKVPoolAllocator(16384, 16, torch.float32, "cpu", pool, False)
     page_id_bytes = pool.kvcached_blocks.layout.page_bytes * 4  # 2 layers x K and V
-    assert registry_for("cpu").set_limit("limited", 2 * page_id_bytes) == 1
+    assert registry_for("cpu").set_policy("limited", max_bytes=2 * page_id_bytes) == 1
     tokens_per_page_id = pool.kvcached_blocks.layout.blocks_per_page * 16
     assert allocator.available_size() == 2 * tokens_per_page_id - 16  # page 0 holds the padding page
     assert allocator.logical_available_size() == 16384  # SGLang's conservation is unaffected
@@ -279,7 +280,7 @@ def test_prefill_admission_secures_memory_or_says_no(v):
     pool = _mha_pool(v, "admission", size=16384, page_size=1)
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
     tokens_per_page_id = pool.kvcached_blocks.layout.blocks_per_page
-    registry_for("cpu").set_limit("admission", 2 * pool.kvcached_blocks.layout.page_bytes * 4)
+    registry_for("cpu").set_policy("admission", max_bytes=2 * pool.kvcached_blocks.layout.page_bytes * 4)
     budget = allocator.create_prefill_budget(_Tree())
     assert isinstance(budget, v.KvcachedPrefillBudget)
     args = dict(max_new_tokens=16, input_tokens=0, swa_host_hit_length=0, chunk_limit=None)
@@ -330,13 +331,13 @@ def test_last_request_waits_for_memory_instead_of_being_aborted(v, monkeypatch):
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
     page_id_bytes = pool.kvcached_blocks.layout.page_bytes * 4
     registry = registry_for("cpu")
-    registry.set_limit("last-request", page_id_bytes)
+    registry.set_policy("last-request", max_bytes=page_id_bytes)
     held = allocator.alloc(allocator.available_size())
     tree = _Tree()
     # Several requests: SGLang retracts one and asks again, no waiting.
     assert not allocator.check_decode_capacity(num_tokens=2, tree_cache=tree, requests=[1, 2])
     # The last one: memory comes back (here: the limit is raised) while it waits.
-    threading.Timer(0.1, registry.set_limit, args=("last-request", 2 * page_id_bytes)).start()
+    threading.Timer(0.1, registry.set_policy, args=("last-request",), kwargs={"max_bytes": 2 * page_id_bytes}).start()
     assert allocator.check_decode_capacity(num_tokens=1, tree_cache=tree, requests=[1])
     allocator.end_step()
     allocator.free(held)
@@ -435,7 +436,7 @@ def test_prefill_refused_for_memory_says_the_engine_waits(v):
     allocator = v.KvcachedTokenToKVPoolAllocator(16384, torch.float32, "cpu", pool, False)
     wanted = []
     allocator.kvcached_blocks.want_more = lambda: wanted.append(1)
-    registry_for("cpu").set_limit("prefill-wants", pool.kvcached_blocks.layout.page_bytes * 4)
+    registry_for("cpu").set_policy("prefill-wants", max_bytes=pool.kvcached_blocks.layout.page_bytes * 4)
     budget = allocator.create_prefill_budget(_Tree())
     args = dict(max_new_tokens=16, input_tokens=0, swa_host_hit_length=0, chunk_limit=None)
     assert budget.check_prefill(extend_input_len=100, total_tokens=116, **args)[0] is True

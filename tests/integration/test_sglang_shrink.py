@@ -18,7 +18,7 @@ import torch  # noqa: E402  (SGLang needs it)
 from kvcached.integration import sglang as plugin  # noqa: E402
 from kvcached.integration.common.rank_devices import describe_rank  # noqa: E402
 from kvcached.integration.common.settings import Settings  # noqa: E402
-from kvcached.registry import registry_for  # noqa: E402
+from kvcached.registry import MemoryPolicy, registry_for  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 MiB = 1 << 20
@@ -28,7 +28,7 @@ MiB = 1 << 20
 def v():
     if plugin.POLICY.release_of(sglang.__version__) not in plugin.POLICY.releases:
         pytest.skip(f"SGLang {sglang.__version__} is not supported")
-    return plugin.hook_module_for(sglang.__version__)
+    return plugin.module_for(sglang.__version__)
 
 
 class _LruTree:
@@ -50,7 +50,7 @@ class _LruTree:
 
 
 def _allocator(v, name: str):
-    settings = Settings(virtual_bytes=None, limit_bytes=None, page_bytes=2 * MiB, name=name)
+    settings = Settings(virtual_bytes=None, policy=MemoryPolicy(), page_bytes=2 * MiB, name=name)
     plan = v.Plan(settings=settings, rank=describe_rank("cpu", 0), name=name, virtual_bytes=64 * MiB)
     with v.building(plan):
         pool = v.KvcachedMHATokenToKVPool(
@@ -91,7 +91,7 @@ def test_over_its_limit_cached_prefixes_go_first_and_their_pages_at_the_steps_en
     tree = _LruTree(allocator, allocator.alloc(5000))  # page ids 1 to 3
     allocator.end_step()
     assert _mapped("shrink-cache") >= 4 * page_id_bytes
-    registry_for("cpu").set_limit("shrink-cache", 3 * page_id_bytes)
+    registry_for("cpu").set_policy("shrink-cache", max_bytes=3 * page_id_bytes)
     assert allocator.pages_over_limit() == 1
     assert v.shrink.evict_while_over(allocator, tree) == 0 and allocator.pages_over_limit() == 0
     assert 0 < tree.evictable_size() < 5000  # the oldest cached slots went, as many as needed
@@ -107,7 +107,7 @@ def test_still_over_after_the_cache_the_decode_check_has_sglang_retract(v):
     first, second = allocator.alloc(1500), allocator.alloc(2500)  # two requests: page ids 0 and 1
     tree = _LruTree(allocator, allocator.alloc(500))
     allocator.end_step()
-    registry_for("cpu").set_limit("shrink-retract", page_id_bytes)
+    registry_for("cpu").set_policy("shrink-retract", max_bytes=page_id_bytes)
     # The whole cache goes, and it is not enough: with two running, SGLang retracts one.
     assert v.shrink.evict_while_over(allocator, tree) == 1 and tree.evictable_size() == 0
     assert not allocator.check_decode_capacity(num_tokens=2, tree_cache=tree, requests=[1, 2])

@@ -46,14 +46,14 @@ def test_register_is_a_no_op_when_disabled(no_flags):
 @pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "0.25.0+cu124", "dev"])
 def test_other_vllm_versions_are_refused_by_name(version):
     with pytest.raises(plugin.UnsupportedVLLMVersion, match="supported: 0.32.x, 0.33.x, 0.34.x"):
-        plugin.patch_module_for(version)
+        plugin.module_for(version)
 
 
 def test_supported_versions_resolve_to_one_module():
-    assert plugin.patch_module_for("0.32.0").__name__.endswith(".v0_32")
-    assert plugin.patch_module_for("0.32.1+cpu").__name__.endswith(".v0_32")
-    assert plugin.patch_module_for("0.33.0").__name__.endswith(".v0_33")
-    assert plugin.patch_module_for("0.34.0").__name__.endswith(".v0_34")
+    assert plugin.module_for("0.32.0").__name__.endswith(".v0_32")
+    assert plugin.module_for("0.32.1+cpu").__name__.endswith(".v0_32")
+    assert plugin.module_for("0.33.0").__name__.endswith(".v0_33")
+    assert plugin.module_for("0.34.0").__name__.endswith(".v0_34")
 
 
 def test_register_logs_and_survives_an_unsupported_vllm(no_flags, caplog):

@@ -201,7 +201,7 @@ def test_vllms_own_extensible_kv_cache_is_off_by_default_and_refused_when_asked_
 def test_a_busy_engine_asked_to_shrink_drops_cached_prefixes_then_preempts_to_its_min_in_one_step(
     start, tmp_path, monkeypatch
 ):
-    from kvcached.registry import registry_for
+    from kvcached.registry import MemoryPolicy, registry_for
 
     page_id_bytes = drive.PAGE_BYTES * drive.NUM_LAYERS
     monkeypatch.setenv("KVCACHED_REGISTRY_DIR", str(tmp_path))
@@ -220,7 +220,7 @@ def test_a_busy_engine_asked_to_shrink_drops_cached_prefixes_then_preempts_to_it
 
     held_bytes = entry()["mapped_bytes"]
     assert held_bytes > 3 * page_id_bytes and entry()["min_bytes"] == 3 * page_id_bytes
-    high = registry.register("high", priority=5)  # another process, as far as the registry knows
+    high = registry.register("high", policy=MemoryPolicy(priority=5))  # another process, as far as the registry knows
     assert high.try_acquire(registry.available_bytes)
     assert not high.try_acquire(held_bytes)  # everything the engine holds: it is asked down to its min
     assert entry()["reclaim_target_bytes"] == 3 * page_id_bytes

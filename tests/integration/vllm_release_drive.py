@@ -51,7 +51,7 @@ def install() -> Any:
     os.environ.setdefault("KVCACHED_IDLE_RELEASE_S", "600")
     from kvcached.integration import vllm as plugin
 
-    return plugin.apply_patches()
+    return plugin.install()
 
 
 def attention_specs() -> dict[str, Any]:

@@ -1,14 +1,16 @@
 // Bindings of the backend contract: Device, Reservation, PhysicalAllocation.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "bindings.hpp"
-#include "configured_option.hpp"
 #include "kvcached/backends/host_backend.hpp"
 #include "kvcached/device/device.hpp"
 
@@ -21,18 +23,12 @@ namespace {
 
 using Released = nb::call_guard<nb::gil_scoped_release>;
 
-// The host backend's capacity: `capacity_bytes` if given (not 0), else
-// KVCACHED_HOST_CAPACITY_BYTES, else half of the machine's memory limit.
-std::size_t host_capacity_bytes(std::size_t capacity_bytes) {
-  if (capacity_bytes != 0) return capacity_bytes;
-  const nb::object configured = configured_option("host_capacity_bytes");
-  return configured.is_none() ? machine_host_capacity_bytes() : nb::cast<std::size_t>(configured);
-}
-
-std::shared_ptr<Device> open_host_device(std::size_t capacity_bytes) {
-  const auto setting = [](const char* name) { return nb::cast<std::string>(configured_option(name)); };
-  const HostBackendOptions options{host_capacity_bytes(capacity_bytes), parse_host_memory(setting("host_memory")),
-                                   parse_host_populate(setting("host_populate"))};
+// The host backend with the settings its caller gives (kvcached.devices passes kvcached.config's):
+// `capacity_bytes` None is half of the machine's memory limit.
+std::shared_ptr<Device> open_host_device(std::optional<std::size_t> capacity_bytes, const std::string& memory,
+                                         const std::string& populate) {
+  const HostBackendOptions options{capacity_bytes ? *capacity_bytes : machine_host_capacity_bytes(),
+                                   parse_host_memory(memory), parse_host_populate(populate)};
   nb::gil_scoped_release unlocked;
   return Device::open(make_host_backend(options));
 }
@@ -138,15 +134,16 @@ void bind_device(nb::module_& m) {
           "The range must lie inside one reservation (ValueError otherwise). Low-level: the "
           "caller guarantees the memory is mapped and accessible.");
 
-  m.def("open_host_device", &open_host_device, "capacity_bytes"_a = 0,
-        "Open the host backend with the settings of kvcached.config (KVCACHED_HOST_MEMORY, "
-        "KVCACHED_HOST_POPULATE). capacity 0: KVCACHED_HOST_CAPACITY_BYTES or half of the memory limit.");
+  m.def("open_host_device", &open_host_device, "capacity_bytes"_a.none() = nb::none(), "memory"_a = "shared_files",
+        "populate"_a = "background",
+        "Open a host backend device of `capacity_bytes` (None: half of the machine's or cgroup's memory "
+        "limit) whose allocations are `memory` ('shared_files', 'anonymous', 'huge_pages'), populated "
+        "`populate` ('background', 'on_touch'). kvcached.open_device('cpu') passes the KVCACHED_HOST_* "
+        "options; this low-level call takes only what it is given.");
   m.def("open_backend_capsule", &open_backend_capsule, "capsule"_a,
         "Wrap a backend handed over by a GPU backend module (kvcached._cuda / kvcached._hip).");
-  m.def(
-      "default_host_capacity_bytes", [] { return host_capacity_bytes(0); },
-      "The host backend's default capacity in bytes: KVCACHED_HOST_CAPACITY_BYTES, else half "
-      "of the machine's (or cgroup's) memory limit.");
+  m.def("machine_host_capacity_bytes", &machine_host_capacity_bytes,
+        "Half of the machine's (or cgroup's) memory limit: the host backend's capacity when none is given.");
   m.def(
       "wait_for_host_population",
       [] {

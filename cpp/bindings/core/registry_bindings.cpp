@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "configured_option.hpp"
 #include "core/bindings.hpp"
 #include "error_translation.hpp"
 #include "kvcached/registry/device_registry.hpp"
@@ -24,14 +23,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace {
-
-// Hands the core the registry settings of kvcached.config as they are now (the variables a
-// process was started with, or set since): called before every registry call.
-void configure_registry_from_config() {
-  const nb::object group = configured_option("registry_group");
-  configure_registry({nb::cast<std::string>(configured_option("registry_dir")),
-                      group.is_none() ? std::string() : nb::cast<std::string>(group)});
-}
 
 // Byte counts come from Python as signed ints so a negative one is a clear
 // ValueError instead of an overflow or a TypeError about unsigned conversion.
@@ -61,7 +52,9 @@ nb::dict entry_to_dict(const RegistryEntryInfo& info) {
   entry["uid"] = info.uid;
   entry["local_device"] = text_of(info.local_device);
   entry["alive"] = info.alive;
-  entry["limit_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
+  // The cap is max_bytes, as in MemoryPolicy; limit_bytes is its older name, kept for kvctl --json readers.
+  entry["max_bytes"] = info.limit_bytes ? nb::object(nb::int_(*info.limit_bytes)) : nb::none();
+  entry["limit_bytes"] = entry["max_bytes"];
   entry["mapped_bytes"] = info.mapped_bytes;
   entry["used_bytes"] = info.used_bytes;
   // Mapped but free: "reserved" is kept for virtual reservations (pool stats, device counters).
@@ -164,7 +157,6 @@ void ensure_memory_budget_bound(nb::module_& m) {
 
 // Runs a directory walk (scan or clean) with the GIL released and returns its files as dicts.
 nb::list registry_files_as_dicts(std::vector<RegistryFileInfo> (*walk)()) {
-  configure_registry_from_config();
   std::vector<RegistryFileInfo> files;
   {
     nb::gil_scoped_release unlocked;
@@ -179,6 +171,7 @@ nb::list registry_files_as_dicts(std::vector<RegistryFileInfo> (*walk)()) {
 
 void bind_registry(nb::module_& m) {
   install_registry_error_translator();
+  bind_memory_policy(m);
   m.attr("REGISTRY_CAPACITY") = kRegistryCapacity;
   m.attr("REGISTRY_NAME_MAX_BYTES") = kRegistryNameMaxBytes;
   m.attr("REGISTRY_DEVICE_MAX_BYTES") = kRegistryDeviceMaxBytes;
@@ -196,12 +189,15 @@ void bind_registry(nb::module_& m) {
   m.def("validate_instance_name", &validate_instance_name, "name"_a,
         "ValueError unless `name` is a valid instance name (1-63 bytes of UTF-8, no control characters).");
   m.def(
-      "registry_directory",
-      [] {
-        configure_registry_from_config();
-        return registry_directory_path();
-      },
-      "The registry directory (KVCACHED_REGISTRY_DIR through kvcached.config).");
+      "configure_registry",
+      [](const std::string& directory, const std::string& group) { configure_registry({directory, group}); },
+      "directory"_a, "group"_a = "",
+      "Makes `directory` (absolute) and `group` (a group name or gid; '': private registries) the "
+      "settings of every later registry call of this process. kvcached.registry passes "
+      "KVCACHED_REGISTRY_DIR and KVCACHED_REGISTRY_GROUP before each call that opens or lists "
+      "registries; ValueError (nothing changed) for a relative directory or an unknown group.");
+  m.def("registry_directory", &registry_directory_path,
+        "The registry directory configure_registry() was last given; ValueError if it never was.");
   m.def("resolve_registry_group", &resolve_registry_group, "text"_a,
         "The gid a KVCACHED_REGISTRY_GROUP value names (a group name, or a gid from 0 to "
         "2**32 - 2); ValueError naming the variable otherwise.");
@@ -225,7 +221,8 @@ void bind_registry(nb::module_& m) {
       .def_prop_ro("instance_id", &RegistryBudget::instance_id)
       .def_prop_ro("registered", &RegistryBudget::registered,
                    "False once unregistered, reclaimed as stale, or the registry file is gone.")
-      .def_prop_ro("limit_bytes", &RegistryBudget::limit_bytes, "This instance's own limit (set by kvctl), or None.")
+      .def_prop_ro("max_bytes", &RegistryBudget::limit_bytes,
+                   "This instance's max (its limit; kvctl changes it), or None.")
       .def_prop_ro("mapped_bytes", &RegistryBudget::mapped_bytes,
                    "Bytes of KV cache this instance holds against the device budget.")
       .def_prop_ro("weights_bytes", &RegistryBudget::weights_bytes,
@@ -275,7 +272,6 @@ void bind_registry(nb::module_& m) {
       .def(nb::new_([](const std::string& device, std::optional<std::int64_t> budget_bytes,
                        const std::string& local_device) {
              const auto budget = checked_optional_bytes("budget_bytes", budget_bytes);
-             configure_registry_from_config();
              nb::gil_scoped_release unlocked;
              return DeviceRegistry::open(device, budget, local_device);
            }),
@@ -285,13 +281,8 @@ void bind_registry(nb::module_& m) {
            "Without a budget a missing registry raises RegistryNotFoundError. `local_device` "
            "('cuda:1') is recorded by register() as the device this process sees. "
            "kvcached.registry.registry_for resolves names such as 'cuda:0' first.")
-      .def_static(
-          "segment_path",
-          [](const std::string& device) {
-            configure_registry_from_config();
-            return DeviceRegistry::segment_path(device);
-          },
-          "device"_a, "Where the registry file of `device` lives (in KVCACHED_REGISTRY_DIR).")
+      .def_static("segment_path", &DeviceRegistry::segment_path, "device"_a,
+                  "Where the registry file of `device` lives (in the configured registry directory).")
       .def_prop_ro("device", &DeviceRegistry::device)
       .def_prop_ro("local_device", &DeviceRegistry::local_device)
       .def_prop_ro("path", &DeviceRegistry::path)
@@ -323,18 +314,6 @@ void bind_registry(nb::module_& m) {
           nb::sig("def entries(self) -> list[dict[str, typing.Any]]"),
           "Snapshot of the live table: one dict per registered instance.")
       .def(
-          "set_limit",
-          [](DeviceRegistry& self, nb::handle name_or_pid, std::optional<std::int64_t> limit_bytes) {
-            const auto target = name_or_pid_of(name_or_pid);
-            const auto limit = checked_optional_bytes("limit_bytes", limit_bytes);
-            nb::gil_scoped_release unlocked;
-            return self.set_limit(target, limit);
-          },
-          "name_or_pid"_a, "limit_bytes"_a.none(),
-          nb::sig("def set_limit(self, name_or_pid: int | str | bytes, limit_bytes: int | None) -> int"),
-          "Sets (None: clears) the limit of instances matching a pid (int) or name (str or "
-          "bytes); returns how many matched.")
-      .def(
           "set_policy",
           [](DeviceRegistry& self, nb::handle name_or_pid, std::optional<std::int64_t> min_bytes,
              std::optional<std::int64_t> max_bytes, std::optional<std::int64_t> priority, bool clear_max) {
@@ -360,23 +339,20 @@ void bind_registry(nb::module_& m) {
       .def(
           "register",
           [](DeviceRegistry& self, const std::string& name, std::optional<std::int64_t> pid,
-             std::optional<std::int64_t> limit_bytes, std::optional<std::string> local_device, std::int64_t min_bytes,
-             std::int64_t priority, bool join) {
-            InstancePolicy policy;
-            policy.max_bytes = checked_optional_bytes("limit_bytes", limit_bytes);
-            policy.min_bytes = checked_bytes("min_bytes", min_bytes);
-            policy.priority = priority;
+             const InstancePolicy& policy, std::optional<std::string> local_device, bool join) {
             nb::gil_scoped_release unlocked;
             return self.register_instance(name, pid, policy, local_device, join);
           },
-          "name"_a, "pid"_a = nb::none(), "limit_bytes"_a = nb::none(), "local_device"_a = nb::none(),
-          "min_bytes"_a = 0, "priority"_a = 0, "join"_a = false,
+          "name"_a, "pid"_a = nb::none(), "policy"_a = InstancePolicy{}, "local_device"_a = nb::none(),
+          "join"_a = false,
+          nb::sig("def register(self, name: str, pid: int | None = None, policy: MemoryPolicy = MemoryPolicy(), "
+                  "local_device: str | None = None, join: bool = False) -> RegistryBudget"),
           "Registers an instance (default pid: this process; default local_device: the one "
-          "given when opening) with its memory policy (limit_bytes is its max) and returns its "
-          "RegistryBudget. ValueError when min_bytes is above limit_bytes or the mins of the "
-          "device's instances would sum above its budget. With join=True a live entry of the same "
-          "name, pid and local device is joined (another handle on it, its policy replaced by this one's; the last "
-          "handle unregistered frees it): an engine's weights and KV cache on one rank.")
+          "given when opening) with its MemoryPolicy and returns its RegistryBudget. ValueError "
+          "when the mins of the device's instances would sum above its budget. With join=True a live "
+          "entry of the same name, pid and local device is joined (another handle on it, its policy "
+          "replaced by this one's; the last handle unregistered frees it): an engine's weights and KV "
+          "cache on one rank.")
       .def("_hold_lock_for_test", &DeviceRegistry::hold_lock_for_test, nb::call_guard<nb::gil_scoped_release>(),
            "Test hook: takes the registry lock and never releases it.");
 }

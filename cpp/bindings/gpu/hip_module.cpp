@@ -1,14 +1,12 @@
 // kvcached._hip: finds HIP (AMD) devices and opens them as VmmBackend capsules for kvcached._core.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <optional>
+#include <string>
 
-#include "configured_option.hpp"
 #include "error_translation.hpp"
 #include "gpu/backend_capsule.hpp"
 #include "kvcached/backends/hip_backend.hpp"
@@ -38,20 +36,21 @@ NB_MODULE(_hip, m) {
         "raises BackendUnavailableError when there is no such device.");
   m.def(
       "open_backend",
-      [](int ordinal, std::optional<std::int64_t> mapping_settle_us) {
-        const std::int64_t settle_us =
-            mapping_settle_us ? *mapping_settle_us
-                              : nb::cast<std::int64_t>(kvcached::bindings::configured_option("hip_mapping_settle_us"));
+      [](int ordinal, std::int64_t mapping_settle_us) {
+        if (mapping_settle_us < 0) {
+          throw kvcached::InvalidArgument("mapping_settle_us must not be negative, got " +
+                                          std::to_string(mapping_settle_us));
+        }
         std::shared_ptr<kvcached::VmmBackend> backend;
         {
           nb::gil_scoped_release unlocked;
-          backend = kvcached::make_hip_backend(ordinal, std::chrono::microseconds(settle_us));
+          backend = kvcached::make_hip_backend(ordinal, std::chrono::microseconds(mapping_settle_us));
         }
         return kvcached::bindings::backend_capsule(std::move(backend));
       },
-      "ordinal"_a = 0, "mapping_settle_us"_a = nb::none(),
+      "ordinal"_a, "mapping_settle_us"_a,
       "Open HIP device ``ordinal`` and return a PyCapsule named 'kvcached.VmmBackend' for\n"
       "kvcached._core. Raises BackendUnavailableError when there is no such device or it\n"
-      "lacks virtual memory management. ``mapping_settle_us`` (None: KVCACHED_HIP_MAPPING_SETTLE_US\n"
-      "through kvcached.config): how old the newest mapping must be before fresh ones go to GPU work.");
+      "lacks virtual memory management. ``mapping_settle_us``: how old the newest mapping must be\n"
+      "before fresh ones go to GPU work (kvcached.devices passes KVCACHED_HIP_MAPPING_SETTLE_US).");
 }

@@ -6,7 +6,8 @@ same seeded, bursty traffic twice: once with every pool drawing on one shared
 budget, once with the budget split equally. It shows memory per instance live,
 prints what happened to the requests in both runs and draws a plot.
 
-Files: ``traffic`` (the schedule), ``engine`` (an engine process), ``run``
-(orchestration and sampling), ``summary``, ``live``, ``plot`` and ``command``
-(the command-line options).
+Files: ``config`` (the options and the sizes that follow), ``traffic`` (the
+schedule), ``engine`` (an engine process), ``fleet`` (the engine processes),
+``run`` (orchestration and sampling), ``summary``, ``live``, ``plot`` and
+``command`` (the command-line options).
 """

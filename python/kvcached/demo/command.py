@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from kvcached.cli_support import EXIT_USAGE, check_settings, names_a_setting, report_failure
+from kvcached.cli.support import EXIT_USAGE, check_settings, names_a_setting, report_failure
 from kvcached.errors import ConfigurationError, InvalidArgumentError, KvcachedError
 from kvcached.registry import format_bytes, parse_bytes
 
@@ -24,7 +24,7 @@ EXIT_INTERRUPTED = 130
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the demo's options to ``parser`` (the ``demo`` subparser of ``kvcached``)."""
-    from kvcached.demo.run import (
+    from kvcached.demo.config import (
         DEFAULT_BUDGET_BYTES,
         DEFAULT_DURATION_S,
         DEFAULT_ENGINES,
@@ -116,7 +116,7 @@ def _plot_path(requested: Optional[str]) -> Optional[Path]:
 def _checked_config(args: argparse.Namespace) -> Any:
     """The demo's config from its options and settings; ValueError/KvcachedError naming what is wrong."""
     from kvcached.demo.block_pattern import needs_torch
-    from kvcached.demo.run import DEFAULT_BUDGET_BYTES, DemoConfig
+    from kvcached.demo.config import DEFAULT_BUDGET_BYTES, DemoConfig
     from kvcached.devices import open_device
     from kvcached.registry import resolve_device
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from kvcached.demo.block_pattern import needs_torch
+from kvcached.demo.config import DemoConfig, Geometry
 from kvcached.demo.engine import PoolShape, engine_main
 from kvcached.errors import DemoError
-
-if TYPE_CHECKING:
-    from kvcached.demo.run import DemoConfig, Geometry
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-from kvcached.demo.run import engine_name
+from kvcached.cli.widgets import UsageBar, short_bytes
+from kvcached.demo.fleet import engine_name
 from kvcached.demo.traffic import TrafficProfile
-from kvcached.kvtop import UsageBar, short_bytes
 
 # Plain lines are for logs: one per second is plenty.
 PLAIN_INTERVAL_S = 1.0

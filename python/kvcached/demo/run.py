@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import shutil
 import tempfile
 import time
 from typing import Any, Optional, Protocol
 
+from kvcached.demo.config import DemoConfig, Geometry
 from kvcached.demo.engine import RunSpec
 from kvcached.demo.fleet import EngineFleet, engine_name
 from kvcached.demo.traffic import TrafficProfile, generate, make_profile
@@ -28,73 +28,12 @@ from kvcached.registry import REGISTRY_DIR_ENV, DeviceRegistry, registry_for
 logger = logging.getLogger(__name__)
 
 RUN_NAMES = ("elastic", "static")
-MIB = 1 << 20
-# Small KV geometry: 2 layers x K,V x 64 KiB blocks make a block id 256 KiB and
-# (with 2 MiB pages) a page id 8 MiB of 32 blocks, so a request spans 0.5-3
-# pages, as a few thousand tokens do in a real engine; much smaller blocks let
-# a few long requests pin many half-empty pages.
-DEFAULT_NUM_LAYERS = 2
-DEFAULT_NUM_BUFFERS = 2
-DEFAULT_BLOCK_BYTES = 64 << 10
-DEFAULT_ENGINES = 3
-DEFAULT_DURATION_S = 15.0
-# 30 page ids of 8 MiB: divides evenly among 2, 3, 5 or 6 engines, and the busy
-# engine's peak (~60 % of it) is far above a third.
-DEFAULT_BUDGET_BYTES = 240 * MIB
-DEFAULT_WAIT_TIMEOUT_S = 1.0
-# Each engine is a process with its own pool: more than this is a typo, not a demo.
-MAX_ENGINES = 64
-MAX_DURATION_S = 3600.0
 SAMPLE_INTERVAL_S = 0.1
 # Engines start (importing torch on a GPU) and build their pools: allow for a slow, busy machine.
 READY_TIMEOUT_S = 120.0
 # Extra time a run may take past its schedule before the demo gives up on it.
 RUN_GRACE_S = 60.0
 START_DELAY_S = 0.3  # lets every engine see "go" before the clock starts
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """Everything a demo run depends on."""
-
-    engines: int = DEFAULT_ENGINES
-    duration_s: float = DEFAULT_DURATION_S
-    seed: int = 0
-    budget_bytes: int = DEFAULT_BUDGET_BYTES
-    device: str = "cpu"
-    wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
-    num_layers: int = DEFAULT_NUM_LAYERS
-    num_buffers: int = DEFAULT_NUM_BUFFERS
-    block_bytes: int = DEFAULT_BLOCK_BYTES
-
-    def validate(self) -> None:
-        """Raises ValueError, naming the option, on settings the demo cannot run with."""
-        if not 1 <= self.engines <= MAX_ENGINES:
-            raise InvalidArgumentError(f"--engines must be between 1 and {MAX_ENGINES}, got {self.engines}")
-        if not (math.isfinite(self.duration_s) and 0 < self.duration_s <= MAX_DURATION_S):
-            raise InvalidArgumentError(
-                f"--duration must be a number of seconds in (0, {MAX_DURATION_S:g}], got {self.duration_s}"
-            )
-        if not (math.isfinite(self.wait_timeout_s) and 0 <= self.wait_timeout_s <= MAX_DURATION_S):
-            raise InvalidArgumentError(
-                f"--wait-timeout must be a number of seconds in [0, {MAX_DURATION_S:g}], got {self.wait_timeout_s}"
-            )
-        if not 0 <= self.seed < 2**63:
-            raise InvalidArgumentError(f"--seed must be a non-negative integer below 2**63, got {self.seed}")
-        if self.budget_bytes <= 0:
-            raise InvalidArgumentError("--budget must be positive")
-
-
-@dataclasses.dataclass
-class Geometry:
-    """Sizes that follow from the config and the device's page size."""
-
-    block_id_bytes: int
-    page_id_bytes: int
-    blocks_per_page: int
-    num_blocks: int
-    budget_blocks: int
-    static_limit_bytes: int
 
 
 @dataclasses.dataclass
@@ -337,13 +276,4 @@ def run_demo(config: DemoConfig, observer: Optional[Observer] = None) -> dict[st
         return setup.run(observer)
 
 
-__all__ = [
-    "DemoConfig",
-    "DemoSetup",
-    "EngineFleet",
-    "Geometry",
-    "RunRecord",
-    "engine_name",
-    "measure_geometry",
-    "run_demo",
-]
+__all__ = ["DemoSetup", "RunRecord", "measure_geometry", "run_demo"]

@@ -7,7 +7,7 @@ import importlib.util
 import logging
 import sys
 
-from kvcached.cli_support import check_settings
+from kvcached.cli.support import check_settings
 from kvcached.errors import ServeError
 
 # What the serve extra (`pip install ".[serve]"` in a kvcached clone) brings: module name -> distribution name.

@@ -24,90 +24,35 @@ whole file passes. The schema, with defaults::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from kvcached.config import OPTIONS
 from kvcached.errors import KvcachedError, ServeConfigError
 from kvcached.option_values import InstanceName, Size, describe
+from kvcached.registry import MemoryPolicy
 from kvcached.serve.config_limits import capped, check_values, key_text, load_yaml, read_config_file, shown
 from kvcached.serve.engines import ENGINES, OWNED_ARGUMENTS, POLICY_VARIABLES
 from kvcached.serve.owned_arguments import owned_flag
+from kvcached.serve.spec import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_STOP_TIMEOUT_S,
+    ModelSpec,
+    RestartPolicy,
+    ServeConfig,
+)
 from kvcached.sizes import format_bytes
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
-# A tiny random model starts in under a minute on a CPU; a 70B model from a slow disk can take many.
-DEFAULT_STARTUP_TIMEOUT_S = 900.0
-DEFAULT_STOP_TIMEOUT_S = 30.0
 
 _TOP_KEYS = ("listen", "device", "budget", "log_dir", "startup_timeout_s", "stop_timeout_s", "restart", "models")
 _MODEL_KEYS = ("name", "engine", "model", "python", "module", "args", "env", "memory")
 _MEMORY_KEYS = ("min", "max", "priority")
 _RESTART_KEYS = ("max_attempts", "backoff_s", "max_backoff_s")
 _PORT = re.compile(r"[0-9]{1,5}")  # ASCII digits only: str.isdigit() and int() take '١٨٩٩٩' too
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPolicy:
-    """A model's share of the device: ``min_bytes`` guaranteed, ``max_bytes`` at most, and
-    ``priority`` (higher keeps its memory longer when another is refused)."""
-
-    min_bytes: int = 0
-    max_bytes: Optional[int] = None
-    priority: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """One served model: its engine process and its memory policy."""
-
-    name: str
-    engine: str
-    model: str
-    python: str
-    module: str
-    args: tuple[str, ...] = ()
-    python_written: str = ""  # ``python`` as the config wrote it, for messages (``python`` is absolute)
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    memory: MemoryPolicy = MemoryPolicy()
-
-
-@dataclasses.dataclass(frozen=True)
-class RestartPolicy:
-    """How a crashed engine comes back: after ``backoff_s``, doubling up to ``max_backoff_s``,
-    at most ``max_attempts`` times in a row."""
-
-    max_attempts: int = 5
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-
-    def delay_s(self, attempt: int) -> float:
-        """Seconds to wait before restart number ``attempt`` (1, 2, ...)."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    """A whole, checked ``kvcached serve`` configuration."""
-
-    host: str
-    port: int
-    device: str
-    models: tuple[ModelSpec, ...]
-    budget_bytes: Optional[int] = None
-    log_dir: Optional[str] = None
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
-    restart: RestartPolicy = RestartPolicy()
-
-    def model(self, name: str) -> Optional[ModelSpec]:
-        """The model clients call ``name``, or None."""
-        return next((spec for spec in self.models if spec.name == name), None)
 
 
 def _fail(key: str, message: str) -> ServeConfigError:
@@ -183,7 +128,7 @@ def _option(name: str, value: Any, key: str) -> Any:
 def _memory(value: Any, key: str) -> MemoryPolicy:
     section = _check_keys(value, _MEMORY_KEYS, key)
     min_bytes = _option("min_bytes", section["min"], f"{key}.min") if "min" in section else 0
-    max_bytes = _option("limit_bytes", section["max"], f"{key}.max") if "max" in section else None
+    max_bytes = _option("max_bytes", section["max"], f"{key}.max") if "max" in section else None
     priority = _option("priority", section["priority"], f"{key}.priority") if "priority" in section else 0
     if max_bytes is not None and min_bytes > max_bytes:
         raise _fail(key, f"min ({format_bytes(min_bytes)}) is above max ({format_bytes(max_bytes)})")
@@ -333,7 +278,6 @@ def load_config(path: str | os.PathLike) -> ServeConfig:
 
 
 __all__ = [
-    "MemoryPolicy",
     "ModelSpec",
     "RestartPolicy",
     "ServeConfig",

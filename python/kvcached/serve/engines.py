@@ -12,10 +12,12 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvcached.config import OPTIONS
 from kvcached.errors import ServeConfigError
+from kvcached.registry import MemoryPolicy
 
 if TYPE_CHECKING:
-    from kvcached.serve.config import ModelSpec
+    from kvcached.serve.spec import ModelSpec
 
 ENGINE_HOST = "127.0.0.1"
 
@@ -70,15 +72,10 @@ ENGINES: dict[str, EngineKind] = {
 }
 OWNED_ARGUMENTS: dict[str, tuple[str, ...]] = {name: kind.owned_flags for name, kind in ENGINES.items()}
 
-# Settings serve decides for every engine; inherited values would name or size the wrong instance.
-POLICY_VARIABLES = (
-    "KVCACHED_ENABLE",
-    "ENABLE_KVCACHED",
-    "KVCACHED_NAME",
-    "KVCACHED_LIMIT_BYTES",
-    "KVCACHED_MIN_BYTES",
-    "KVCACHED_PRIORITY",
-)
+# The options serve decides for every engine (their variables, older names included); inherited
+# values would name or size the wrong instance.
+_OWNED_OPTIONS = ("enable", "name", "max_bytes", "min_bytes", "priority")
+POLICY_VARIABLES = tuple(env for key in _OWNED_OPTIONS for env in (OPTIONS[key].env, *OPTIONS[key].aliases))
 _VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "hip": "HIP_VISIBLE_DEVICES"}
 
 
@@ -96,16 +93,21 @@ def engine_environment(spec: ModelSpec, device: str, base: Mapping[str, str] | N
     """The engine's environment: ``base`` (default: serve's own) without inherited policy settings,
     kvcached on under the model's name with its memory policy, the one device, then ``env:``."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in POLICY_VARIABLES}
-    env["KVCACHED_ENABLE"] = "1"
-    env["KVCACHED_NAME"] = spec.name
-    env["KVCACHED_MIN_BYTES"] = str(spec.memory.min_bytes)
-    env["KVCACHED_PRIORITY"] = str(spec.memory.priority)
-    if spec.memory.max_bytes is not None:
-        env["KVCACHED_LIMIT_BYTES"] = str(spec.memory.max_bytes)
+    env[OPTIONS["enable"].env] = "1"
+    env[OPTIONS["name"].env] = spec.name
+    env.update(policy_environment(spec.memory))
     kind, _, ordinal = device.partition(":")
     if kind in _VISIBLE_DEVICES:
         env[_VISIBLE_DEVICES[kind]] = _visible_device(env, _VISIBLE_DEVICES[kind], int(ordinal or 0))
     env.update(spec.env)
+    return env
+
+
+def policy_environment(policy: MemoryPolicy) -> dict[str, str]:
+    """The variables that give an engine ``policy`` (what its integration reads back into the same value)."""
+    env = {OPTIONS["min_bytes"].env: str(policy.min_bytes), OPTIONS["priority"].env: str(policy.priority)}
+    if policy.max_bytes is not None:
+        env[OPTIONS["max_bytes"].env] = str(policy.max_bytes)
     return env
 
 
@@ -137,4 +139,5 @@ __all__ = [
     "EngineKind",
     "check_environment",
     "engine_environment",
+    "policy_environment",
 ]

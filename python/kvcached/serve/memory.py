@@ -150,7 +150,7 @@ class DeviceMemory:
             model["entries"] = model.get("entries", 0) + 1
             if entry.get("min_bytes") is not None:
                 model["min_bytes"] = entry["min_bytes"]
-            model["max_bytes"] = entry["limit_bytes"]
+            model["max_bytes"] = entry["max_bytes"]
         return {name: ModelMemory(**fields) for name, fields in totals.items()}
 
     def reclaim(self, name: str) -> int:

@@ -68,6 +68,7 @@ def squeeze_low(
     the budget divides the same way.
     """
     import kvcached
+    from kvcached.registry import MemoryPolicy
 
     blocks_per_page_id = page_id_bytes // (layers * buffers * block_bytes)
     pool = kvcached.KVPool(
@@ -77,7 +78,7 @@ def squeeze_low(
         num_blocks=64 * blocks_per_page_id,
         page_bytes=2 << 20,
         device="cpu",
-        budget=registry.register("high", priority=5),
+        budget=registry.register("high", policy=MemoryPolicy(priority=5)),
         min_reserve_pages=0,
         max_reserve_pages=0,
     )

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Optional, Union
 
-from kvcached import _core
+from kvcached import _core, defaults
 from kvcached.errors import InvalidArgumentError, InvalidTypeError, OutOfMemoryError
 from kvcached.sizes import format_bytes
 from kvcached.weights.placement import module_tensors, place, rebuild, storage_bytes
@@ -121,10 +121,8 @@ class ModelWeights:
             holder = _adopted.get(module)
             if holder is not None:
                 raise InvalidArgumentError(f"the module's weights are already held by ModelWeights {holder.name!r}")
-            if budget is None and register:
-                from kvcached.registry import registry_for
-
-                budget = self._registration = registry_for(self.device).register(self.name)
+            if budget is None and register:  # an entry of their own, as a pool given no budget gets
+                budget = self._registration = defaults.current().pool_budget(self.device.name, self.name)
             try:
                 self._space = _core.WeightSpace(
                     self.device, placement.size_bytes, _weights_budget(budget), chunk_bytes or 0

@@ -18,6 +18,17 @@
 // tables and counts and is never held across a driver call or a call that can
 // wait on another process. The fast path (alloc from mapped pages, free)
 // takes mutex_ only.
+//
+// One class over several files in cpp/src/core/blocks/, one concern each:
+//   block_manager.cpp             construction; blocks: the fast alloc path, free, reserve, clear
+//   block_manager_slow_path.cpp   allocs that must map pages (waiting for budget), alloc_ids
+//   block_manager_pages.cpp       mapping and unmapping pages (rollback), spares, page ops, acks
+//   block_manager_accounting.cpp  available(), stats(), the limit in force, budget charges
+//   block_manager_upkeep.cpp      the reserve: maintain, trim, resize, set_reserve; close
+//   block_manager_worker.cpp      the background worker's loop and look-ahead
+//   block_manager_options.cpp     BlockManagerOptions (its own value, block_manager_options.hpp)
+// What stands alone is its own object already: FreeSlots, BestFitIndex, MirrorBudgets,
+// ReservePolicy, PageOpLog (each with its header here) and LocalPageMapper (cpp/src).
 #pragma once
 
 #include <chrono>

@@ -89,11 +89,17 @@ struct PolicyChange {
 };
 
 // A new instance's memory policy: guaranteed min, max (its limit; none by default), priority.
+// Python passes it whole as kvcached.registry.MemoryPolicy (a binding of this value).
 struct InstancePolicy {
   std::size_t min_bytes = 0;
   std::optional<std::size_t> max_bytes;
   std::int64_t priority = 0;
 };
+
+// InvalidArgument unless an instance could be registered with `policy`: a min no device
+// exceeds, a max below "no limit", a priority the entry holds (32 bits), a min not above its
+// max. register_instance makes the same checks, naming the instance.
+KVCACHED_EXPORT void check_instance_policy(const InstancePolicy& policy);
 
 class RegistryBudget;
 

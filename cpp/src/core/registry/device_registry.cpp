@@ -254,6 +254,18 @@ std::shared_ptr<RegistryBudget> DeviceRegistry::register_instance(const std::str
                       " live instances)");
 }
 
+void check_instance_policy(const InstancePolicy& policy) {
+  if (policy.max_bytes && *policy.max_bytes >= registry_detail::kNoLimit) {
+    throw InvalidArgument("limit is too large");
+  }
+  check_bytes_plausible("a min", policy.min_bytes);
+  registry_detail::check_priority(policy.priority);
+  if (policy.max_bytes && policy.min_bytes > *policy.max_bytes) {
+    throw InvalidArgument("min_bytes " + std::to_string(policy.min_bytes) + " is above max_bytes " +
+                          std::to_string(*policy.max_bytes) + ": a guarantee above the cap could never be used");
+  }
+}
+
 void DeviceRegistry::hold_lock_for_test() {
   // Leaked on purpose, with the mapping: the lock is never released, and this
   // thread's robust-mutex list points into the mapping for good.

@@ -52,6 +52,7 @@ from kvcached.integration.common.rank_devices import RankDevice
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.space import WorkerSpace
 from kvcached.layout import KVLayout
+from kvcached.registry import MemoryPolicy
 
 _logger = logging.getLogger(__name__)
 Ids = Union[Sequence[int], np.ndarray]
@@ -114,10 +115,8 @@ class LeaderBlocks(_AgreedBlocks):
         ranks: Sequence[RankDevice],
         *,
         name: str,
-        limit_bytes: Optional[int],
+        policy: MemoryPolicy,
         ack_timeout_s: float,
-        min_bytes: int = 0,
-        priority: int = 0,
         logger: Optional[logging.Logger] = None,
     ) -> tuple[LeaderBlocks, dict[str, Any]]:
         """Registers every rank, builds the deciding manager and this rank's space.
@@ -126,15 +125,7 @@ class LeaderBlocks(_AgreedBlocks):
         Each rank's registry entry carries that rank's process id, so that
         ``kvctl set-limit pid:N`` steers one rank and a dead rank's entry is stale.
         """
-        budgets = register_ranks(
-            name,
-            ranks,
-            limit_bytes=limit_bytes,
-            min_bytes=min_bytes,
-            priority=priority,
-            logger=logger,
-            owned_by_ranks=True,
-        )
+        budgets = register_ranks(name, ranks, policy=policy, logger=logger, owned_by_ranks=True)
         board = sender = own = blocks = None
         try:
             board = AckBoard.create(len(ranks))

@@ -31,11 +31,12 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from kvcached.configured import block_manager_options, space_options
 from kvcached.errors import InvalidArgumentError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.mirrors import RankMirrors
 from kvcached.integration.common.rank_devices import RankDevice
-from kvcached.layout import KVLayout, Mirror, block_manager_options, space_options
+from kvcached.layout import KVLayout, Mirror
 
 
 class EngineBlocks:

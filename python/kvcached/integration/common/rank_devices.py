@@ -19,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
+
+from kvcached.errors import IntegrationError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,4 +63,21 @@ def describe_rank(torch_device: Any, rank: int) -> RankDevice:
     )
 
 
-__all__ = ["RankDevice", "describe_rank"]
+def require_one_host(
+    ranks: Sequence[RankDevice], *, ranks_called: str, decider: str, error: type = IntegrationError
+) -> None:
+    """Raises ``error`` unless every rank runs on this host, the deciding process's: page ops and
+    acknowledgements travel through shared memory (:mod:`kvcached.integration.common.acks`).
+
+    ``ranks_called`` and ``decider`` name them as the engine does ("worker", "the EngineCore").
+    """
+    host = socket.gethostname()
+    remote = sorted({rank.host for rank in ranks} - {host})
+    if remote:
+        raise error(
+            f"kvcached needs every {ranks_called} on the host of {decider} ({host}); {ranks_called}s run on "
+            f"{', '.join(remote)}. Unset KVCACHED_ENABLE for multi-node engines."
+        )
+
+
+__all__ = ["RankDevice", "describe_rank", "require_one_host"]

@@ -16,8 +16,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from kvcached import registry
 from kvcached.errors import IntegrationError
 from kvcached.integration.common.rank_devices import RankDevice
+from kvcached.registry import MemoryPolicy
 
 _logger = logging.getLogger(__name__)
 
@@ -26,9 +28,7 @@ def register_rank(
     name: str,
     rank: RankDevice,
     *,
-    limit_bytes: Optional[int],
-    min_bytes: int = 0,
-    priority: int = 0,
+    policy: MemoryPolicy,
     logger: Optional[logging.Logger] = None,
     owned_by_rank: bool = False,
     join: bool = False,
@@ -41,16 +41,13 @@ def register_rank(
 
     The registry exists already: the rank's process created it
     (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
-    process never opens the device. The memory policy (``limit_bytes`` is its
-    max, ``min_bytes``, ``priority``: ``docs/memory-policy.md``) lives in the
-    registry, so ``kvctl set-policy`` can change it later.
+    process never opens the device. The memory ``policy`` (``docs/memory-policy.md``)
+    lives in the registry, so ``kvctl set-policy`` can change it later.
 
     With ``join`` an entry the rank already has under ``name`` (its model weights,
     registered by the rank's own process when it loaded them) is joined, so the
     rank's weights and KV cache are one entry.
     """
-    from kvcached import registry
-
     existing = registry.open_existing(rank.device)
     if existing is None:
         if rank.device != registry.HOST_DEVICE:
@@ -59,24 +56,14 @@ def register_rank(
             )
         existing = registry.registry_for(rank.device)
     pid = rank.pid if owned_by_rank else None
-    budget = existing.register(
-        name,
-        pid=pid,
-        limit_bytes=limit_bytes,
-        local_device=rank.label,
-        min_bytes=min_bytes,
-        priority=priority,
-        join=join,
-    )
+    budget = existing.register(name, pid=pid, policy=policy, local_device=rank.label, join=join)
     (logger or _logger).info(
-        "kvcached: registered %r (%s) on %s (device budget %d B, limit %s, min %d B, priority %d)",
+        "kvcached: registered %r (%s) on %s (device budget %d B, %s)",
         name,
         rank.label,
         rank.device,
         existing.budget_bytes,
-        "none" if limit_bytes is None else f"{limit_bytes} B",
-        min_bytes,
-        priority,
+        policy,
     )
     return budget
 
@@ -85,9 +72,7 @@ def register_ranks(
     name: str,
     ranks: Sequence[RankDevice],
     *,
-    limit_bytes: Optional[int],
-    min_bytes: int = 0,
-    priority: int = 0,
+    policy: MemoryPolicy,
     logger: Optional[logging.Logger] = None,
     owned_by_ranks: bool = False,
     join: bool = False,
@@ -97,16 +82,7 @@ def register_ranks(
     try:
         for rank in ranks:
             budgets.append(
-                register_rank(
-                    name,
-                    rank,
-                    limit_bytes=limit_bytes,
-                    min_bytes=min_bytes,
-                    priority=priority,
-                    logger=logger,
-                    owned_by_rank=owned_by_ranks,
-                    join=join,
-                )
+                register_rank(name, rank, policy=policy, logger=logger, owned_by_rank=owned_by_ranks, join=join)
             )
     except BaseException:
         for budget in budgets:

@@ -14,6 +14,7 @@ from typing import Optional
 # in a process that never opens the device (vLLM's EngineCore), so it cannot ask
 # the driver for its granularity: 2 MiB, CUDA's and HIP's recommended one.
 from kvcached.layout import DEFAULT_PAGE_BYTES
+from kvcached.registry import MemoryPolicy
 
 __all__ = ["DEFAULT_PAGE_BYTES", "Settings", "is_enabled"]
 
@@ -38,10 +39,11 @@ class Settings:
     #: Virtual KV capacity the engine plans for (``KVCACHED_VIRTUAL_CAPACITY_BYTES``);
     #: None: the device's total memory.
     virtual_bytes: Optional[int]
-    #: This engine's own physical limit per rank (``KVCACHED_LIMIT_BYTES``); None:
-    #: the engine's own KV size setting where it has one, else only the device's
-    #: shared budget.
-    limit_bytes: Optional[int]
+    #: Each rank's memory policy in the device registry (``docs/memory-policy.md``):
+    #: ``KVCACHED_MIN_BYTES``, ``KVCACHED_LIMIT_BYTES`` (its max; None: the engine's
+    #: own KV size setting where it has one, else only the device's shared budget)
+    #: and ``KVCACHED_PRIORITY``.
+    policy: MemoryPolicy
     #: Page size of the engine's block manager and KV spaces.
     page_bytes: int
     #: Name in the device registries (``KVCACHED_NAME``); None: derived.
@@ -61,10 +63,6 @@ class Settings:
     #: Freed heap memory an engine computing on the CPU keeps for its next step
     #: (``KVCACHED_HOST_HEAP_KEEP_BYTES``; :mod:`kvcached.integration.common.heap`).
     host_heap_keep_bytes: int = 256 << 20
-    #: Memory guaranteed to each rank (``KVCACHED_MIN_BYTES``; ``docs/memory-policy.md``).
-    min_bytes: int = 0
-    #: Who gives memory back first: the lower (``KVCACHED_PRIORITY``).
-    priority: int = 0
     #: How long woken weights wait for device memory (``KVCACHED_WAKE_TIMEOUT_S``).
     wake_timeout_s: float = 10.0
 
@@ -74,9 +72,7 @@ class Settings:
 
         return cls(
             virtual_bytes=config.get("virtual_capacity_bytes") or None,
-            limit_bytes=config.get("limit_bytes"),
-            min_bytes=config.get("min_bytes"),
-            priority=config.get("priority"),
+            policy=MemoryPolicy(config.get("min_bytes"), config.get("max_bytes"), config.get("priority")),
             page_bytes=config.get("page_bytes") or DEFAULT_PAGE_BYTES,
             name=config.get("name"),
             idle_cache_bytes=config.get("idle_cache_bytes"),

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from kvcached.configured import space_options
 from kvcached.integration.common.acks import AckBoard
-from kvcached.layout import KVLayout, space_options
+from kvcached.layout import KVLayout
 
 
 class WorkerSpace:

@@ -61,15 +61,15 @@ _plugin = EnginePlugin(POLICY, _sglang_version, logger)
 _installed = _plugin.installed  # pid -> version package (fork-safe idempotence)
 
 
-def hook_module_for(version: str) -> ModuleType:
+def module_for(version: str) -> ModuleType:
     """The version package for an SGLang version; raises :class:`UnsupportedSGLangVersion`."""
     return POLICY.package_for(version)
 
 
-def install_hooks() -> ModuleType:
-    """Verifies the hook targets and registers the hooks for the running SGLang (idempotent per process).
+def install() -> ModuleType:
+    """Verifies the running SGLang's hook targets and installs its version package (idempotent per process).
 
-    Raises :class:`UnsupportedSGLangVersion` for other versions and
+    Raises :class:`UnsupportedSGLangVersion` for other SGLang versions and
     :class:`PatchPointMoved` when a hooked SGLang name moved. Most callers
     want :func:`register`, which also honours ``KVCACHED_ENABLE``.
     """
@@ -86,8 +86,8 @@ def register() -> None:
 
 __all__ = [
     "register",
-    "install_hooks",
-    "hook_module_for",
+    "install",
+    "module_for",
     "UnsupportedSGLangVersion",
     "PatchPointMoved",
     "POLICY",

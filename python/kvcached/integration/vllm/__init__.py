@@ -69,13 +69,13 @@ _plugin = EnginePlugin(POLICY, _vllm_version, logger)
 _installed = _plugin.installed  # pid -> version package (fork-safe idempotence)
 
 
-def patch_module_for(version: str) -> ModuleType:
+def module_for(version: str) -> ModuleType:
     """The version package for a vLLM version; raises :class:`UnsupportedVLLMVersion`."""
     return POLICY.package_for(version)
 
 
-def apply_patches() -> ModuleType:
-    """Verifies and installs the patches for the running vLLM (idempotent per process).
+def install() -> ModuleType:
+    """Verifies the running vLLM's patch points and installs its version package (idempotent per process).
 
     Raises :class:`UnsupportedVLLMVersion` for other vLLM versions and
     :class:`PatchPointMoved` when a vLLM name the package patches moved. Most
@@ -105,8 +105,8 @@ def worker_kv_stats(worker: Any = None) -> dict | None:
 
 __all__ = [
     "register",
-    "apply_patches",
-    "patch_module_for",
+    "install",
+    "module_for",
     "worker_kv_stats",
     "UnsupportedVLLMVersion",
     "PatchPointMoved",

@@ -79,7 +79,8 @@ ROCm paths are written for but have not run.
 Files: ``plan`` (refusals, where and as what an engine runs), ``model_families``
 (which pool families are backed, and why not the others), ``pools`` (KV
 pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
-``ranks`` (several ranks: one decision, replayed everywhere),
+``ranks`` (several ranks: one decision, replayed everywhere) with its
+allocators in ``agreed_allocators``,
 ``shrink`` (giving memory back while busy, when asked to hold less),
 ``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
 here the hooks that put them in SGLang's way.
@@ -99,6 +100,7 @@ from kvcached.integration.common.front_door import PatchPoint
 from kvcached.integration.common.settings import Settings
 
 from . import plan as _plan_module
+from .agreed_allocators import AgreedPagedTokenToKVPoolAllocator, AgreedTokenToKVPoolAllocator
 from .allocators import (
     KvcachedPagedTokenToKVPoolAllocator,
     KvcachedPrefillBudget,
@@ -107,7 +109,6 @@ from .allocators import (
 )
 from .plan import Plan, building, logger, plan_for, refusals
 from .pools import KvcachedMHATokenToKVPool, KvcachedMLATokenToKVPool
-from .ranks import AgreedPagedTokenToKVPoolAllocator, AgreedTokenToKVPoolAllocator
 from .shrink import evict_while_over
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"

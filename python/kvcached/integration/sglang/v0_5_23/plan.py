@@ -23,6 +23,7 @@ from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
 
 from .model_families import family_refusals
+from .ranks import agreed_virtual_bytes, engine_ranks, open_agreed_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +75,8 @@ class Plan:
         if parse_device(self.device)[0] == "host":
             keep_freed_heap(self.settings.host_heap_keep_bytes)
         if self.num_ranks > 1:
-            from .ranks import open_agreed_blocks
-
             return open_agreed_blocks(self, layout)
-        budget = register_rank(
-            self.name,
-            self.rank,
-            limit_bytes=self.settings.limit_bytes,
-            min_bytes=self.settings.min_bytes,
-            priority=self.settings.priority,
-            logger=logger,
-        )
+        budget = register_rank(self.name, self.rank, policy=self.settings.policy, logger=logger)
         try:
             return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
         except BaseException:
@@ -146,8 +138,6 @@ def plan_for(configurator: Any) -> Optional[Plan]:
         return None
     engine_settings = settings()
     torch_device = torch.device("cpu") if configurator.device == "cpu" else torch.device("cuda", configurator.gpu_id)
-    from .ranks import agreed_virtual_bytes, engine_ranks
-
     index, num_ranks = engine_ranks(configurator.server_args)
     if torch_device.type == "cpu":  # before describe_rank opens the host device
         populate_on_touch_beside_sibling_ranks(num_ranks * _replicas(configurator.server_args), logger)

@@ -8,28 +8,17 @@ rank charged on its own device's budget, all or nothing) and the others replay
 its answers (:class:`~kvcached.integration.common.agreed_blocks.FollowerBlocks`),
 each mapping the same page ids in its own KV space (a pipeline stage: only its
 layers). The ranks meet once, while SGLang builds its KV pools, over SGLang's
-own CPU process group.
-
-The allocators here differ from the one-rank ones where SGLang would read
-memory-dependent figures on one rank only (logging, metrics): their
-``available_size()`` counts slots not handed out, the same on every rank; the
-memory checks (prefill admission, decode capacity, the radix-cache eviction
-that precedes an allocation, the idle release, how far the engine is over its
-limit in force) ask the leader.
+own CPU process group. Their allocators: :mod:`.agreed_allocators`.
 """
 
 from __future__ import annotations
 
-import socket
-import time
 from typing import Any, Optional
 
 from kvcached.errors import IntegrationError
 from kvcached.integration.common.agreed_blocks import FollowerBlocks, LeaderBlocks
-from kvcached.integration.common.rank_devices import RankDevice
+from kvcached.integration.common.rank_devices import RankDevice, require_one_host
 from kvcached.layout import KVLayout
-
-from .allocators import KvcachedPagedTokenToKVPoolAllocator, KvcachedTokenToKVPoolAllocator
 
 
 def engine_ranks(server_args: Any) -> tuple[int, int]:
@@ -61,13 +50,7 @@ def agreed_virtual_bytes(own_bytes: int) -> int:
 
 
 def _check(ranks: list[RankDevice], layouts: list[KVLayout]) -> None:
-    host = socket.gethostname()
-    remote = sorted({rank.host for rank in ranks} - {host})
-    if remote:
-        raise IntegrationError(
-            f"kvcached needs every SGLang rank on one host ({host}); ranks run on {', '.join(remote)}. "
-            "Unset KVCACHED_ENABLE for multi-node engines."
-        )
+    require_one_host(ranks, ranks_called="SGLang rank", decider="the deciding rank (rank 0)")
     first = layouts[0]
     for rank, layout in enumerate(layouts):
         if (layout.num_blocks, layout.blocks_per_page) != (first.num_blocks, first.blocks_per_page):
@@ -92,10 +75,8 @@ def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
                 layouts,
                 ranks,
                 name=plan.name,
-                limit_bytes=plan.settings.limit_bytes,
+                policy=plan.settings.policy,
                 ack_timeout_s=plan.settings.rank_ack_timeout_s,
-                min_bytes=plan.settings.min_bytes,
-                priority=plan.settings.priority,
             )
             answer = [("ok", setup)]
         except BaseException as exc:
@@ -123,50 +104,7 @@ def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
     return blocks
 
 
-class _AgreedAllocator:
-    """What the allocators of an engine with several ranks do differently (first base, so these win)."""
-
-    kvcached_blocks: Any
-    page_size: int
-    idle: Any
-
-    def available_size(self) -> int:
-        # Read by SGLang on one rank only, too (logs, metrics): the same figure
-        # everywhere. What memory allows is asked of the leader where it decides.
-        return self.kvcached_blocks.logical_free() * self.page_size
-
-    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
-        if tree_cache is None or not tree_cache.supports_prefix_sharing():
-            return
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        shortfall = num_tokens - self.kvcached_blocks.available() * self.page_size
-        if shortfall > 0:
-            tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))
-
-    def pages_over_limit(self) -> int:
-        # The deciding rank's figure on every rank: each then evicts and retracts alike.
-        blocks = self.kvcached_blocks
-        return blocks.agree(lambda: blocks.blocks.pages_over_limit() if blocks.blocks.asked_to_shrink() else 0)
-
-    def _idle_due(self) -> bool:
-        return self.kvcached_blocks.agree(self.idle.due)
-
-    def _keep_waiting(self, deadline: float) -> bool:
-        return self.kvcached_blocks.agree(lambda: time.monotonic() < deadline)
-
-
-class AgreedTokenToKVPoolAllocator(_AgreedAllocator, KvcachedTokenToKVPoolAllocator):
-    """The token-slot allocator (``page_size`` 1) of one of several ranks."""
-
-
-class AgreedPagedTokenToKVPoolAllocator(_AgreedAllocator, KvcachedPagedTokenToKVPoolAllocator):
-    """The paged allocator of one of several ranks."""
-
-
 __all__ = [
-    "AgreedPagedTokenToKVPoolAllocator",
-    "AgreedTokenToKVPoolAllocator",
     "agreed_virtual_bytes",
     "engine_ranks",
     "open_agreed_blocks",

@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import socket
 from collections.abc import Sequence
 from typing import Any, Optional
 
 from kvcached.errors import IntegrationError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.engine_layout import engine_layout
-from kvcached.integration.common.rank_devices import RankDevice
+from kvcached.integration.common.rank_devices import RankDevice, require_one_host
 from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
 
@@ -120,13 +119,7 @@ def _check_ranks(ranks: Sequence[RankDevice], layouts: Sequence[KVLayout]) -> No
         raise IntegrationError(
             f"kvcached: workers described ranks {[r.rank for r in ranks]} for {len(layouts)} configs"
         )
-    host = socket.gethostname()
-    remote = sorted({rank.host for rank in ranks} - {host})
-    if remote:
-        raise UnsupportedVLLMConfig(
-            f"kvcached needs every worker on the EngineCore's host ({host}); workers run on {', '.join(remote)}. "
-            "Unset KVCACHED_ENABLE for multi-node engines."
-        )
+    require_one_host(ranks, ranks_called="worker", decider="the EngineCore", error=UnsupportedVLLMConfig)
     first = layouts[0]
     for rank, layout in enumerate(layouts):
         if (layout.num_blocks, layout.blocks_per_page, layout.block_bytes) != (

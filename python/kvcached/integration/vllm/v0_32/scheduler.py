@@ -31,6 +31,7 @@ from kvcached.errors import IntegrationError
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.idle import IdleRelease
 from kvcached.integration.common.registration import register_ranks
+from kvcached.registry import MemoryPolicy
 
 from .block_pool import KVCachePoolExhausted, building
 from .plan import PAGE_OPS_ATTR, PLAN_ATTR, EnginePlan, logger, refuse_unsupported, settings, take_board
@@ -82,10 +83,12 @@ def engine_name(vllm_config: Any) -> str:
     return f"vllm:{model}:{os.getpid()}"
 
 
-def _physical_limit(vllm_config: Any) -> int | None:
-    """Each rank's limit: KVCACHED_LIMIT_BYTES, else vLLM's per-worker KV size setting."""
-    limit = settings().limit_bytes
-    return limit if limit is not None else vllm_config.cache_config.kv_cache_memory_bytes
+def _memory_policy(vllm_config: Any) -> MemoryPolicy:
+    """Each rank's memory policy; its max is KVCACHED_LIMIT_BYTES, else vLLM's per-worker KV size setting."""
+    policy = settings().policy
+    if policy.max_bytes is not None:
+        return policy
+    return MemoryPolicy(policy.min_bytes, vllm_config.cache_config.kv_cache_memory_bytes, policy.priority)
 
 
 def wrap_scheduler_init(original: Any) -> Any:
@@ -96,17 +99,10 @@ def wrap_scheduler_init(original: Any) -> Any:
         refuse_unsupported(vllm_config)
         name = engine_name(vllm_config)
         # One entry per rank in its device's registry, under the rank's own pid (gone with
-        # it); the limit lives there, so that ``kvctl set-limit`` can change it while the
+        # it); the policy lives there, so that ``kvctl set-policy`` can change it while the
         # engine runs. A rank whose weights can sleep registered them already: joined.
         budgets = register_ranks(
-            name,
-            plan.ranks,
-            limit_bytes=_physical_limit(vllm_config),
-            min_bytes=settings().min_bytes,
-            priority=settings().priority,
-            logger=logger,
-            owned_by_ranks=True,
-            join=True,
+            name, plan.ranks, policy=_memory_policy(vllm_config), logger=logger, owned_by_ranks=True, join=True
         )
         try:
             blocks = EngineBlocks.deciding(

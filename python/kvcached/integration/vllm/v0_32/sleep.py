@@ -169,15 +169,7 @@ def adopt_weights(worker: Any) -> Any:
     if not current.name:
         raise IntegrationError("kvcached: no engine name reached the worker (KVCACHED_NAME); sleep mode needs it")
     rank = describe_rank(worker.device, worker.rank)
-    budget = register_rank(
-        current.name,
-        rank,
-        limit_bytes=current.limit_bytes,
-        min_bytes=current.min_bytes,
-        priority=current.priority,
-        logger=logger,
-        join=True,
-    )
+    budget = register_rank(current.name, rank, policy=current.policy, logger=logger, join=True)
     try:
         weights = ModelWeights(
             worker.model_runner.get_model(), device=rank.local_device, name=current.name, budget=budget

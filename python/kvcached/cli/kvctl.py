@@ -35,7 +35,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from kvcached.cli_support import (
+from kvcached.cli.kvctl_output import EXIT_OK, emit, fail, no_registry
+from kvcached.cli.kvctl_steer import TARGET_HELP, cmd_clear_limit, cmd_set_limit, cmd_set_policy
+from kvcached.cli.support import (
     EXIT_FAILED,
     REGISTRY_OPTIONS,
     OneLineArgumentParser,
@@ -46,8 +48,6 @@ from kvcached.cli_support import (
     wants_json,
 )
 from kvcached.errors import KvcachedError, RegistryNotFoundError, RegistryUnusableError
-from kvcached.kvctl_output import EXIT_OK, emit, fail, no_registry
-from kvcached.kvctl_steer import TARGET_HELP, cmd_clear_limit, cmd_set_limit, cmd_set_policy
 from kvcached.registry import (
     HOST_DEVICE,
     DeviceRegistry,
@@ -97,7 +97,7 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
             format_bytes(entry["free_mapped_bytes"]),
             format_bytes(entry["mapped_bytes"]),
             format_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
-            format_bytes(entry["limit_bytes"]),
+            format_bytes(entry["max_bytes"]),
             str(entry["priority"]),
             format_bytes(entry["reclaim_target_bytes"]) if entry["reclaim_target_bytes"] is not None else "-",
             format_bytes(entry["wanted_bytes"]) if entry["wanted_bytes"] else "-",

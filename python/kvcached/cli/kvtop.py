@@ -14,7 +14,7 @@ waits for its memory. Names keep at least 24 characters (longer ones
 get what room is left); on a narrow terminal the bars go first, then the AS column. Devices are
 shown by registry name (``cuda-GPU-<uuid>``), each instance with the device as
 its own process sees it. A bad argument is one line on stderr and exit code 2.
-Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (``pip install rich``).
+Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (the ``ui`` extra: ``pip install ".[ui]"``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from kvcached.cli_support import (
+from kvcached.cli.support import (
     EXIT_FAILED,
     REGISTRY_OPTIONS,
     OneLineArgumentParser,
@@ -34,6 +34,15 @@ from kvcached.cli_support import (
     check_settings,
     quiet_on_broken_pipe,
     report_failure,
+)
+from kvcached.cli.widgets import (
+    FREE_CHAR,
+    FREE_MAPPED_CHAR,
+    MAX_BAR_WIDTH,
+    MIN_BAR_WIDTH,
+    USED_CHAR,
+    UsageBar,
+    short_bytes,
 )
 from kvcached.errors import KvcachedError
 from kvcached.registry import (
@@ -45,49 +54,21 @@ from kvcached.registry import (
     registry_files,
     resolve_device,
 )
-from kvcached.sizes import format_bytes_short as short_bytes
 
 DEFAULT_INTERVAL_S = 1.0
 # Refresh periods outside this range are mistakes (a busy loop, or a frozen view).
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0
-# Bars stretch with the terminal between these widths (in cells).
-MIN_BAR_WIDTH, MAX_BAR_WIDTH = 10, 40
 NAME_MAX_WIDTH = 24
 DEFAULT_WIDTH = 120  # cells, where no console says otherwise
-USED_CHAR, FREE_MAPPED_CHAR, FREE_CHAR = "█", "▒", "·"
 try:
     from rich import box
-    from rich.console import Console, ConsoleOptions, Group, RenderResult
+    from rich.console import Console, Group
     from rich.live import Live
-    from rich.measure import Measurement
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 except ImportError:  # reported by main(), so importing this module never fails
     Console = None
-
-
-class UsageBar:
-    """A stacked bar filling its table cell: used, then mapped but free, then unmapped, of ``scale_bytes``."""
-
-    def __init__(self, used_bytes: int, free_mapped_bytes: int, scale_bytes: int) -> None:
-        self.used_bytes, self.free_mapped_bytes = used_bytes, free_mapped_bytes
-        self.scale_bytes = max(scale_bytes, used_bytes + free_mapped_bytes, 1)
-
-    def text(self, width: int) -> Text:
-        used_cells = round(width * self.used_bytes / self.scale_bytes)
-        free_mapped_cells = min(width - used_cells, round(width * self.free_mapped_bytes / self.scale_bytes))
-        bar = Text(no_wrap=True)
-        bar.append(USED_CHAR * used_cells, style="green")
-        bar.append(FREE_MAPPED_CHAR * free_mapped_cells, style="yellow")
-        bar.append(FREE_CHAR * (width - used_cells - free_mapped_cells), style="dim")
-        return bar
-
-    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement(MIN_BAR_WIDTH, MAX_BAR_WIDTH)
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield self.text(max(MIN_BAR_WIDTH, min(MAX_BAR_WIDTH, options.max_width)))
 
 
 def _status(entry: dict[str, Any]) -> Text:
@@ -107,7 +88,7 @@ def _status(entry: dict[str, Any]) -> Text:
 
 
 def _instance_row(entry: dict[str, Any], budget_bytes: int) -> dict[str, Any]:
-    limit = entry["limit_bytes"]
+    limit = entry["max_bytes"]
     # Used comes from the pool's last report; mapped is what the budget counts.
     free_mapped = max(entry["free_mapped_bytes"], entry["mapped_bytes"] - entry["used_bytes"])
     return {

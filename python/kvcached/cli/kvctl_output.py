@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvcached.cli_support import EXIT_FAILED, report_failure
+from kvcached.cli.support import EXIT_FAILED, report_failure
 from kvcached.registry import registry_dir
 
 EXIT_OK = 0

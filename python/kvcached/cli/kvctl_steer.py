@@ -10,8 +10,8 @@ import argparse
 import os
 from typing import Any, Optional, Union
 
+from kvcached.cli.kvctl_output import EXIT_OK, emit, fail, no_registry
 from kvcached.errors import InvalidArgumentError
-from kvcached.kvctl_output import EXIT_OK, emit, fail, no_registry
 from kvcached.registry import format_bytes, open_existing, printable
 from kvcached.sizes import parse_bytes
 
@@ -91,10 +91,12 @@ def _steer(args: argparse.Namespace, change: dict[str, Any], shown: dict[str, An
     return EXIT_OK
 
 
-def _set_limit(args: argparse.Namespace, limit_bytes: Optional[int]) -> int:
-    change = {"max_bytes": limit_bytes} if limit_bytes is not None else {"clear_max": True}
-    action = f"limit {format_bytes(limit_bytes)}" if limit_bytes is not None else "limit cleared"
-    return _steer(args, change, {"limit_bytes": limit_bytes}, action)
+def _set_limit(args: argparse.Namespace, max_bytes: Optional[int]) -> int:
+    """set-limit and clear-limit: set-policy's max under the verbs people know (``limit_bytes`` in
+    the JSON answer is max_bytes under its older name)."""
+    change = {"max_bytes": max_bytes} if max_bytes is not None else {"clear_max": True}
+    action = f"limit {format_bytes(max_bytes)}" if max_bytes is not None else "limit cleared"
+    return _steer(args, change, {"max_bytes": max_bytes, "limit_bytes": max_bytes}, action)
 
 
 def cmd_set_policy(args: argparse.Namespace) -> int:

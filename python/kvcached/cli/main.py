@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from kvcached import config
-from kvcached.cli_support import (
+from kvcached.cli.support import (
     EXIT_FAILED,
     OneLineArgumentParser,
     add_version_argument,
@@ -18,11 +18,11 @@ from kvcached.cli_support import (
     report_failure,
     wants_json,
 )
+from kvcached.configured import default_layout
 from kvcached.demo.command import add_arguments as add_demo_arguments
 from kvcached.demo.command import run_command as run_demo_command
 from kvcached.devices import backends, canonical_device_name, open_device
 from kvcached.errors import KvcachedError
-from kvcached.layout import default_layout
 from kvcached.serve.command import add_arguments as add_serve_arguments
 from kvcached.serve.command import run_command as run_serve_command
 

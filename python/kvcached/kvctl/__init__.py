@@ -1,0 +1,1 @@
+"""Keeps ``python -m kvcached.kvctl`` working: the ``kvctl`` command lives in :mod:`kvcached.cli.kvctl`."""
