@@ -36,6 +36,12 @@ RANK_ATTR = "kvcached_rank"  # on each KVCacheConfig: which of the plan's ranks 
 PAGE_OPS_ATTR = "kvcached_page_ops"  # on SchedulerOutput: the step's PageOps batch
 ENGINE_CORE_ATTR = "kvcached_engine_core"  # on the EngineCore's executor: that EngineCore (sleep mode)
 
+#: The sleep-mode backend's name in vLLM's SleepModeBackendFactory.
+BACKEND_NAME = "kvcached"
+#: vLLM's default backend, which kvcached's replaces (its allocator would own the weights
+#: and KV cache behind kvcached's back).
+VLLM_DEFAULT_BACKEND = "cumem"
+
 
 @dataclasses.dataclass(frozen=True)
 class EnginePlan:
@@ -73,12 +79,28 @@ def take_board(path: str) -> AckBoard:
     return board
 
 
+def sleep_mode_wanted(vllm_config: Any) -> bool:
+    model_config = getattr(vllm_config, "model_config", None)
+    return bool(getattr(model_config, "enable_sleep_mode", False))
+
+
+def sleep_mode_refusal(vllm_config: Any) -> str | None:
+    """Why sleep mode cannot run with kvcached here, or None."""
+    if not sleep_mode_wanted(vllm_config):
+        return None
+    backend = getattr(vllm_config.model_config, "sleep_mode_backend", VLLM_DEFAULT_BACKEND)
+    if backend not in (BACKEND_NAME, VLLM_DEFAULT_BACKEND):
+        return (
+            f"sleep mode backend {backend!r}: it would free the KV cache behind kvcached's back "
+            f"(leave the default; kvcached serves sleep mode as {BACKEND_NAME!r})"
+        )
+    return None
+
+
 def refuse_unsupported(vllm_config: Any) -> None:
     """Raises UnsupportedVLLMConfig for features kvcached cannot serve."""
-    from .sleep import refusal as sleep_refusal
-
     problems = []
-    sleep_problem = sleep_refusal(vllm_config)
+    sleep_problem = sleep_mode_refusal(vllm_config)
     if sleep_problem:
         problems.append(sleep_problem)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
@@ -227,7 +249,9 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
 
 
 __all__ = [
+    "BACKEND_NAME",
     "ENGINE_CORE_ATTR",
+    "VLLM_DEFAULT_BACKEND",
     "PAGE_OPS_ATTR",
     "PLAN_ATTR",
     "RANK_ATTR",
@@ -236,6 +260,8 @@ __all__ = [
     "layout_of",
     "refuse_unsupported",
     "settings",
+    "sleep_mode_refusal",
+    "sleep_mode_wanted",
     "take_board",
     "use_settings",
     "wrap_get_kv_cache_configs",

@@ -34,15 +34,9 @@ from kvcached.errors import IntegrationError
 from kvcached.integration.common.rank_devices import describe_rank
 from kvcached.integration.common.registration import register_rank
 
-from .plan import ENGINE_CORE_ATTR, settings, use_settings
+from .plan import BACKEND_NAME, ENGINE_CORE_ATTR, VLLM_DEFAULT_BACKEND, settings, sleep_mode_wanted, use_settings
 
 logger = logging.getLogger(__name__)
-
-#: The sleep-mode backend's name in vLLM's SleepModeBackendFactory.
-BACKEND_NAME = "kvcached"
-#: vLLM's default backend, which kvcached's replaces (its allocator would own the weights
-#: and KV cache behind kvcached's back).
-VLLM_DEFAULT_BACKEND = "cumem"
 
 
 @dataclasses.dataclass
@@ -64,24 +58,6 @@ def current_weights() -> Any:
     """This worker process's :class:`kvcached.ModelWeights`, or None (sleep mode off, or not loaded)."""
     held = _held.get(os.getpid())
     return held.weights if held is not None else None
-
-
-def sleep_mode_wanted(vllm_config: Any) -> bool:
-    model_config = getattr(vllm_config, "model_config", None)
-    return bool(getattr(model_config, "enable_sleep_mode", False))
-
-
-def refusal(vllm_config: Any) -> str | None:
-    """Why sleep mode cannot run with kvcached here, or None."""
-    if not sleep_mode_wanted(vllm_config):
-        return None
-    backend = getattr(vllm_config.model_config, "sleep_mode_backend", VLLM_DEFAULT_BACKEND)
-    if backend not in (BACKEND_NAME, VLLM_DEFAULT_BACKEND):
-        return (
-            f"sleep mode backend {backend!r}: it would free the KV cache behind kvcached's back "
-            f"(leave the default; kvcached serves sleep mode as {BACKEND_NAME!r})"
-        )
-    return None
 
 
 # ---- EngineCore: a name before the workers start; KV memory given back before they sleep --------
@@ -248,7 +224,6 @@ __all__ = [
     "BACKEND_NAME",
     "adopt_weights",
     "current_weights",
-    "refusal",
     "register_backend",
     "sleep_mode_available",
     "worker_discard",
