@@ -20,7 +20,8 @@ its own KV space (:class:`~kvcached.integration.common.space.WorkerSpace`).
 Approach
 --------
 Every call whose answer depends on memory or time (``alloc``, ``secure``,
-``available``, ``end_step``, ``trim``, ``clear``, :meth:`agree`) is one message
+``available``, ``end_step``, ``trim``, ``clear``, ``sleep``, ``wake_up``,
+:meth:`agree`) is one message
 from the leader (:mod:`.decision_channel`) holding the answer, the blocks then
 secured and the page operations taken since the last message; a follower
 checks that the message answers the question it asked, applies the page
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -48,6 +50,7 @@ from kvcached.errors import IntegrationError, OutOfMemoryError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.decision_channel import DecisionReceiver, DecisionSender
+from kvcached.integration.common.mirrors import CHECK_INTERVAL_S
 from kvcached.integration.common.rank_devices import RankDevice
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.space import WorkerSpace
@@ -55,6 +58,8 @@ from kvcached.layout import KVLayout
 
 _logger = logging.getLogger(__name__)
 Ids = Union[Sequence[int], np.ndarray]
+#: How often a sleeping leader looks for the ranks' acknowledgements of its unmaps.
+ACK_POLL_S = 0.001
 
 
 class _AgreedBlocks:
@@ -69,6 +74,7 @@ class _AgreedBlocks:
         self.num_short_secures = 0
         self._handed_out = 0
         self._secured = 0
+        self._asleep = False
 
     @property
     def space(self) -> Any:
@@ -86,6 +92,19 @@ class _AgreedBlocks:
 
     def free(self, ids: Ids) -> None:
         self._handed_out -= len(ids)
+
+    @property
+    def asleep(self) -> bool:
+        """Between :meth:`sleep` and :meth:`wake_up` (the same on every rank)."""
+        return self._asleep
+
+    def _check_none_handed_out(self) -> None:
+        # Checked alike on every rank before any message: a refused sleep leaves the ranks in step.
+        if self._handed_out:
+            raise IntegrationError(
+                f"kvcached: cannot put the KV cache to sleep with {self._handed_out} blocks handed out "
+                "(the engine must flush its cache first)"
+            )
 
 
 class LeaderBlocks(_AgreedBlocks):
@@ -134,6 +153,7 @@ class LeaderBlocks(_AgreedBlocks):
             priority=priority,
             logger=logger,
             owned_by_ranks=True,
+            join=True,  # each rank's weights may be on its entry already
         )
         board = sender = own = blocks = None
         try:
@@ -235,6 +255,42 @@ class LeaderBlocks(_AgreedBlocks):
         self._handed_out = 0
         self._answer("clear", None)
 
+    def sleep(self) -> int:
+        """Every rank gives back every page, the null block's too, and maps nothing until
+        :meth:`wake_up`. Returns once every rank applied the unmaps, so that each rank's
+        budget has its memory back; returns pages unmapped."""
+        self._check_none_handed_out()
+        self._poll()
+        unmapped = self._answer("sleep", self.blocks.sleep())
+        self._asleep = True
+        self._await_acknowledgements()
+        return unmapped
+
+    def wake_up(self) -> None:
+        """Every rank may allocate again and maps the null block's page back; a refusal on any
+        rank's budget raises on every rank, all still asleep."""
+        self._poll()
+        try:
+            self.blocks.wake_up()
+        except Exception as exc:
+            self._answer("wake_up", (type(exc).__name__, str(exc)))
+            raise
+        self._asleep = False
+        self._answer("wake_up", None)
+
+    def _await_acknowledgements(self) -> None:
+        """Waits until every live rank acknowledged the page operations sent so far.
+
+        A rank that never does is declared lost by the acknowledgement timeout
+        (:class:`~kvcached.integration.common.mirrors.RankMirrors`), which ends the wait too.
+        """
+        deadline = time.monotonic() + self.blocks.mirrors.ack_timeout_s + 2 * CHECK_INTERVAL_S
+        while int(self.blocks.manager.stats()["pending_pages"]) > 0:
+            if time.monotonic() > deadline:
+                raise IntegrationError("kvcached: the ranks did not acknowledge the KV cache's sleep in time")
+            time.sleep(ACK_POLL_S)
+            self._poll()
+
     def stats(self) -> dict:
         self._poll()
         stats = self.blocks.stats()
@@ -326,9 +382,24 @@ class FollowerBlocks(_AgreedBlocks):
         self._handed_out = 0
         self._expect("clear")
 
+    def sleep(self) -> int:
+        self._check_none_handed_out()
+        unmapped = self._expect("sleep")  # the unmaps come with the answer
+        self._asleep = True
+        return unmapped
+
+    def wake_up(self) -> None:
+        failure = self._expect("wake_up")
+        if failure is not None:
+            kind, message = failure
+            error = OutOfMemoryError if kind == "OutOfMemoryError" else IntegrationError
+            raise error(f"kvcached: the deciding rank could not wake the KV cache: {message}")
+        self._asleep = False
+
     def stats(self) -> dict:
         return dict(
             rank=self.rank.rank,
+            asleep=self._asleep,
             engine_blocks=self.num_blocks,
             engine_used_blocks=self._handed_out,
             secured_blocks=self._secured,

@@ -31,12 +31,18 @@ def register_rank(
     priority: int = 0,
     logger: Optional[logging.Logger] = None,
     owned_by_rank: bool = False,
+    join: bool = False,
 ) -> Any:
     """Registers rank ``rank`` of engine ``name`` in its device's registry; returns the entry's budget.
 
     With ``owned_by_rank`` the entry carries the rank's own process id (not
     this process's): ``kvctl set-limit pid:N`` then steers that rank alone,
     and the entry goes stale when the rank's process dies.
+
+    With ``join`` a live entry of the same name and process id is joined, not
+    duplicated: the rank's model weights (:class:`kvcached.ModelWeights`) may
+    have registered it first, and a rank's weights and KV cache are one row.
+    Only where each rank's entry has a process id of its own.
 
     The registry exists already: the rank's process created it
     (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
@@ -55,7 +61,13 @@ def register_rank(
         existing = registry.registry_for(rank.device)
     pid = rank.pid if owned_by_rank else None
     budget = existing.register(
-        name, pid=pid, limit_bytes=limit_bytes, local_device=rank.label, min_bytes=min_bytes, priority=priority
+        name,
+        pid=pid,
+        limit_bytes=limit_bytes,
+        local_device=rank.label,
+        min_bytes=min_bytes,
+        priority=priority,
+        join=join,
     )
     (logger or _logger).info(
         "kvcached: registered %r (%s) on %s (device budget %d B, limit %s, min %d B, priority %d)",
@@ -79,6 +91,7 @@ def register_ranks(
     priority: int = 0,
     logger: Optional[logging.Logger] = None,
     owned_by_ranks: bool = False,
+    join: bool = False,
 ) -> list[Any]:
     """One entry per rank (see :func:`register_rank`), all or nothing."""
     budgets: list[Any] = []
@@ -93,6 +106,7 @@ def register_ranks(
                     priority=priority,
                     logger=logger,
                     owned_by_rank=owned_by_ranks,
+                    join=join,
                 )
             )
     except BaseException:
