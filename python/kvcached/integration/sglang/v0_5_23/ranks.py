@@ -74,6 +74,14 @@ def _check(ranks: list[RankDevice], layouts: list[KVLayout]) -> None:
             raise IntegrationError(f"kvcached: rank {rank} plans {layout}, rank 0 {first}: the ranks must agree")
 
 
+def first_ranks_value(value: Any) -> Any:
+    """The first rank's ``value`` on every rank (a collective: every rank calls it at the same point)."""
+    dist, group, leader_rank = _collectives()
+    box = [value]
+    dist.broadcast_object_list(box, src=leader_rank, group=group)
+    return box[0]
+
+
 def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
     """Every rank's blocks, decided by the first rank (a collective: every rank calls it while building its pool)."""
     dist, group, leader_rank = _collectives()
@@ -169,5 +177,6 @@ __all__ = [
     "AgreedTokenToKVPoolAllocator",
     "agreed_virtual_bytes",
     "engine_ranks",
+    "first_ranks_value",
     "open_agreed_blocks",
 ]
