@@ -196,7 +196,7 @@ def test_hundreds_of_cycles_leak_nothing(model, ids):
     before = model(ids).detach()
     weights = kvcached.ModelWeights(model, name="cycler")
     held = device.counters()
-    for cycle in range(300):
+    for _cycle in range(300):
         weights.sleep(1)
         weights.wake_up()
     assert device.counters() == held
