@@ -116,14 +116,13 @@ def test_every_rank_sleeps_with_nothing_mapped_and_its_budget_back_when_the_lead
     assert follower.call("sleep")[1].startswith("IntegrationError") and not leader.asleep
     leader.free(ids)
     follower.call("free", ids)
-    # The leader returns once the follower applied the unmaps: its budget is credited by then.
-    asleep = threading.Thread(target=leader.sleep)
-    asleep.start()
+    assert leader.sleep() == 3 and leader.asleep
+    assert _entries(name)["rank0-cpu"]["mapped_bytes"] == 0  # the null block's page too
+    assert _entries(name)["rank1-cpu"]["mapped_bytes"] == 3 * PAGE_ID_BYTES // 2  # until rank 1 unmapped them
     assert follower.call("sleep") == ("ok", 3)
-    asleep.join(10)
-    assert not asleep.is_alive() and leader.asleep
-    entries = _entries(name)
-    assert entries["rank0-cpu"]["mapped_bytes"] == entries["rank1-cpu"]["mapped_bytes"] == 0  # the null block's too
+    assert follower.call("poll_acknowledgements") == ("ok", None)
+    leader.poll_acknowledgements()
+    assert _entries(name)["rank1-cpu"]["mapped_bytes"] == 0
     assert follower.call("own_mapped_pages") == ("ok", 0)
     with pytest.raises(OutOfMemoryError):
         leader.alloc(1)  # nothing is mapped until woken
@@ -140,10 +139,9 @@ def test_every_rank_sleeps_with_nothing_mapped_and_its_budget_back_when_the_lead
 
 def test_a_wake_up_refused_on_one_rank_leaves_every_rank_asleep(engine):
     leader, follower, name = engine
-    asleep = threading.Thread(target=leader.sleep)
-    asleep.start()
+    leader.sleep()
     follower.call("sleep")
-    asleep.join(10)
+    leader.poll_acknowledgements()
     registry_for("cpu").set_limit(follower.process.pid, 0)  # rank 1 may hold nothing
     with pytest.raises(OutOfMemoryError):
         leader.wake_up()

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -50,7 +49,6 @@ from kvcached.errors import IntegrationError, OutOfMemoryError
 from kvcached.integration.common.acks import AckBoard
 from kvcached.integration.common.blocks import EngineBlocks
 from kvcached.integration.common.decision_channel import DecisionReceiver, DecisionSender
-from kvcached.integration.common.mirrors import CHECK_INTERVAL_S
 from kvcached.integration.common.rank_devices import RankDevice
 from kvcached.integration.common.registration import register_ranks
 from kvcached.integration.common.space import WorkerSpace
@@ -58,8 +56,6 @@ from kvcached.layout import KVLayout
 
 _logger = logging.getLogger(__name__)
 Ids = Union[Sequence[int], np.ndarray]
-#: How often a sleeping leader looks for the ranks' acknowledgements of its unmaps.
-ACK_POLL_S = 0.001
 
 
 class _AgreedBlocks:
@@ -257,13 +253,12 @@ class LeaderBlocks(_AgreedBlocks):
 
     def sleep(self) -> int:
         """Every rank gives back every page, the null block's too, and maps nothing until
-        :meth:`wake_up`. Returns once every rank applied the unmaps, so that each rank's
-        budget has its memory back; returns pages unmapped."""
+        :meth:`wake_up`; returns pages unmapped. A rank's budget has its memory back once that
+        rank replayed the sleep and :meth:`poll_acknowledgements` took its word in."""
         self._check_none_handed_out()
         self._poll()
         unmapped = self._answer("sleep", self.blocks.sleep())
         self._asleep = True
-        self._await_acknowledgements()
         return unmapped
 
     def wake_up(self) -> None:
@@ -278,18 +273,9 @@ class LeaderBlocks(_AgreedBlocks):
         self._asleep = False
         self._answer("wake_up", None)
 
-    def _await_acknowledgements(self) -> None:
-        """Waits until every live rank acknowledged the page operations sent so far.
-
-        A rank that never does is declared lost by the acknowledgement timeout
-        (:class:`~kvcached.integration.common.mirrors.RankMirrors`), which ends the wait too.
-        """
-        deadline = time.monotonic() + self.blocks.mirrors.ack_timeout_s + 2 * CHECK_INTERVAL_S
-        while int(self.blocks.manager.stats()["pending_pages"]) > 0:
-            if time.monotonic() > deadline:
-                raise IntegrationError("kvcached: the ranks did not acknowledge the KV cache's sleep in time")
-            time.sleep(ACK_POLL_S)
-            self._poll()
+    def poll_acknowledgements(self) -> None:
+        """Takes in what every rank applied (no message: the followers' counterpart does nothing)."""
+        self._poll()
 
     def stats(self) -> dict:
         self._poll()
@@ -384,9 +370,12 @@ class FollowerBlocks(_AgreedBlocks):
 
     def sleep(self) -> int:
         self._check_none_handed_out()
-        unmapped = self._expect("sleep")  # the unmaps come with the answer
+        unmapped = self._expect("sleep")  # the unmaps come with the answer, acknowledged on the board
         self._asleep = True
         return unmapped
+
+    def poll_acknowledgements(self) -> None:
+        pass  # the leader takes them in
 
     def wake_up(self) -> None:
         failure = self._expect("wake_up")

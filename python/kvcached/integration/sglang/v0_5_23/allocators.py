@@ -116,6 +116,9 @@ class _KvcachedAllocator:
         the radix cache down to ``keep_bytes`` and gives free memory back
         (once per idle spell).
         """
+        if self.kvcached_blocks.asleep:
+            self.kvcached_blocks.poll_acknowledgements()  # ranks that slept since: their budgets
+            return True
         if self._trimmed:
             return True
         if not self._idle_due():
@@ -146,16 +149,21 @@ class _KvcachedAllocator:
         self._sleep_if_released()
 
     def resume_kv_cache(self) -> None:
-        """``resume_memory_occupation``: maps the padding page again; the cache grows on demand."""
-        self.kv_released = False
+        """``resume_memory_occupation``: maps the padding page again (or raises, still released);
+        the cache grows on demand."""
         self.kvcached_blocks.wake_up()
+        self.kv_released = False
         self._trimmed = False
 
     def _sleep_if_released(self) -> None:
         blocks = self.kvcached_blocks
         if self.kv_released and not blocks.asleep and blocks.logical_free() == blocks.num_blocks - blocks.first_block:
-            blocks.sleep()  # every rank: its memory is back on every rank's budget when this returns
+            blocks.sleep()
             self._trimmed = True  # nothing for the idle release to give back
+            self._after_sleep()
+
+    def _after_sleep(self) -> None:
+        pass  # one rank: its memory is back already
 
     def kvcached_stats(self) -> dict:
         stats = self.kvcached_blocks.stats()

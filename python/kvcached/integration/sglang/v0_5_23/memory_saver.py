@@ -144,7 +144,7 @@ class MemorySaver:
             self._every_tensor_rank_done()
         elif tag == GPU_MEMORY_TYPE_KV_CACHE:
             for allocator in self._kv_cache_allocators():
-                allocator.release_kv_cache()  # returns once every rank's KV memory is back
+                allocator.release_kv_cache()  # sleeps once SGLang flushed the cache, right after
         elif tag == GPU_MEMORY_TYPE_CUDA_GRAPH:
             self._say_graphs_stay()
         else:
@@ -163,10 +163,9 @@ class MemorySaver:
         # SGLang answers the caller from the first rank; the others' weights must be asleep by then
         # too, or the memory lent to training is not all there yet (its resume has such a barrier).
         if self._num_ranks > 1:
-            import torch.distributed as dist
-            from sglang.srt.runtime_context import get_parallel
+            from .ranks import tensor_ranks_barrier
 
-            dist.barrier(group=get_parallel().tp_group.cpu_group)
+            tensor_ranks_barrier()
 
     def _weights(self) -> Any:
         if self.weights is None or self.weights.closed:

@@ -82,6 +82,15 @@ def first_ranks_value(value: Any) -> Any:
     return box[0]
 
 
+def tensor_ranks_barrier() -> None:
+    """Waits for every tensor rank of this pipeline stage (SGLang answers a caller from the first:
+    what the others do for the same request is then done too)."""
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    dist.barrier(group=get_parallel().tp_group.cpu_group)
+
+
 def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
     """Every rank's blocks, decided by the first rank (a collective: every rank calls it while building its pool)."""
     dist, group, leader_rank = _collectives()
@@ -163,6 +172,13 @@ class _AgreedAllocator:
     def _keep_waiting(self, deadline: float) -> bool:
         return self.kvcached_blocks.agree(lambda: time.monotonic() < deadline)
 
+    def _after_sleep(self) -> None:
+        # Every tensor rank has replayed the sleep (its unmaps acknowledged) once past the barrier,
+        # so release_memory_occupation returns with each one's memory back on its budget.
+        # Pipeline stages take the request in turn; their words come in while the engine idles.
+        tensor_ranks_barrier()
+        self.kvcached_blocks.poll_acknowledgements()
+
 
 class AgreedTokenToKVPoolAllocator(_AgreedAllocator, KvcachedTokenToKVPoolAllocator):
     """The token-slot allocator (``page_size`` 1) of one of several ranks."""
@@ -179,4 +195,5 @@ __all__ = [
     "engine_ranks",
     "first_ranks_value",
     "open_agreed_blocks",
+    "tensor_ranks_barrier",
 ]
