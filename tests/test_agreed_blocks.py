@@ -107,6 +107,52 @@ def test_a_follower_that_asks_another_question_fails_naming_both(engine):
     assert status == "error" and "asked for 'secure' where the deciding rank answered 'alloc'" in error
 
 
+def test_every_rank_sleeps_with_nothing_mapped_and_its_budget_back_when_the_leader_returns(engine):
+    leader, follower, name = engine
+    ids = leader.alloc(40)
+    follower.call("alloc", 40)
+    with pytest.raises(IntegrationError, match="40 blocks handed out"):
+        leader.sleep()  # refused alike on every rank, before any message
+    assert follower.call("sleep")[1].startswith("IntegrationError") and not leader.asleep
+    leader.free(ids)
+    follower.call("free", ids)
+    assert leader.sleep() == 3 and leader.asleep
+    assert _entries(name)["rank0-cpu"]["mapped_bytes"] == 0  # the null block's page too
+    assert _entries(name)["rank1-cpu"]["mapped_bytes"] == 3 * PAGE_ID_BYTES // 2  # until rank 1 unmapped them
+    assert follower.call("sleep") == ("ok", 3)
+    assert follower.call("poll_acknowledgements") == ("ok", None)
+    leader.poll_acknowledgements()
+    assert _entries(name)["rank1-cpu"]["mapped_bytes"] == 0
+    assert follower.call("own_mapped_pages") == ("ok", 0)
+    with pytest.raises(OutOfMemoryError):
+        leader.alloc(1)  # nothing is mapped until woken
+    assert follower.call("alloc", 1)[1].startswith("OutOfMemoryError")
+    assert leader.logical_free() == 99 and follower.call("logical_free") == ("ok", 99)
+    leader.wake_up()
+    assert follower.call("wake_up") == ("ok", None)
+    assert follower.call("own_mapped_pages") == ("ok", 1)  # the null block's page, mapped again
+    leader.stats()
+    assert _entries(name)["rank1-cpu"]["mapped_bytes"] == PAGE_ID_BYTES // 2
+    ids = leader.alloc(20)
+    assert follower.call("alloc", 20) == ("ok", sorted(int(i) for i in ids))
+
+
+def test_a_wake_up_refused_on_one_rank_leaves_every_rank_asleep(engine):
+    leader, follower, name = engine
+    leader.sleep()
+    follower.call("sleep")
+    leader.poll_acknowledgements()
+    registry_for("cpu").set_limit(follower.process.pid, 0)  # rank 1 may hold nothing
+    with pytest.raises(OutOfMemoryError):
+        leader.wake_up()
+    status, error = follower.call("wake_up")
+    assert status == "error" and error.startswith("OutOfMemoryError") and "could not wake" in error
+    assert leader.asleep and _entries(name)["rank0-cpu"]["mapped_bytes"] == 0
+    registry_for("cpu").set_limit(follower.process.pid, None)
+    leader.wake_up()
+    assert follower.call("wake_up") == ("ok", None)
+
+
 def test_a_follower_fails_clearly_when_the_leader_stops():
     sender = DecisionSender(1)
     receiver = DecisionReceiver(sender.paths[0], os.getpid())

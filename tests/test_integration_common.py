@@ -101,6 +101,24 @@ def test_clear_frees_everything_handed_out(blocks):
     assert blocks.logical_free() == 99 and stats["secured_blocks"] == 0 and stats["used_blocks"] == 1
 
 
+def test_a_released_engine_sleeps_with_nothing_mapped_and_its_own_accounting_unchanged(blocks):
+    ids = blocks.alloc(30)
+    with pytest.raises(ValueError, match="30 block"):
+        blocks.sleep()  # the engine flushes its cache first
+    blocks.free(ids)
+    assert blocks.secure(10)
+    assert blocks.sleep() == 2 and blocks.asleep  # secured blocks go back with everything else
+    entry = next(e for e in registry_for("cpu").entries() if e["name"] == blocks.manager.name)
+    assert entry["mapped_bytes"] == 0  # the null block's page too
+    stats = blocks.stats()
+    assert stats["engine_used_blocks"] == 0 and stats["secured_blocks"] == 0 and blocks.logical_free() == 99
+    assert blocks.available() == 0 and not blocks.secure(1)
+    blocks.end_step()  # steps and idle turns map nothing
+    assert blocks.trim() == 0 and blocks.stats()["mapped_pages"] == 0
+    blocks.wake_up()
+    assert not blocks.asleep and blocks.stats()["mapped_pages"] == 1 and blocks.available() == 99
+
+
 def test_an_engine_keeps_the_pages_it_freed_until_its_idle_hold_ends(blocks):
     """A flushed cache followed by the next requests maps nothing again."""
     blocks.alloc(60)

@@ -1,5 +1,5 @@
 // BlockManager as a specification, without Python: memory truth (every page
-// accounted for, budget charges), reservations, limits, trim, placement, and
+// accounted for, budget charges), reservations, limits, trim, sleep, placement, and
 // the device-less manager driving mirrors on their own budgets.
 #include <stdlib.h>
 #include <unistd.h>
@@ -299,6 +299,62 @@ void test_charges_awaiting_acknowledgement_are_reused_at_once() {
   CHECK((used(budgets) == std::vector<std::size_t>{2 * page, 2 * page}) && m.stats().pending_pages == 0);
 }
 
+void test_sleep_unmaps_every_page_with_the_null_blocks_and_maps_nothing_until_woken() {
+  const KVLayout layout = layout_of(32);
+  const std::size_t page = layout.page_id_bytes();
+  auto budgets = fixed_budgets(2, 1 << 30);
+  BlockManagerOptions options;
+  options.null_block = true;
+  BlockManager m(layout, options, specs(budgets));
+  const auto acknowledge = [&](const PageOps& ops) {
+    for (std::size_t i = 0; i < 2; ++i) m.acknowledge(i, ops.seq);
+  };
+  acknowledge(m.take_page_ops());  // the null block's page
+  std::vector<std::int64_t> blocks = m.alloc(10);
+  acknowledge(m.take_page_ops());
+  CHECK(throws<InvalidArgument>([&] { m.sleep(); }));  // blocks handed out: nothing changes
+  CHECK(!m.asleep() && m.stats().mapped_pages == 3 && m.take_page_ops().unmap_pages.empty());
+  m.free(blocks);
+  CHECK(m.sleep() == 3 && m.asleep() && m.sleep() == 0);
+  const PageOps unmap = m.take_page_ops();
+  CHECK(unmap.unmap_pages.size() == 3);
+  acknowledge(unmap);
+  BlockManagerStats s = m.stats();
+  CHECK(s.asleep && s.mapped_pages == 0 && s.used_blocks == 0 && s.limit_pages == 0 && pages_add_up(s));
+  CHECK(used(budgets) == std::vector<std::size_t>(2, 0));  // every mirror's budget has it all back
+  CHECK(m.available() == 0 && !m.try_reserve(1));
+  CHECK(throws<BudgetExhausted>([&] { m.alloc(1); }));
+  m.maintain();
+  CHECK(m.stats().mapped_pages == 0 && used(budgets) == std::vector<std::size_t>(2, 0));
+  m.wake_up();
+  CHECK(!m.asleep() && m.stats().used_blocks == 1 && m.stats().mapped_pages == 1);  // the null block's page
+  CHECK(used(budgets) == std::vector<std::size_t>(2, page));
+  blocks = m.alloc(31);  // every block but the null block
+  CHECK(std::find(blocks.begin(), blocks.end(), 0) == blocks.end());
+  m.wake_up();  // awake: nothing to do
+  CHECK(m.stats().used_blocks == 32);
+}
+
+void test_a_refused_wake_up_stays_asleep() {
+  const KVLayout layout = layout_of(32);
+  auto budget = std::make_shared<FixedBudget>(layout.page_id_bytes());
+  BlockManagerOptions options;
+  options.null_block = true;
+  BlockManager m(layout, options, {MirrorSpec{budget, std::nullopt}});
+  m.acknowledge(0, m.take_page_ops().seq);
+  m.sleep();
+  const PageOps unmap = m.take_page_ops();
+  CHECK(throws<InvalidArgument>([&] { m.wake_up(); }));  // the unmap is not acknowledged yet
+  CHECK(m.asleep());
+  m.acknowledge(0, unmap.seq);
+  CHECK(budget->try_acquire(layout.page_id_bytes()));  // someone else took the memory meanwhile
+  CHECK(throws<BudgetExhausted>([&] { m.wake_up(); }));
+  CHECK(m.asleep() && m.stats().used_blocks == 0 && m.available() == 0);
+  budget->release(layout.page_id_bytes());
+  m.wake_up();
+  CHECK(!m.asleep() && m.stats().used_blocks == 1);
+}
+
 void test_a_lost_mirror_gives_back_its_budget() {
   const KVLayout layout = layout_of(64);
   const std::size_t page = layout.page_id_bytes();
@@ -373,6 +429,8 @@ int main() {
   test_pipeline_stages_are_charged_their_own_page_cost();
   test_charges_awaiting_acknowledgement_are_reused_at_once();
   test_a_lost_mirror_gives_back_its_budget();
+  test_sleep_unmaps_every_page_with_the_null_blocks_and_maps_nothing_until_woken();
+  test_a_refused_wake_up_stays_asleep();
   test_mirrors_on_the_shared_registry_budget();
   return kvcached_test::summary();
 }

@@ -66,10 +66,39 @@ def registry_rank_bytes(name: str | None) -> dict[str, int]:
     return {e["local_device"]: e["mapped_bytes"] for e in registry.entries() if e["name"] == name and e["alive"]}
 
 
+def registry_rows(name: str | None, prefix: str | None = None) -> list[dict]:
+    """The live rows of the instance ``name`` (its ranks' KV and weights), as the registry shows them;
+    without a name, of every instance whose name starts with ``prefix`` (one SGLang derived)."""
+    if not (name or prefix):
+        return []
+    from kvcached.registry import open_existing
+
+    registry = open_existing("cpu")
+    if registry is None:
+        return []
+    fields = ("name", "local_device", "pid", "mapped_bytes", "weights_bytes", "sleeping")
+    return [
+        {f: e[f] for f in fields}
+        for e in registry.entries()
+        if e["alive"] and (e["name"] == name if name else e["name"].startswith(prefix))
+    ]
+
+
 def kvcached_stats(llm) -> dict | None:
     """kvcached's counters in the scheduler process (None when kvcached is not active there)."""
     states = llm.get_server_info().get("internal_states") or [{}]
     return states[0].get("kvcached")
+
+
+def _probe(label: str, llm, name: str | None, prefix: str | None = None) -> dict:
+    """What the registry shows of this engine now, and kvcached's counters in its scheduler."""
+    return {
+        "label": label,
+        "mapped_bytes": registry_mapped_bytes(name),
+        "rank_bytes": registry_rank_bytes(name),
+        "rows": registry_rows(name, prefix),
+        "kvcached": kvcached_stats(llm),
+    }
 
 
 def _wait_for(path: str | None, timeout_s: float = 900.0) -> None:
@@ -116,40 +145,35 @@ def run(spec: dict) -> dict:
 
     spec keys: model (dir), page_size, engine (extra ``sgl.Engine`` kwargs,
     e.g. max_total_tokens), phases: a list of {prompts: [[ids]],
-    max_new_tokens, wait_for (file), signal (file), settle_s}. A phase without
-    prompts only waits and signals (and probes after settle_s, if given).
+    max_new_tokens, wait_for (file), signal (file), settle_s, engine_calls}. A
+    phase without prompts only waits and signals (and probes after settle_s, if
+    given). ``engine_calls`` ([method, kwargs] pairs on the engine, e.g.
+    ``release_memory_occupation``) run first, then every rank's registry row is
+    probed ("phase<i>_calls"). Rows are found by ``KVCACHED_NAME``, or without it by
+    ``registry_name_prefix`` (the start of the name kvcached derives).
     """
     import sglang as sgl
 
     name = os.environ.get("KVCACHED_NAME")
+    prefix = spec.get("registry_name_prefix")  # rows of an engine without KVCACHED_NAME
     t0 = time.time()
     kwargs = {**ENGINE_DEFAULTS, "model_path": spec["model"], "page_size": spec.get("page_size", 1)}
     kwargs.update(spec.get("engine", {}))
     llm = sgl.Engine(**kwargs)
     init_s = time.time() - t0
     info = llm.get_server_info()
-    probes = [
-        {
-            "label": "after_init",
-            "mapped_bytes": registry_mapped_bytes(name),
-            "rank_bytes": registry_rank_bytes(name),
-            "kvcached": kvcached_stats(llm),
-        }
-    ]
-    outputs, cached, peaks, rank_peaks = [], [], [], []
+    probes = [_probe("after_init", llm, name, prefix)]
+    outputs, cached, peaks, rank_peaks, call_results = [], [], [], [], []
     for i, phase in enumerate(spec["phases"]):
         _wait_for(phase.get("wait_for"))
+        if phase.get("engine_calls"):  # e.g. ["release_memory_occupation", {"tags": ["weights"]}]
+            results = [getattr(llm, method)(**kwargs) for method, kwargs in phase["engine_calls"]]
+            call_results.append([list(r) if isinstance(r, tuple) else r for r in results])
+            probes.append(_probe(f"phase{i}_calls", llm, name, prefix))
         if not phase.get("prompts"):  # a pure synchronisation phase; with settle_s, a probe after it
             if "settle_s" in phase:
                 time.sleep(phase["settle_s"])
-                probes.append(
-                    {
-                        "label": f"phase{i}_done",
-                        "mapped_bytes": registry_mapped_bytes(name),
-                        "rank_bytes": registry_rank_bytes(name),
-                        "kvcached": kvcached_stats(llm),
-                    }
-                )
+                probes.append(_probe(f"phase{i}_done", llm, name, prefix))
             _touch(phase.get("signal"))
             outputs.append([])
             cached.append([])
@@ -163,14 +187,7 @@ def run(spec: dict) -> dict:
         peaks.append(max(samples) if samples else None)
         rank_peaks.append(peaks_by_rank)
         time.sleep(phase.get("settle_s", 1.0))  # the scheduler goes idle and gives memory back
-        probes.append(
-            {
-                "label": f"phase{i}_done",
-                "mapped_bytes": registry_mapped_bytes(name),
-                "rank_bytes": registry_rank_bytes(name),
-                "kvcached": kvcached_stats(llm),
-            }
-        )
+        probes.append(_probe(f"phase{i}_done", llm, name, prefix))
         _touch(phase.get("signal"))
     result = {
         "outputs": outputs,
@@ -178,6 +195,7 @@ def run(spec: dict) -> dict:
         "peak_mapped_bytes": peaks,
         "peak_rank_bytes": rank_peaks,
         "probes": probes,
+        "call_results": call_results,
         "max_total_num_tokens": info.get("max_total_num_tokens"),
         "init_s": init_s,
         "total_s": time.time() - t0,

@@ -162,6 +162,7 @@ nb::dict stats_dict(const BlockManagerStats& s) {
   d["held_pages"] = s.held_pages;
   d["limit_pages"] = s.limit_pages;
   d["limit_bytes"] = s.limit_bytes ? nb::cast(*s.limit_bytes) : nb::none();
+  d["asleep"] = s.asleep;
   d["slow_allocs"] = s.slow_allocs;
   d["worker_errors"] = s.worker_errors;
   d["last_worker_error"] = s.last_worker_error;
@@ -339,13 +340,13 @@ void bind_block_manager(nb::module_& m) {
           "is deferred until blocks in use are freed.")
       .def("trim", &BlockManager::trim, Released(),
            "Unmap every free page and release spares now; kept so until the next alloc. Returns pages unmapped.")
-      .def("suspend", &BlockManager::suspend, Released(),
-           "Sleep: unmap every page, the null block's too, and hold the limit at 0 until resume(); "
-           "ValueError while other blocks are in use or reserved. Returns pages unmapped.")
-      .def("resume", &BlockManager::resume, Released(),
-           "Lift the limit of 0 and map the null block's page again (OutOfMemoryError when the "
-           "budgets refuse it: still suspended).")
-      .def_prop_ro("suspended", &BlockManager::suspended)
+      .def("sleep", &BlockManager::sleep, Released(),
+           "Unmap every page, the null block's too, and map nothing until wake_up(); every block must be "
+           "free (ValueError otherwise, nothing changed). Returns pages unmapped.")
+      .def("wake_up", &BlockManager::wake_up, Released(),
+           "Allow allocs again and map the null block's page back; OutOfMemoryError (still asleep) when it "
+           "cannot be had.")
+      .def_prop_ro("asleep", &BlockManager::asleep, "Between sleep() and wake_up().")
       .def("maintain", &BlockManager::maintain, Released(), "One round of reserve keeping.")
       .def("prepare_ahead", &BlockManager::prepare_ahead, Released(),
            "Get the next lookahead_pages unmapped page ids ready (the worker does this after each round).")

@@ -81,6 +81,7 @@ struct BlockManagerStats {
   std::size_t held_pages;    // pages charged to the budget (the most of any mirror)
   std::size_t limit_pages;
   std::optional<std::size_t> limit_bytes;  // the limit in force (the pool's own or set from outside)
+  bool asleep;                             // between sleep() and wake_up(): nothing mapped, nothing handed out
   std::size_t slow_allocs;                 // allocs that had to map pages themselves (reserve missed)
   std::size_t worker_errors;               // maintenance rounds of the worker that failed
   std::string last_worker_error;
@@ -142,6 +143,18 @@ class KVCACHED_EXPORT BlockManager {
   // Unmap every free page and release every spare now; the worker keeps them
   // so until the next alloc. Returns pages unmapped.
   std::size_t trim();
+  // The engine released its KV cache (SGLang's release_memory_occupation):
+  // unmap every page, the null block's too, and map nothing until wake_up()
+  // (allocs and reserves are refused as by a limit of 0, the reserve is not
+  // refilled). Every block must be free (clear() first): InvalidArgument
+  // otherwise, nothing changed. Returns pages unmapped; 0 when asleep already.
+  std::size_t sleep();
+  // Allow allocs again and map the null block's page back (its contents are not
+  // kept). BudgetExhausted / DeviceOutOfMemory, still asleep, when that page
+  // cannot be had; InvalidArgument while its unmap awaits the mirrors'
+  // acknowledgement. A no-op when awake.
+  void wake_up();
+  bool asleep() const;
   // One round of reserve keeping (what the worker does); also usable by hand.
   // Allocations it unmaps stay as spares until the next round unless others
   // wait for memory (ReserveGoal::release_now); spares beyond the reserve
@@ -152,16 +165,6 @@ class KVCACHED_EXPORT BlockManager {
   // manager's, so grows meanwhile wait for one short split at most.
   void prepare_ahead();
   void set_reserve(const ReserveTargets& targets);
-  // Sleep (an engine's sleep mode; block_manager_sleep.cpp): every page goes back, the
-  // null block's too, and the limit in force is 0 pages until resume(). The null
-  // block stays out of reach of alloc but has no memory meanwhile, so nothing may
-  // touch it. InvalidArgument (nothing changed) while any other block is in use or
-  // reserved. Returns the pages unmapped; a no-op when suspended.
-  std::size_t suspend();
-  // Lifts the limit of 0 and maps the null block's page again (BudgetExhausted when
-  // the budgets have no room for it: still suspended). A no-op when not suspended.
-  void resume();
-  bool suspended() const;
   // Unmap everything, release the budgets, stop the worker. Idempotent and
   // safe to call from several threads at once.
   void close();
@@ -199,9 +202,9 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t takeable_locked() const noexcept;
   // Take `n` blocks (the caller checked takeable_locked() >= n).
   void take_blocks_locked(std::size_t n, std::vector<std::int64_t>& out);
-  void give_blocks_locked(const std::int64_t* ids, std::size_t count);
-  // Maps page 0 (map_mutex_ held) and takes block 0 for good: the null block.
+  // Maps the null block's page (when unmapped) and hands block 0 out for good.
   void take_null_block_locked(Lock& lock);
+  void give_blocks_locked(const std::int64_t* ids, std::size_t count);
   // What an alloc of `n` blocks does now: take them, map `pages` first, or refuse.
   struct AllocPlan {
     enum Action { kTake, kGrow, kRefuse } action;
@@ -311,7 +314,7 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t slow_allocs_ = 0, worker_errors_ = 0;
   std::string last_worker_error_;
   bool closed_ = false;
-  bool suspended_ = false;  // asleep: limit 0, the null block's page unmapped (suspend())
+  bool asleep_ = false;  // sleep() .. wake_up(): the limit in force is 0
 
   std::thread worker_;
   std::condition_variable worker_cv_;

@@ -137,6 +137,21 @@ void BlockManager::take_blocks_locked(std::size_t n, std::vector<std::int64_t>& 
   }
 }
 
+void BlockManager::take_null_block_locked(Lock& lock) {
+  if (state_[0] == PageState::kAwaitingAck || state_[0] == PageState::kUnmapping) {
+    throw InvalidArgument("the null block's page is still being unmapped (the mirrors have not acknowledged it)");
+  }
+  if (state_[0] == PageState::kUnmapped) {
+    const std::vector<std::int64_t> first = {0};
+    grow_locked(lock, 1, &first);
+  }
+  free_slots_[0].remove(0);
+  index_.update(0, index_.free_blocks(0) - 1);
+  block_state_[0] = kUsed;
+  ++used_blocks_;
+  report_usage_locked();
+}
+
 void BlockManager::give_blocks_locked(const std::int64_t* ids, std::size_t count) {
   // Runs of ids on one page (the usual case: alloc hands out page-local runs)
   // move that page between buckets once, not once per block.

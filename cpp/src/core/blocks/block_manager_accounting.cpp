@@ -21,6 +21,7 @@ std::size_t BlockManager::growth_room_locked(std::string* bound_by) const {
     room = pages;
     if (bound_by != nullptr) *bound_by = what();
   };
+  if (asleep_) bound(0, [] { return std::string("the pool's sleep (wake_up() first)"); });
   // Ids: unmapped ones, and those being unmapped (alloc waits for that).
   bound(unmapped_.size() + unmapping_pages_, [] { return std::string("the virtual capacity (page ids)"); });
   bound(limit_pages_ > committed ? limit_pages_ - committed : 0,
@@ -135,6 +136,7 @@ BlockManagerStats BlockManager::stats() const {
   s.held_pages = budgets_.max_charged_pages();
   s.limit_pages = limit_pages_;
   s.limit_bytes = limit_bytes_;
+  s.asleep = asleep_;
   s.slow_allocs = slow_allocs_;
   s.worker_errors = worker_errors_;
   s.last_worker_error = last_worker_error_;
@@ -156,6 +158,11 @@ BlockManagerStats BlockManager::stats() const {
 // ---- budgets ----------------------------------------------------------------------
 
 void BlockManager::refresh_limit_locked() const {
+  if (asleep_) {  // nothing may be mapped until wake_up()
+    limit_pages_ = 0;
+    limit_bytes_ = 0;
+    return;
+  }
   std::size_t limit = layout_.num_pages();
   std::optional<std::size_t> limit_bytes;
   if (options_.limit_bytes) {
@@ -166,7 +173,6 @@ void BlockManager::refresh_limit_locked() const {
     limit = std::min(limit, external->pages);
     limit_bytes = external->bytes;
   }
-  if (suspended_) limit = 0, limit_bytes = 0;  // asleep: nothing may be mapped
   limit_pages_ = limit;
   limit_bytes_ = limit_bytes;
 }

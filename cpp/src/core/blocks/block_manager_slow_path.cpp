@@ -112,7 +112,7 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         growth_room_locked(&bound_by);
         roll_back();
         rolled_back = true;
-        probe_budget_for_pressure(lock, plan.pages);
+        if (!asleep_) probe_budget_for_pressure(lock, plan.pages);  // asleep, it wants nobody's memory
         throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: " + std::to_string(can) +
                               " are available (bound by " + bound_by + "; pages of " +
                               std::to_string(layout_.page_id_bytes()) + " bytes, " + std::to_string(index_.pages()) +

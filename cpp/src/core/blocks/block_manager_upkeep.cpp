@@ -1,4 +1,4 @@
-// BlockManager, upkeep: the reserve (maintain, trim, resize), closing, and the background worker.
+// BlockManager, upkeep: the reserve (maintain, trim, resize), sleep and wake-up, closing, and the background worker.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -101,6 +101,51 @@ std::size_t BlockManager::trim() {
   trim_spares_locked(lock, 0);
   report_usage_locked();
   return unmapped;
+}
+
+std::size_t BlockManager::sleep() {
+  std::lock_guard<std::mutex> map(map_mutex_);  // no map or unmap in flight
+  Lock lock(mutex_);
+  if (closed_) throw InvalidArgument("the block manager is closed");
+  if (asleep_) return 0;
+  const std::size_t held = used_blocks_ - (options_.null_block ? 1 : 0);
+  if (held > 0) {
+    throw InvalidArgument("cannot sleep with " + std::to_string(held) +
+                          " block(s) handed out or reserved: free them first (clear())");
+  }
+  if (options_.null_block) {
+    const std::int64_t null_block = 0;
+    give_blocks_locked(&null_block, 1);
+  }
+  asleep_ = true;
+  refresh_limit_locked();
+  reserve_.trimmed(allocs_);
+  const std::size_t unmapped = shrink_locked(lock, index_.empty_pages_to_release(index_.empty_pages()), 0);
+  trim_spares_locked(lock, 0);
+  report_usage_locked();
+  return unmapped;
+}
+
+void BlockManager::wake_up() {
+  std::lock_guard<std::mutex> map(map_mutex_);
+  Lock lock(mutex_);
+  if (closed_) throw InvalidArgument("the block manager is closed");
+  if (!asleep_) return;
+  asleep_ = false;
+  refresh_limit_locked();
+  if (!options_.null_block) return;
+  try {
+    take_null_block_locked(lock);
+  } catch (...) {
+    asleep_ = true;
+    refresh_limit_locked();
+    throw;
+  }
+}
+
+bool BlockManager::asleep() const {
+  Lock lock(mutex_);
+  return asleep_;
 }
 
 bool BlockManager::resize(std::optional<std::size_t> limit_bytes) {

@@ -20,7 +20,8 @@ its own KV space (:class:`~kvcached.integration.common.space.WorkerSpace`).
 Approach
 --------
 Every call whose answer depends on memory or time (``alloc``, ``secure``,
-``available``, ``end_step``, ``trim``, ``clear``, :meth:`agree`) is one message
+``available``, ``end_step``, ``trim``, ``clear``, ``sleep``, ``wake_up``,
+:meth:`agree`) is one message
 from the leader (:mod:`.decision_channel`) holding the answer, the blocks then
 secured and the page operations taken since the last message; a follower
 checks that the message answers the question it asked, applies the page
@@ -70,6 +71,7 @@ class _AgreedBlocks:
         self.num_short_secures = 0
         self._handed_out = 0
         self._secured = 0
+        self._asleep = False
 
     @property
     def space(self) -> Any:
@@ -87,6 +89,19 @@ class _AgreedBlocks:
 
     def free(self, ids: Ids) -> None:
         self._handed_out -= len(ids)
+
+    @property
+    def asleep(self) -> bool:
+        """Between :meth:`sleep` and :meth:`wake_up` (the same on every rank)."""
+        return self._asleep
+
+    def _check_none_handed_out(self) -> None:
+        # Checked alike on every rank before any message: a refused sleep leaves the ranks in step.
+        if self._handed_out:
+            raise IntegrationError(
+                f"kvcached: cannot put the KV cache to sleep with {self._handed_out} blocks handed out "
+                "(the engine must flush its cache first)"
+            )
 
 
 class LeaderBlocks(_AgreedBlocks):
@@ -125,7 +140,14 @@ class LeaderBlocks(_AgreedBlocks):
         Each rank's registry entry carries that rank's process id, so that
         ``kvctl set-limit pid:N`` steers one rank and a dead rank's entry is stale.
         """
-        budgets = register_ranks(name, ranks, policy=policy, logger=logger, owned_by_ranks=True)
+        budgets = register_ranks(
+            name,
+            ranks,
+            policy=policy,
+            logger=logger,
+            owned_by_ranks=True,
+            join=True,  # each rank's weights may be on its entry already
+        )
         board = sender = own = blocks = None
         try:
             board = AckBoard.create(len(ranks))
@@ -226,6 +248,32 @@ class LeaderBlocks(_AgreedBlocks):
         self._handed_out = 0
         self._answer("clear", None)
 
+    def sleep(self) -> int:
+        """Every rank gives back every page, the null block's too, and maps nothing until
+        :meth:`wake_up`; returns pages unmapped. A rank's budget has its memory back once that
+        rank replayed the sleep and :meth:`poll_acknowledgements` took its word in."""
+        self._check_none_handed_out()
+        self._poll()
+        unmapped = self._answer("sleep", self.blocks.sleep())
+        self._asleep = True
+        return unmapped
+
+    def wake_up(self) -> None:
+        """Every rank may allocate again and maps the null block's page back; a refusal on any
+        rank's budget raises on every rank, all still asleep."""
+        self._poll()
+        try:
+            self.blocks.wake_up()
+        except Exception as exc:
+            self._answer("wake_up", (type(exc).__name__, str(exc)))
+            raise
+        self._asleep = False
+        self._answer("wake_up", None)
+
+    def poll_acknowledgements(self) -> None:
+        """Takes in what every rank applied (no message: the followers' counterpart does nothing)."""
+        self._poll()
+
     def stats(self) -> dict:
         self._poll()
         stats = self.blocks.stats()
@@ -317,9 +365,27 @@ class FollowerBlocks(_AgreedBlocks):
         self._handed_out = 0
         self._expect("clear")
 
+    def sleep(self) -> int:
+        self._check_none_handed_out()
+        unmapped = self._expect("sleep")  # the unmaps come with the answer, acknowledged on the board
+        self._asleep = True
+        return unmapped
+
+    def poll_acknowledgements(self) -> None:
+        pass  # the leader takes them in
+
+    def wake_up(self) -> None:
+        failure = self._expect("wake_up")
+        if failure is not None:
+            kind, message = failure
+            error = OutOfMemoryError if kind == "OutOfMemoryError" else IntegrationError
+            raise error(f"kvcached: the deciding rank could not wake the KV cache: {message}")
+        self._asleep = False
+
     def stats(self) -> dict:
         return dict(
             rank=self.rank.rank,
+            asleep=self._asleep,
             engine_blocks=self.num_blocks,
             engine_used_blocks=self._handed_out,
             secured_blocks=self._secured,

@@ -218,8 +218,13 @@ class EngineBlocks:
 
     def logical_free(self) -> int:
         """Engine ids not handed out, whatever memory allows (the engine's own conservation)."""
-        stats = self.manager.stats()
-        return self.num_blocks - int(stats["used_blocks"]) + int(stats["reserved_blocks"])
+        return self.num_blocks - self.first_block - self._handed_out(self.manager.stats())
+
+    def _handed_out(self, stats: dict) -> int:
+        """Blocks the engine holds: the core's used blocks less the secured ones and the null block
+        (which an asleep manager does not hold)."""
+        null_block = 0 if stats["asleep"] else self.first_block
+        return int(stats["used_blocks"]) - int(stats["reserved_blocks"]) - null_block
 
     def clear(self) -> None:
         """Frees every handed-out and secured block (the engine dropped all of its KV)."""
@@ -230,6 +235,29 @@ class EngineBlocks:
         """Idle engine: give back secured blocks and every free page; returns pages unmapped."""
         self.manager.release_reserved()
         return int(self.manager.trim())
+
+    # ---- the engine released its KV cache (SGLang's memory saver) ----------------
+
+    def sleep(self) -> int:
+        """Gives back every page, the null block's too, and maps nothing until :meth:`wake_up`.
+
+        Every block must be free (:meth:`clear` first); secured blocks are given
+        back. Returns pages unmapped (0 when asleep already).
+        """
+        self.manager.release_reserved()
+        return int(self.manager.sleep())
+
+    def wake_up(self) -> None:
+        """Lets the engine allocate again and maps the null block's page back.
+
+        Raises OutOfMemoryError, still asleep, when that page cannot be had. A no-op when awake.
+        """
+        self.manager.wake_up()
+
+    @property
+    def asleep(self) -> bool:
+        """Between :meth:`sleep` and :meth:`wake_up`."""
+        return bool(self.manager.asleep)
 
     # ---- the memory policy: asked to hold less (docs/memory-policy.md) ---------------
 
@@ -272,7 +300,7 @@ class EngineBlocks:
         stats = dict(self.manager.stats())
         stats.update(
             engine_blocks=self.num_blocks,
-            engine_used_blocks=int(stats["used_blocks"]) - int(stats["reserved_blocks"]) - self.first_block,
+            engine_used_blocks=self._handed_out(stats),
             secured_blocks=int(stats["reserved_blocks"]),
             available_blocks=int(self.available()),
             short_secures=self.num_short_secures,

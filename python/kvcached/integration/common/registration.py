@@ -39,6 +39,11 @@ def register_rank(
     this process's): ``kvctl set-limit pid:N`` then steers that rank alone,
     and the entry goes stale when the rank's process dies.
 
+    With ``join`` a live entry of the same name and process id is joined, not
+    duplicated: the rank's model weights (:class:`kvcached.ModelWeights`) may
+    have registered it first, and a rank's weights and KV cache are one row.
+    Only where each rank's entry has a process id of its own.
+
     The registry exists already: the rank's process created it
     (:func:`~kvcached.integration.common.rank_devices.describe_rank`), so this
     process never opens the device. The memory ``policy`` (``docs/memory-policy.md``)

@@ -62,6 +62,10 @@ Approach
   ``kvctl set-limit``): before each step the engine evicts cached prefixes,
   then its decode check has SGLang retract requests, until its blocks in use
   fit; the step's end unmaps the pages freed (``shrink``).
+* Memory saver (``enable_memory_saver``): kvcached provides SGLang's adapter;
+  ``release_memory_occupation`` puts the model's weights (a
+  ``kvcached.ModelWeights`` on the rank's registry entry) and the KV cache to
+  sleep, ``resume_memory_occupation`` wakes them in place (``memory_saver``).
 
 Limitations
 -----------
@@ -69,8 +73,8 @@ Refused with a logged error (SGLang then runs without kvcached): DP attention
 (not run: SGLang 0.5.23's CPU build fails with it by itself), context
 parallelism, multi-host engines, speculative decoding, SGLang's hybrid SWA and
 Mamba / linear-attention pools (``model_families`` says why), DSA models, HiCache,
-LMCache, PD disaggregation, HiSparse, the unified memory pool, memory saver, KV
-sharding, page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
+LMCache, PD disaggregation, HiSparse, the unified memory pool, KV sharding,
+page-major / HND / AITER layouts, FP4 / MXFP8 KV caches, K and V of
 different head dimensions. Allocations outside the scheduler's checks (none in
 the paths above) still go straight to kvcached and may fail under a budget another
 process took meanwhile. Run on SGLang's CPU engine (host backend); the CUDA and
@@ -82,7 +86,8 @@ pools over a kvcached space), ``allocators`` (ids from kvcached, admission),
 ``ranks`` (several ranks: one decision, replayed everywhere) with its
 allocators in ``agreed_allocators``,
 ``shrink`` (giving memory back while busy, when asked to hold less),
-``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due), and
+``sleep_waker`` (ending SGLang's idle sleep when the idle hold is due),
+``memory_saver`` (releasing and resuming weights and KV cache), and
 here the hooks that put them in SGLang's way.
 """
 
@@ -107,17 +112,22 @@ from .allocators import (
     KvcachedTokenToKVPoolAllocator,
     _KvcachedAllocator,
 )
+from .memory_saver import SAVER, KvcachedMemorySaverAdapter, check_planned, hook_create_adapter, hook_load_model
 from .plan import Plan, building, logger, plan_for, refusals
 from .pools import KvcachedMHATokenToKVPool, KvcachedMLATokenToKVPool
 from .shrink import evict_while_over
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_LOAD_MODEL = "sglang.srt.model_executor.model_runner_components.load_model_utils.load_model_with_memory_saver"
+_MEMORY_SAVER = "sglang.srt.utils.torch_memory_saver_adapter.TorchMemorySaverAdapter"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _POOL_STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
 
 
 def _hook_configure(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
-    with building(plan_for(configurator)):
+    plan = plan_for(configurator)
+    check_planned(plan)
+    with building(plan):
         return original(configurator, *args, **kwargs)
 
 
@@ -168,6 +178,7 @@ def _hook_build_allocator(
     else:
         cls = AgreedPagedTokenToKVPoolAllocator if agreed else KvcachedPagedTokenToKVPoolAllocator
         allocator = cls(sizes.max_total_num_tokens, page_size=page_size, **common)
+    SAVER.track_kv_cache(allocator)
     logger.info(
         "kvcached: SGLang's KV cache is %d pages of %d tokens over a virtual %d-byte space (%s)",
         blocks.num_blocks - 1,
@@ -235,21 +246,53 @@ HOOKS: list[tuple[str, Any, str]] = [
     (f"{_SCHEDULER}.maybe_sleep_on_idle", _hook_sleep_on_idle, "AROUND"),
     (f"{_SCHEDULER}.get_internal_state", _hook_after_get_internal_state, "AFTER"),
     (f"{_POOL_STATS}._get_token_info", _hook_token_info, "AROUND"),
+    (f"{_MEMORY_SAVER}.create", hook_create_adapter, "AROUND"),
+    (_LOAD_MODEL, hook_load_model, "AROUND"),
 ]
 
 
 def _hooked(target: str) -> PatchPoint:
-    """The SGLang name a hook target string ``module.Class.method`` names."""
+    """The SGLang name a hook target ``module.Class.method`` names (as :data:`_SHAPES` says, where it matters)."""
+    if target in _SHAPES:
+        return _SHAPES[target]
     module_and_class, method = target.rsplit(".", 1)
     module, cls = module_and_class.rsplit(".", 1)
     return PatchPoint(module, f"{cls}.{method}")
 
+
+_LOAD_MODEL_MODULE, _LOAD_MODEL_FUNCTION = _LOAD_MODEL.rsplit(".", 1)
+# Hooked names whose parameters the hooks take or read.
+_SHAPES: dict[str, PatchPoint] = {
+    f"{_MEMORY_SAVER}.create": PatchPoint(
+        "sglang.srt.utils.torch_memory_saver_adapter",
+        "TorchMemorySaverAdapter.create",
+        parameters=("enable",),
+        exact=True,
+    ),
+    _LOAD_MODEL: PatchPoint(
+        _LOAD_MODEL_MODULE,
+        _LOAD_MODEL_FUNCTION,
+        parameters=("device", "gpu_id", "memory_saver_adapter", "is_draft_worker"),
+    ),
+}
 
 #: Every SGLang name kvcached hooks, verified by the plugin front door before any hook is registered.
 PATCH_POINTS: tuple[PatchPoint, ...] = tuple(_hooked(target) for target, _, _ in HOOKS) + (
     PatchPoint("sglang.srt.plugins.hook_registry", "HookRegistry", members=("register",)),
     PatchPoint("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool"),
     PatchPoint("sglang.srt.mem_cache.memory_pool", "MLATokenToKVPool"),
+    # What memory_saver.py subclasses, calls and overrides.
+    PatchPoint(
+        "sglang.srt.utils.torch_memory_saver_adapter",
+        "TorchMemorySaverAdapter",
+        members=("configure_subprocess", "region", "cuda_graph", "disable", "pause", "resume", "enabled"),
+    ),
+    PatchPoint(_LOAD_MODEL_MODULE, "LoadedModel", members=("model",)),
+    PatchPoint("sglang.srt.runtime_context", "get_server_args"),
+    PatchPoint("sglang.srt.runtime_context", "get_parallel"),
+    PatchPoint("sglang.srt.constants", "GPU_MEMORY_TYPE_WEIGHTS"),
+    PatchPoint("sglang.srt.constants", "GPU_MEMORY_TYPE_KV_CACHE"),
+    PatchPoint("sglang.srt.constants", "GPU_MEMORY_TYPE_CUDA_GRAPH"),
 )
 
 _registered_pid: Optional[int] = None
@@ -275,6 +318,7 @@ __all__ = [
     "HOOKS",
     "KvcachedMHATokenToKVPool",
     "KvcachedMLATokenToKVPool",
+    "KvcachedMemorySaverAdapter",
     "KvcachedPagedTokenToKVPoolAllocator",
     "KvcachedPrefillBudget",
     "KvcachedTokenToKVPoolAllocator",

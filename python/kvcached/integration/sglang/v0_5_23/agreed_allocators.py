@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from .allocators import KvcachedPagedTokenToKVPoolAllocator, KvcachedTokenToKVPoolAllocator
+from .ranks import tensor_ranks_barrier
 
 
 class _AgreedAllocator:
@@ -47,6 +48,13 @@ class _AgreedAllocator:
 
     def _keep_waiting(self, deadline: float) -> bool:
         return self.kvcached_blocks.agree(lambda: time.monotonic() < deadline)
+
+    def _after_sleep(self) -> None:
+        # Every tensor rank has replayed the sleep (its unmaps acknowledged) once past the barrier,
+        # so release_memory_occupation returns with each one's memory back on its budget.
+        # Pipeline stages take the request in turn; their words come in while the engine idles.
+        tensor_ranks_barrier()
+        self.kvcached_blocks.poll_acknowledgements()
 
 
 class AgreedTokenToKVPoolAllocator(_AgreedAllocator, KvcachedTokenToKVPoolAllocator):

@@ -40,6 +40,7 @@ class _KvcachedAllocator:
         )
         self.sleep_waker = SleepWaker()
         self._trimmed = False
+        self.kv_released = False  # SGLang's release_memory_occupation, until resume_memory_occupation
 
     # -- what SGLang reads --
     def available_size(self) -> int:
@@ -88,8 +89,13 @@ class _KvcachedAllocator:
             return True
         # Short: say that this engine waits, so that idle engines on the device
         # give memory back (want() ignores a no that came from its own limit).
-        self.kvcached_blocks.want_more()
+        self.want_more()
         return False
+
+    def want_more(self) -> None:
+        """Says that this engine waits for memory; not while its KV cache is released (it waits for its resume)."""
+        if not self.kv_released:
+            self.kvcached_blocks.want_more()
 
     def pages_over_limit(self) -> int:
         """Page ids of blocks in use beyond the limit in force (``docs/memory-policy.md``); 0 within it."""
@@ -110,6 +116,9 @@ class _KvcachedAllocator:
         the radix cache down to ``keep_bytes`` and gives free memory back
         (once per idle spell).
         """
+        if self.kvcached_blocks.asleep:
+            self.kvcached_blocks.poll_acknowledgements()  # ranks that slept since: their budgets
+            return True
         if self._trimmed:
             return True
         if not self._idle_due():
@@ -130,6 +139,32 @@ class _KvcachedAllocator:
     def _keep_waiting(self, deadline: float) -> bool:
         return time.monotonic() < deadline
 
+    # -- SGLang's memory saver (memory_saver.py) --
+    def release_kv_cache(self) -> None:
+        """``release_memory_occupation``: the KV cache sleeps once it holds no block.
+
+        SGLang flushes its cache right after (:meth:`clear`); an empty cache sleeps at once.
+        """
+        self.kv_released = True
+        self._sleep_if_released()
+
+    def resume_kv_cache(self) -> None:
+        """``resume_memory_occupation``: maps the padding page again (or raises, still released);
+        the cache grows on demand."""
+        self.kvcached_blocks.wake_up()
+        self.kv_released = False
+        self._trimmed = False
+
+    def _sleep_if_released(self) -> None:
+        blocks = self.kvcached_blocks
+        if self.kv_released and not blocks.asleep and blocks.logical_free() == blocks.num_blocks - blocks.first_block:
+            blocks.sleep()
+            self._trimmed = True  # nothing for the idle release to give back
+            self._after_sleep()
+
+    def _after_sleep(self) -> None:
+        pass  # one rank: its memory is back already
+
     def kvcached_stats(self) -> dict:
         stats = self.kvcached_blocks.stats()
         stats.update(idle_release_s=self.idle.hold_s, idle_early_releases=self.idle.num_early)
@@ -147,6 +182,7 @@ class _KvcachedAllocator:
         self.free_page_ids_group = []
         self.staged_pages = []
         self.num_staged_pages = 0
+        self._sleep_if_released()  # SGLang's release_memory_occupation flushes the cache here
 
     def _take_ids(self, count: int) -> Optional[torch.Tensor]:
         try:
@@ -269,7 +305,7 @@ class KvcachedPrefillBudget(PrefillBudget):
     def check_prefill(self, **kwargs: Any) -> tuple[bool, Optional[int]]:
         admit, chunk_limit = super().check_prefill(**kwargs)
         if not admit:  # SGLang's only reason: too little available; say that this engine waits
-            self.allocator.kvcached_blocks.want_more()
+            self.allocator.want_more()
         else:
             extend = kwargs["extend_input_len"] if chunk_limit is None else min(kwargs["extend_input_len"], chunk_limit)
             if not self._secure(self.current_offset + self.ceil_paged_tokens(extend) + self.page_size):

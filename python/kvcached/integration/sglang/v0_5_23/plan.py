@@ -23,7 +23,7 @@ from kvcached.integration.common.settings import Settings
 from kvcached.layout import KVLayout
 
 from .model_families import family_refusals
-from .ranks import agreed_virtual_bytes, engine_ranks, open_agreed_blocks
+from .ranks import agreed_virtual_bytes, engine_ranks, first_ranks_value, open_agreed_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "enable_lmcache": (bool, "LMCache"),
     "enable_hisparse": (bool, "HiSparse"),
     "enable_unified_memory": (bool, "the unified memory pool"),
-    "enable_memory_saver": (bool, "the memory saver"),
     "enable_kv_cache_sharding": (bool, "KV cache sharding"),
     "enable_page_major_kv_layout": (bool, "the page-major KV layout"),
     "prefill_only_disable_kv_cache": (bool, "prefill-only mode without KV cache"),
@@ -76,7 +75,13 @@ class Plan:
             keep_freed_heap(self.settings.host_heap_keep_bytes)
         if self.num_ranks > 1:
             return open_agreed_blocks(self, layout)
-        budget = register_rank(self.name, self.rank, policy=self.settings.policy, logger=logger)
+        budget = register_rank(
+            self.name,
+            self.rank,
+            policy=self.settings.policy,
+            logger=logger,
+            join=True,  # the rank's weights may be on its entry already (memory_saver)
+        )
         try:
             return EngineBlocks.local(layout, device=self.device, budget=budget, name=self.name)
         except BaseException:
@@ -101,10 +106,14 @@ def use_settings(value: Settings) -> None:
     _settings = value
 
 
+def server_refusals(server_args: Any) -> list[str]:
+    """What of the server arguments kvcached cannot run with (known before the model loads)."""
+    return [what for attr, (bad, what) in _UNSUPPORTED.items() if bad(getattr(server_args, attr, None))]
+
+
 def refusals(configurator: Any) -> list[str]:
     """What of this engine's configuration kvcached cannot run with (empty: nothing)."""
-    server_args = configurator.server_args
-    found = [what for attr, (bad, what) in _UNSUPPORTED.items() if bad(getattr(server_args, attr, None))]
+    found = server_refusals(configurator.server_args)
     model = configurator.model_config
     if configurator.is_draft_worker:
         found.append("draft workers")
@@ -137,23 +146,55 @@ def plan_for(configurator: Any) -> Optional[Plan]:
         _plans[id(configurator)] = (configurator, None)
         return None
     engine_settings = settings()
-    torch_device = torch.device("cpu") if configurator.device == "cpu" else torch.device("cuda", configurator.gpu_id)
-    index, num_ranks = engine_ranks(configurator.server_args)
-    if torch_device.type == "cpu":  # before describe_rank opens the host device
-        populate_on_touch_beside_sibling_ranks(num_ranks * _replicas(configurator.server_args), logger)
-    rank = describe_rank(torch_device, index)
-    model = os.path.basename(str(configurator.server_args.model_path).rstrip("/")) or "model"
+    server_args = configurator.server_args
+    rank, num_ranks = this_rank(server_args, torch_device_of(configurator.device, configurator.gpu_id))
     virtual_bytes = engine_settings.virtual_bytes or rank.total_bytes
     plan = Plan(
         settings=engine_settings,
         rank=rank,
-        name=engine_settings.name or f"sglang:{model}:{os.getpid()}",
+        name=engine_name(engine_settings, server_args, num_ranks),
         # Every rank must size the same pool (SGLang takes the smallest free memory of all ranks too).
         virtual_bytes=agreed_virtual_bytes(virtual_bytes) if num_ranks > 1 else virtual_bytes,
         num_ranks=num_ranks,
     )
     _plans[id(configurator)] = (configurator, plan)
     return plan
+
+
+def torch_device_of(device: str, gpu_id: int) -> torch.device:
+    """The torch device of a model runner's ``device`` ("cpu", "cuda") and ``gpu_id``."""
+    return torch.device("cpu") if device == "cpu" else torch.device("cuda", gpu_id)
+
+
+def this_rank(server_args: Any, torch_device: torch.device) -> tuple[RankDevice, int]:
+    """This scheduler's rank and its device, and how many ranks decide the same blocks."""
+
+    index, num_ranks = engine_ranks(server_args)
+    if torch_device.type == "cpu":  # before describe_rank opens the host device
+        populate_on_touch_beside_sibling_ranks(num_ranks * _replicas(server_args), logger)
+    return describe_rank(torch_device, index), num_ranks
+
+
+_engine_names: dict[int, str] = {}  # pid -> the engine's name, once known
+
+
+def engine_name(engine_settings: Settings, server_args: Any, num_ranks: int) -> str:
+    """The engine's name in the device registries, the same on every rank.
+
+    ``KVCACHED_NAME``, or ``sglang:<model>:<pid of the first rank>``. With
+    several ranks this is a collective the first time (each rank asks at the
+    same point of its start: loading the model's weights, or planning its KV cache).
+    """
+    if engine_settings.name:
+        return engine_settings.name
+    name = _engine_names.get(os.getpid())
+    if name is None:
+        model = os.path.basename(str(server_args.model_path).rstrip("/")) or "model"
+        name = f"sglang:{model}:{os.getpid()}"
+        if num_ranks > 1:
+            name = first_ranks_value(name)
+        _engine_names[os.getpid()] = name
+    return name
 
 
 def _replicas(server_args: Any) -> int:

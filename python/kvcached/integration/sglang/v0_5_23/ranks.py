@@ -57,6 +57,23 @@ def _check(ranks: list[RankDevice], layouts: list[KVLayout]) -> None:
             raise IntegrationError(f"kvcached: rank {rank} plans {layout}, rank 0 {first}: the ranks must agree")
 
 
+def first_ranks_value(value: Any) -> Any:
+    """The first rank's ``value`` on every rank (a collective: every rank calls it at the same point)."""
+    dist, group, leader_rank = _collectives()
+    box = [value]
+    dist.broadcast_object_list(box, src=leader_rank, group=group)
+    return box[0]
+
+
+def tensor_ranks_barrier() -> None:
+    """Waits for every tensor rank of this pipeline stage (SGLang answers a caller from the first:
+    what the others do for the same request is then done too)."""
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    dist.barrier(group=get_parallel().tp_group.cpu_group)
+
+
 def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
     """Every rank's blocks, decided by the first rank (a collective: every rank calls it while building its pool)."""
     dist, group, leader_rank = _collectives()
@@ -107,5 +124,7 @@ def open_agreed_blocks(plan: Any, layout: KVLayout) -> Any:
 __all__ = [
     "agreed_virtual_bytes",
     "engine_ranks",
+    "first_ranks_value",
     "open_agreed_blocks",
+    "tensor_ranks_barrier",
 ]

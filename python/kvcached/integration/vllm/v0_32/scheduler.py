@@ -221,7 +221,7 @@ def release_all_kv(engine_core: Any) -> dict[str, int] | None:
         return None
     with engine.lock:
         engine.block_pool.release_cached_blocks(keep_bytes=0)
-        unmapped = engine.blocks.manager.suspend()
+        unmapped = engine.blocks.sleep()
         ops = engine.blocks.take_page_ops()
         if ops is not None:
             # Every rank applies and acknowledges on the board before the call returns.
@@ -236,7 +236,7 @@ def resume_kv(engine_core: Any) -> None:
     engine = _engine_of(engine_core)
     if engine is not None:
         with engine.lock:
-            engine.blocks.manager.resume()
+            engine.blocks.wake_up()
 
 
 def _flush_if_idle(engine_core: Any, *, hold: bool = True) -> None:

@@ -16,8 +16,8 @@ the CPU build included (where vLLM alone ignores sleep):
   ``kv_cache``, the engine's KV memory is given back at once, every rank:
   vLLM has already paused and emptied its prefix cache, so every block is
   free; kvcached evicts, trims its reserve and flushes the unmaps to the ranks.
-  The block manager is suspended (its limit is 0, its null block has no page)
-  until ``wake_up`` wakes ``kv_cache``.
+  The block manager sleeps (nothing mapped, its null block neither) until
+  ``wake_up`` wakes ``kv_cache``.
 * The engine's registry name is fixed in the EngineCore process before its
   workers start (``KVCACHED_NAME``), so the workers register under it too.
 """
