@@ -1,6 +1,6 @@
 """kvctl: inspect and steer the kvcached instances sharing a device.
 
-    kvctl list                          instances, their usage and limits
+    kvctl list                          instances: KV memory, model weights (asleep or not), limits
     kvctl list --all                    the same for every device with a registry, each once
     kvctl set-limit TARGET SIZE         cap a live instance (it shrinks lazily)
     kvctl clear-limit TARGET            remove that cap
@@ -69,9 +69,22 @@ def _device_summary(registry: DeviceRegistry) -> dict[str, Any]:
         "path": registry.path,
         "exists": True,
         "budget_bytes": registry.budget_bytes,
-        "mapped_bytes": registry.mapped_bytes,
+        "mapped_bytes": registry.mapped_bytes,  # KV caches only
+        "weights_bytes": registry.weights_bytes,  # model weights awake now (docs/sleep.md)
         "available_bytes": registry.available_bytes,
     }
+
+
+def _held_bytes(summary: dict[str, Any]) -> int:
+    """What a device's instances hold of its budget: their KV caches and their awake weights."""
+    return summary["mapped_bytes"] + summary["weights_bytes"]
+
+
+def _state(entry: dict[str, Any]) -> str:
+    """alive, asleep (alive, its weights sleeping) or dead."""
+    if not entry["alive"]:
+        return "dead"
+    return "asleep" if entry["sleeping"] else "alive"
 
 
 def _user_name(uid: int) -> str:
@@ -83,7 +96,7 @@ def _user_name(uid: int) -> str:
 
 def _instances_table(entries: list[dict[str, Any]]) -> str:
     header = (
-        "NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "MIN", "LIMIT", "PRIO", "SHRINK-TO",
+        "NAME", "PID", "USER", "AS", "STATE", "USED", "FREE-MAPPED", "MAPPED", "WEIGHTS", "MIN", "LIMIT", "PRIO", "SHRINK-TO",
         "WANTS", "ERRORS",
     )  # fmt: skip
     rows = [header] + [
@@ -92,10 +105,11 @@ def _instances_table(entries: list[dict[str, Any]]) -> str:
             str(entry["pid"]),
             _user_name(entry["uid"]),
             printable(entry["local_device"]) or "-",
-            "alive" if entry["alive"] else "dead",
+            _state(entry),
             format_bytes(entry["used_bytes"]),
             format_bytes(entry["free_mapped_bytes"]),
             format_bytes(entry["mapped_bytes"]),
+            format_bytes(entry["weights_bytes"]) if entry["weights_bytes"] else "-",
             format_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
             format_bytes(entry["max_bytes"]),
             str(entry["priority"]),
@@ -120,7 +134,8 @@ def _device_listing(registry: DeviceRegistry) -> tuple[dict[str, Any], str]:
     payload = {**_device_summary(registry), "instances": registry.entries()}
     human = (
         f"{_registry_label(registry)}: budget {format_bytes(payload['budget_bytes'])}, "
-        f"mapped {format_bytes(payload['mapped_bytes'])}, "
+        f"held {format_bytes(_held_bytes(payload))} (KV {format_bytes(payload['mapped_bytes'])}, "
+        f"weights {format_bytes(payload['weights_bytes'])}), "
         f"available {format_bytes(payload['available_bytes'])} ({registry.path})\n"
         + _instances_table(payload["instances"])
     )
@@ -186,7 +201,7 @@ def cmd_set_budget(args: argparse.Namespace) -> int:
     previous = registry.budget_bytes
     registry.budget_bytes = budget_bytes
     payload = {**_device_summary(registry), "previous_budget_bytes": previous}
-    over = payload["mapped_bytes"] > budget_bytes
+    over = _held_bytes(payload) > budget_bytes
     note = " (over budget: instances shrink as they free memory)" if over else ""
     emit(
         args.json, payload, f"{registry.device}: budget {format_bytes(previous)} -> {format_bytes(budget_bytes)}{note}"

@@ -6,14 +6,18 @@
     kvtop --device cuda:0       only this device (repeatable); default: all found
     kvtop --interval 0.5        refresh period in seconds
 
-Each instance's bar shows used memory (solid), its mapped but free memory
-(shaded: pages kept ready, no block in use) and the rest of its allowance (its
-limit, or the device budget); MIN, LIMIT and PRIO are its memory policy
-(``docs/memory-policy.md``), and "shrink to" says a higher-priority instance
-waits for its memory. Names keep at least 24 characters (longer ones
-get what room is left); on a narrow terminal the bars go first, then the AS column. Devices are
-shown by registry name (``cuda-GPU-<uuid>``), each instance with the device as
-its own process sees it. A bad argument is one line on stderr and exit code 2.
+Each instance's bar shows its model weights (dark shade, ``docs/sleep.md``), its
+used KV memory (solid), its mapped but free KV memory (light shade: pages kept
+ready, no block in use) and the rest of its allowance (its weights and its limit,
+or the device budget); the device's bar above shows the same for every instance
+together. WEIGHTS is what an instance's weights hold (shown on a device where
+some instance has weights) and "asleep" says they sleep; MIN, LIMIT and PRIO are
+its memory policy (``docs/memory-policy.md``), and "shrink to" says a
+higher-priority instance waits for its memory. Names keep at least 24 characters
+(longer ones get what room is left); on a narrow terminal the bars go first,
+then the AS column, the policy's and WEIGHTS. Devices are shown by registry name
+(``cuda-GPU-<uuid>``), each instance with the device as its own process sees it.
+A bad argument is one line on stderr and exit code 2.
 Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (the ``ui`` extra: ``pip install ".[ui]"``).
 """
 
@@ -41,6 +45,7 @@ from kvcached.cli.widgets import (
     MAX_BAR_WIDTH,
     MIN_BAR_WIDTH,
     USED_CHAR,
+    WEIGHTS_CHAR,
     UsageBar,
     short_bytes,
 )
@@ -64,7 +69,6 @@ try:
     from rich import box
     from rich.console import Console, Group
     from rich.live import Live
-    from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 except ImportError:  # reported by main(), so importing this module never fails
@@ -74,6 +78,10 @@ except ImportError:  # reported by main(), so importing this module never fails
 def _status(entry: dict[str, Any]) -> Text:
     if not entry["alive"]:
         status = Text("dead", style="red")
+    elif entry["sleeping"]:
+        status = Text("asleep", style="blue")
+        if entry["wanted_bytes"]:  # a wake refused in the last second
+            status.append(f" waits {short_bytes(entry['wanted_bytes'])}", style="bold red")
     elif entry["wanted_bytes"]:
         # Refused in the last second: the device budget is the bottleneck.
         status = Text(f"waits {short_bytes(entry['wanted_bytes'])}", style="bold red")
@@ -88,20 +96,23 @@ def _status(entry: dict[str, Any]) -> Text:
 
 
 def _instance_row(entry: dict[str, Any], budget_bytes: int) -> dict[str, Any]:
-    limit = entry["max_bytes"]
+    limit, weights = entry["max_bytes"], entry["weights_bytes"]
     # Used comes from the pool's last report; mapped is what the budget counts.
     free_mapped = max(entry["free_mapped_bytes"], entry["mapped_bytes"] - entry["used_bytes"])
+    # The limit caps the KV cache alone: the weights sit beside it.
+    allowance = weights + limit if limit is not None else budget_bytes
     return {
         "NAME": printable(entry["name"]),
         "PID": str(entry["pid"]),
         "AS": printable(entry["local_device"]) or "-",
         "USED": short_bytes(entry["used_bytes"]),
         "MAPPED": short_bytes(entry["mapped_bytes"]),
+        "WEIGHTS": short_bytes(weights) if weights else "-",
         "MIN": short_bytes(entry["min_bytes"]) if entry["min_bytes"] else "-",
         "LIMIT": short_bytes(limit),
         "PRIO": str(entry["priority"]),
         "STATUS": _status(entry),
-        "USAGE": UsageBar(entry["used_bytes"], free_mapped, limit if limit is not None else budget_bytes),
+        "USAGE": UsageBar(entry["used_bytes"], free_mapped, allowance, weights),
     }
 
 
@@ -111,6 +122,7 @@ TEXT_COLUMNS = (
     ("AS", "left"),
     ("USED", "right"),
     ("MAPPED", "right"),
+    ("WEIGHTS", "right"),
     ("MIN", "right"),
     ("LIMIT", "right"),
     ("PRIO", "right"),
@@ -118,14 +130,16 @@ TEXT_COLUMNS = (
 )
 # Shown only on a device where some instance has a memory policy (a min or a priority).
 POLICY_COLUMNS = ("MIN", "PRIO")
+# Shown only on a device where some instance has model weights, awake or asleep.
+WEIGHTS_COLUMNS = ("WEIGHTS",)
 # What gives way on a narrow terminal, in this order, before a name is cut.
-OPTIONAL_COLUMNS = ("USAGE", "AS", "MIN", "PRIO")
+OPTIONAL_COLUMNS = ("USAGE", "AS", "MIN", "PRIO", "WEIGHTS")
 CELL_PADDING = 3  # between two columns: a space each side of the (blank) separator
 
 
 def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[str], int]:
     """The columns to show in ``total_width`` cells (those ``widths`` has, or fewer: without the
-    bar, then without AS, then without the policy's) and the cells left over."""
+    bar, then without AS, then without the policy's, then without WEIGHTS) and the cells left over."""
     shown = ["NAME"] + [column for column, _ in TEXT_COLUMNS if column in widths] + ["USAGE"]
     for dropped in tuple(column for column in OPTIONAL_COLUMNS if column in shown) + (None,):
         needed = sum(widths[column] for column in shown) + CELL_PADDING * (len(shown) - 1)
@@ -135,34 +149,54 @@ def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[st
     return shown, 0
 
 
-def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> Group:
-    """One device in ``total_width`` cells: a header with its budget bar, then a table of its instances."""
-    budget, mapped = registry.budget_bytes, registry.mapped_bytes
-    share = mapped / budget if budget else 0.0
+def _device_header(registry: DeviceRegistry, entries: list[dict[str, Any]]) -> Group:
+    """The device's name on a line of its own (a GPU's identity is long and must stay whole), its
+    figures, and a bar of what its instances hold together: weights, KV used, KV mapped but free."""
+    budget, mapped, weights = registry.budget_bytes, registry.mapped_bytes, registry.weights_bytes
+    held = mapped + weights
+    share = held / budget if budget else 0.0
     local = registry.local_device
     label = registry.device if not local or local == registry.device else f"{registry.device} ({local} here)"
-    # The device on a line of its own: a GPU's identity is long and must stay whole.
     figures = Table.grid()
     figures.add_row(
         "  ",
-        f"budget {format_bytes(budget)}  mapped {format_bytes(mapped)} ({share:.0%})  "
+        f"budget {format_bytes(budget)}  held {format_bytes(held)} ({share:.0%})  "
         f"available {format_bytes(registry.available_bytes)}",
     )
-    figures.add_row("", ProgressBar(total=max(budget, 1), completed=min(mapped, max(budget, 1)), width=MAX_BAR_WIDTH))
-    header = Group(Text(label, style="bold cyan", overflow="fold"), figures)
+    # Entries are read a moment after the totals: the used part never exceeds what is mapped.
+    used = min(mapped, sum(entry["used_bytes"] for entry in entries))
+    bar = Table.grid()
+    bar.add_row(
+        "  ",
+        UsageBar(used, mapped - used, budget, weights),
+        f"  weights {format_bytes(weights)}  KV {format_bytes(mapped)}",
+    )
+    return Group(Text(label, style="bold cyan", overflow="fold"), figures, bar)
+
+
+def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> Group:
+    """One device in ``total_width`` cells: a header with its budget bar, then a table of its instances."""
     entries = registry.entries()
+    header = _device_header(registry, entries)
+    budget = registry.budget_bytes
     if not entries:
         return Group(header, Text("  no instances", style="dim"), Text(""))
     rows = [_instance_row(entry, budget) for entry in entries]
-    with_policy = any(entry["min_bytes"] or entry["priority"] for entry in entries)
-    columns = [column for column, _ in TEXT_COLUMNS if with_policy or column not in POLICY_COLUMNS]
+    hidden = set()
+    if not any(entry["min_bytes"] or entry["priority"] for entry in entries):
+        hidden.update(POLICY_COLUMNS)
+    if not any(entry["weights_bytes"] or entry["sleeping"] for entry in entries):
+        hidden.update(WEIGHTS_COLUMNS)
+    columns = [column for column, _ in TEXT_COLUMNS if column not in hidden]
     widths = {column: max([len(column)] + [len(str(row[column])) for row in rows]) for column in columns}
     longest_name = max([len("NAME")] + [len(row["NAME"]) for row in rows])
     widths["NAME"] = min(NAME_MAX_WIDTH, longest_name)
     widths["USAGE"] = MIN_BAR_WIDTH
     shown, spare = _columns_that_fit(widths, total_width)
-    # Room to spare goes to longer names first (rich gives the rest to the bar).
+    # Room to spare goes to longer names first, the rest to the bar: its width is fixed, since a
+    # bar rich lays out wider than the room left is cut at the edge, which hides its scale.
     name_width = min(longest_name, widths["NAME"] + spare)
+    bar_width = min(MAX_BAR_WIDTH, widths["USAGE"] + spare - (name_width - widths["NAME"]))
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
     table.add_column("NAME", no_wrap=True, min_width=name_width, max_width=name_width, overflow="ellipsis")
     # Short columns never shrink (rich would cut "512M" to "5…").
@@ -170,7 +204,7 @@ def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> G
         if column in shown:
             table.add_column(column, justify=justify, no_wrap=True, min_width=widths[column])
     if "USAGE" in shown:
-        table.add_column("USAGE", no_wrap=True)
+        table.add_column("USAGE", no_wrap=True, width=bar_width)
     for row in rows:
         table.add_row(*(row[column] for column in shown))
     return Group(header, table, Text(""))
@@ -207,7 +241,8 @@ def frame(devices: Optional[Sequence[str]], total_width: int = DEFAULT_WIDTH) ->
     if not views:
         views.append(Text(f"no kvcached registry under {registry_dir()}", style="dim"))
     footer = Text(
-        f"{USED_CHAR} used  {FREE_MAPPED_CHAR} mapped, free  {FREE_CHAR} not mapped   {time.strftime('%H:%M:%S')}",
+        f"{WEIGHTS_CHAR} weights  {USED_CHAR} KV used  {FREE_MAPPED_CHAR} KV mapped, free  {FREE_CHAR} not held   "
+        f"{time.strftime('%H:%M:%S')}",
         style="dim",
     )
     return Group(*views, footer)
