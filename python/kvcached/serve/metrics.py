@@ -161,7 +161,9 @@ class ServeMetrics:
         self.sleeps = Counter(
             "kvcached_serve_model_sleeps", "Times the model was put to sleep", ["model"], registry=self.registry
         )
-        self.wakes = Counter("kvcached_serve_model_wakes", "Times the model was woken", ["model"], registry=self.registry)
+        self.wakes = Counter(
+            "kvcached_serve_model_wakes", "Times the model was woken", ["model"], registry=self.registry
+        )
         self.wake_seconds = Histogram(
             "kvcached_serve_model_wake_seconds",
             "Time from the arrival of a request that found the model asleep to its engine answering",

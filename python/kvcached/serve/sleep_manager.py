@@ -122,8 +122,10 @@ class SleepManager:
         ``wake_timeout_s``; raises :class:`WakeRefused` when it cannot be."""
         deadline = time.monotonic() + self._config.wake_timeout_s
         if not self._transition.acquire(timeout=self._config.wake_timeout_s):
-            raise WakeRefused(f"the model `{name}` is asleep and other models' wakes took longer than "
-                              f"{self._config.wake_timeout_s:g} s; retry later")
+            raise WakeRefused(
+                f"the model `{name}` is asleep and other models' wakes took longer than "
+                f"{self._config.wake_timeout_s:g} s; retry later"
+            )
         try:
             if self._states[name] is SleepState.AWAKE:
                 return
@@ -131,6 +133,21 @@ class SleepManager:
             self._wake(name)
         finally:
             self._transition.release()
+
+    def put_to_sleep(self, name: str) -> bool:
+        """Puts ``name`` to sleep now if it may sleep and is awake and idle; whether it did."""
+        with self._transition:
+            with self._lock:
+                idle = (
+                    self._specs[name].sleep is not None
+                    and self._states[name] is SleepState.AWAKE
+                    and self._in_flight[name] == 0
+                )
+                if idle:
+                    self._states[name] = SleepState.FALLING_ASLEEP
+            if idle:
+                self._put_to_sleep(name)
+            return self._states[name] is SleepState.ASLEEP
 
     def before_launch(self, name: str) -> None:
         """An engine is about to be (re)started, awake: room is made for what it will take."""

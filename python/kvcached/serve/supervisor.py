@@ -328,9 +328,7 @@ class Supervisor:
             if not waiting:
                 return None
             ended = [
-                e.spec.name
-                for e in waiting
-                if e.launched and not e.thread_alive and e.state is not EngineState.FAILED
+                e.spec.name for e in waiting if e.launched and not e.thread_alive and e.state is not EngineState.FAILED
             ]
             if ended:
                 return f"{', '.join(ended)}: the engine's supervision ended before it was ready"
