@@ -81,7 +81,8 @@ class SleepManager:
         self._on_wake, self._on_sleep = on_wake, on_sleep
         self._lock = threading.Lock()
         self._transition = threading.Lock()
-        self._states = {name: SleepState.AWAKE for name in self._specs}
+        # Engines not started yet hold nothing, as if asleep; each is awake once it answers (engine_ready).
+        self._states = {name: SleepState.ASLEEP for name in self._specs}
         self._in_flight = {name: 0 for name in self._specs}
         self._last_used = {name: time.monotonic() for name in self._specs}
         self._weights_bytes = {name: 0 for name in self._specs}  # as last seen awake
@@ -197,10 +198,12 @@ class SleepManager:
         """The budget, and what every other awake model holds of it: its weights and the KV memory its
         requests use or its min guarantees (idle KV memory goes back when a wake asks for it)."""
         usage = self._memory.usage()
+        with self._lock:
+            awake = {name for name, state in self._states.items() if state is not SleepState.ASLEEP}
         held = 0
         for name, model in usage.items():
-            if name == exclude:
-                continue
+            if name == exclude or name not in awake:
+                continue  # asleep (or not started): it holds nothing and its min claims nothing
             held += model.weights_bytes + max(model.used_bytes, self._specs[name].memory.min_bytes)
         return self._memory.budget_bytes, held
 

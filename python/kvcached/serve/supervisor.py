@@ -110,8 +110,9 @@ class Engine:
 
     def start(self) -> None:
         """Starts the engine's thread (which launches the engine at once)."""
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.spec.name}", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name=f"engine-{self.spec.name}", daemon=True)
+        thread.start()
+        self._thread = thread  # launched from here on: seen alive until it ends
 
     def stop(self) -> None:
         """Stops the engine's whole process group and its thread; reclaims its registry entries."""
