@@ -136,3 +136,15 @@ def test_an_engines_weights_and_kv_join_one_entry_per_rank_and_the_last_handle_f
     assert registry.register("engine", join=True).slot == other.slot
     assert registry.register("other-name", join=True).slot != other.slot, "only the same name is joined"
     assert registry.register("engine", local_device="rank1-cpu", join=True).slot != other.slot, "nor another rank"
+
+
+def test_a_sleeping_instance_claims_no_min_until_it_wakes():
+    registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
+    sleeper = registry.register("sleeper", policy=MemoryPolicy(min_bytes=4 * PAGE_BYTES))
+    other = registry.register("other")
+    weights = sleeper.weights_budget()
+    assert weights.try_charge(2 * PAGE_BYTES)
+    assert not other.try_acquire(3 * PAGE_BYTES), "awake, the sleeper's unclaimed min is set aside"
+    weights.credit(2 * PAGE_BYTES, True)  # asleep
+    assert other.try_acquire(8 * PAGE_BYTES), "asleep, it claims nothing: everything may be used"
+    assert not weights.try_charge(2 * PAGE_BYTES), "its wake asks like anyone else"

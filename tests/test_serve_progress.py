@@ -32,6 +32,10 @@ class FakeEngine:
     def log_tail(self, lines: int) -> str:
         return self.log
 
+    @property
+    def shown_state(self) -> str:
+        return self.state.value
+
 
 def test_the_table_shows_each_model_state_and_last_log_line():
     engines = {

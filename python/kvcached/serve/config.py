@@ -10,6 +10,7 @@ whole file passes. The schema, with defaults::
     log_dir: /var/log/kvcached    # optional: engine logs (default: a new temporary directory)
     startup_timeout_s: 900        # an engine not healthy by then stops the start
     stop_timeout_s: 30            # SIGTERM, then SIGKILL after this long
+    wake_timeout_s: 300           # a request for a sleeping model waits this long for it, then 503
     restart: {max_attempts: 5, backoff_s: 1, max_backoff_s: 30}
     models:
       - name: qwen-small          # the OpenAI `model` clients send; the engine's KVCACHED_NAME
@@ -20,6 +21,7 @@ whole file passes. The schema, with defaults::
         args: ["--max-model-len", "4096"]
         env: {}
         memory: {min: 2GiB, max: 20GiB, priority: 1}
+        sleep: {level: 1, idle_s: 600}   # optional: may sleep when idle (docs/serve.md); none: never
 """
 
 from __future__ import annotations
@@ -40,16 +42,29 @@ from kvcached.serve.owned_arguments import owned_flag
 from kvcached.serve.spec import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STOP_TIMEOUT_S,
+    DEFAULT_WAKE_TIMEOUT_S,
     ModelSpec,
     RestartPolicy,
     ServeConfig,
+    SleepPolicy,
 )
 from kvcached.sizes import format_bytes
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 
-_TOP_KEYS = ("listen", "device", "budget", "log_dir", "startup_timeout_s", "stop_timeout_s", "restart", "models")
-_MODEL_KEYS = ("name", "engine", "model", "python", "module", "args", "env", "memory")
+_TOP_KEYS = (
+    "listen",
+    "device",
+    "budget",
+    "log_dir",
+    "startup_timeout_s",
+    "stop_timeout_s",
+    "wake_timeout_s",
+    "restart",
+    "models",
+)
+_MODEL_KEYS = ("name", "engine", "model", "python", "module", "args", "env", "memory", "sleep")
+_SLEEP_KEYS = ("level", "idle_s")
 _MEMORY_KEYS = ("min", "max", "priority")
 _RESTART_KEYS = ("max_attempts", "backoff_s", "max_backoff_s")
 _PORT = re.compile(r"[0-9]{1,5}")  # ASCII digits only: str.isdigit() and int() take '١٨٩٩٩' too
@@ -135,6 +150,13 @@ def _memory(value: Any, key: str) -> MemoryPolicy:
     return MemoryPolicy(min_bytes, max_bytes, priority)
 
 
+def _sleep(value: Any, key: str) -> SleepPolicy:
+    section = _check_keys(value if value is not None else {}, _SLEEP_KEYS, key)
+    level = _whole(section.get("level", 1), f"{key}.level", 1, 2)
+    idle_s = _seconds(section["idle_s"], f"{key}.idle_s") if "idle_s" in section else None
+    return SleepPolicy(level=level, idle_s=idle_s)
+
+
 def _args(value: Any, key: str, engine: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(
         isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value
@@ -196,6 +218,7 @@ def _model(value: Any, index: int, base_dir: Path) -> ModelSpec:
         python_written=written,
         env=_env(section.get("env", {}), f"{key}.env"),
         memory=_memory(section.get("memory", {}), f"{key}.memory"),
+        sleep=_sleep(section["sleep"], f"{key}.sleep") if "sleep" in section else None,
     )
 
 
@@ -252,6 +275,7 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> ServeConfig:
         log_dir=log_dir,
         startup_timeout_s=_seconds(section.get("startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S), "startup_timeout_s"),
         stop_timeout_s=_seconds(section.get("stop_timeout_s", DEFAULT_STOP_TIMEOUT_S), "stop_timeout_s"),
+        wake_timeout_s=_seconds(section.get("wake_timeout_s", DEFAULT_WAKE_TIMEOUT_S), "wake_timeout_s"),
         restart=_restart(section.get("restart", {})),
     )
 

@@ -33,9 +33,14 @@ class EngineKind:
     #: Answers 200 only once the engine can generate (SGLang's /health answers before its scheduler is warm).
     ready_path: str
     owned_flags: tuple[str, ...]
+    #: What turns the engine's own sleep API on, by sleep level (kvcached then serves it).
+    sleep_flags: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    sleep_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def command(self, spec: ModelSpec, port: int) -> list[str]:
-        """The engine's command line: the model, its OpenAI name, the port serve chose, then ``args``."""
+        """The engine's command line: the model, its OpenAI name, the port serve chose, its sleep API
+        when the model may sleep, then ``args``."""
+        sleeping = self.sleep_flags[spec.sleep.level] if spec.sleep is not None else ()
         return [
             spec.python,
             "-m",
@@ -48,6 +53,7 @@ class EngineKind:
             ENGINE_HOST,
             "--port",
             str(port),
+            *sleeping,
             *spec.args,
         ]
 
@@ -60,6 +66,9 @@ ENGINES: dict[str, EngineKind] = {
         model_flag="--model",
         ready_path="/health",
         owned_flags=("--model", "--served-model-name", "--host", "--port"),
+        sleep_flags={1: ("--enable-sleep-mode",), 2: ("--enable-sleep-mode",)},
+        # /sleep, /wake_up and /collective_rpc are vLLM's development endpoints; only the router reaches them.
+        sleep_env={"VLLM_SERVER_DEV_MODE": "1"},
     ),
     "sglang": EngineKind(
         name="sglang",
@@ -68,6 +77,10 @@ ENGINES: dict[str, EngineKind] = {
         model_flag="--model-path",
         ready_path="/health_generate",
         owned_flags=("--model-path", "--model", "--served-model-name", "--host", "--port"),
+        sleep_flags={
+            1: ("--enable-memory-saver", "--enable-weights-cpu-backup"),
+            2: ("--enable-memory-saver",),
+        },
     ),
 }
 OWNED_ARGUMENTS: dict[str, tuple[str, ...]] = {name: kind.owned_flags for name, kind in ENGINES.items()}
@@ -96,6 +109,8 @@ def engine_environment(spec: ModelSpec, device: str, base: Mapping[str, str] | N
     env[OPTIONS["enable"].env] = "1"
     env[OPTIONS["name"].env] = spec.name
     env.update(policy_environment(spec.memory))
+    if spec.sleep is not None:
+        env.update(ENGINES[spec.engine].sleep_env)
     kind, _, ordinal = device.partition(":")
     if kind in _VISIBLE_DEVICES:
         env[_VISIBLE_DEVICES[kind]] = _visible_device(env, _VISIBLE_DEVICES[kind], int(ordinal or 0))

@@ -36,12 +36,19 @@ _T = TypeVar("_T")
 class ModelMemory:
     """One model's memory in the registry, summed over its engine's live entries."""
 
-    mapped_bytes: int = 0
+    mapped_bytes: int = 0  # KV cache
     used_bytes: int = 0
+    weights_bytes: int = 0  # model weights awake on the device (their engine's sleep mode)
+    sleeping: bool = False  # the engine's weights sleep (every rank's)
     wanted_bytes: int = 0  # refused in the last second: the engine waits for memory
     min_bytes: Optional[int] = None  # as the registry holds it, where it holds one
     max_bytes: Optional[int] = None
     entries: int = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """What the model holds of the device budget now: its weights and its KV cache."""
+        return self.mapped_bytes + self.weights_bytes
 
 
 class DeviceMemory:
@@ -146,6 +153,8 @@ class DeviceMemory:
                 continue
             model["mapped_bytes"] = model.get("mapped_bytes", 0) + entry["mapped_bytes"]
             model["used_bytes"] = model.get("used_bytes", 0) + entry["used_bytes"]
+            model["weights_bytes"] = model.get("weights_bytes", 0) + entry["weights_bytes"]
+            model["sleeping"] = model.get("sleeping", True) and entry["sleeping"]
             model["wanted_bytes"] = max(model.get("wanted_bytes", 0), entry["wanted_bytes"])
             model["entries"] = model.get("entries", 0) + 1
             if entry.get("min_bytes") is not None:

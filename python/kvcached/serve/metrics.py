@@ -1,9 +1,11 @@
 """``/metrics`` of ``kvcached serve``, in Prometheus' text format (prometheus_client).
 
-Per model: memory from the device registry (mapped, used, min, max, and what it was refused),
-whether its engine is up and how often it crashed or restarted, requests by endpoint and status
-and their latency, how often and how long it waited for memory, and hand-overs: the time from a
-refusal until memory moved to it (:mod:`kvcached.serve.handover`), labelled with the giver.
+Per model: memory from the device registry (KV mapped and used, weights, min, max, and what it was
+refused), whether its engine is up and how often it crashed or restarted, whether it sleeps and how
+often it was put to sleep and woken (and how long a request waited for a wake), requests by
+endpoint and status and their latency, how often and how long it waited for memory, and
+hand-overs: the time from a refusal until memory moved to it (:mod:`kvcached.serve.handover`),
+labelled with the giver.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SAMPLE_INTERVAL_S = 0.01
 # One label for every name not served, so clients cannot grow the series; no model can be named "".
 UNKNOWN_MODEL = ""
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+WAKE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 HANDOVER_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
@@ -36,6 +39,7 @@ class _StateCollector:
 
     def __init__(self, models: list[ModelSpec], memory: Any, engines: Optional[Mapping[str, Any]]) -> None:
         self._models, self._memory, self._engines = models, memory, engines
+        self.sleep: Any = None  # the SleepManager, where models may sleep
 
     def _read(self, read: Any, without_memory: Any) -> Any:
         """``read(memory)``; ``without_memory`` when serve has none, None when the registry fails."""
@@ -60,6 +64,9 @@ class _StateCollector:
         wanted = GaugeMetricFamily(
             "kvcached_serve_model_wanted_bytes", "KV memory the model was refused in the last second", labels=label
         )
+        weights = GaugeMetricFamily(
+            "kvcached_serve_model_weights_bytes", "Device memory the model's weights hold (0 asleep)", labels=label
+        )
         usage = self._read(lambda memory: memory.usage(), {})
         for spec in self._models:
             model = usage.get(spec.name) if usage is not None else None
@@ -67,6 +74,7 @@ class _StateCollector:
                 mapped.add_metric([spec.name], model.mapped_bytes if model else 0)
                 used.add_metric([spec.name], model.used_bytes if model else 0)
                 wanted.add_metric([spec.name], model.wanted_bytes if model else 0)
+                weights.add_metric([spec.name], model.weights_bytes if model else 0)
             live = model is not None and model.entries > 0
             minimum.add_metric(
                 [spec.name], model.min_bytes if live and model.min_bytes is not None else spec.memory.min_bytes
@@ -74,7 +82,16 @@ class _StateCollector:
             cap = model.max_bytes if live else spec.memory.max_bytes
             if cap is not None:
                 maximum.add_metric([spec.name], cap)
-        yield from (mapped, used, minimum, maximum, wanted)
+        yield from (mapped, used, weights, minimum, maximum, wanted)
+        if self.sleep is not None:
+            sleeping = GaugeMetricFamily(
+                "kvcached_serve_model_sleeping",
+                "1 while the model is not awake (asleep, falling asleep or waking)",
+                labels=label,
+            )
+            for spec in self._models:
+                sleeping.add_metric([spec.name], 0 if self.sleep.state(spec.name).value == "awake" else 1)
+            yield sleeping
         budget_bytes = self._read(lambda memory: memory.budget_bytes, None)
         if budget_bytes is not None:
             budget = GaugeMetricFamily("kvcached_serve_device_budget_bytes", "The device budget all models share")
@@ -141,7 +158,21 @@ class ServeMetrics:
             buckets=HANDOVER_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(models, memory, engines))
+        self.sleeps = Counter(
+            "kvcached_serve_model_sleeps", "Times the model was put to sleep", ["model"], registry=self.registry
+        )
+        self.wakes = Counter(
+            "kvcached_serve_model_wakes", "Times the model was woken", ["model"], registry=self.registry
+        )
+        self.wake_seconds = Histogram(
+            "kvcached_serve_model_wake_seconds",
+            "Time from the arrival of a request that found the model asleep to its engine answering",
+            ["model"],
+            buckets=WAKE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._state = _StateCollector(models, memory, engines)
+        self.registry.register(self._state)
         self._memory = memory
         self._tracker = HandoverTracker()
         self._stop = threading.Event()
@@ -152,6 +183,20 @@ class ServeMetrics:
         label = model if known and model in self._names else UNKNOWN_MODEL
         self.requests.labels(label, endpoint, str(status)).inc()
         self.latency.labels(label, endpoint).observe(time.monotonic() - started)
+
+    def watch_sleep(self, sleep: Any) -> None:
+        """Shows the models' sleep states (``kvcached_serve_model_sleeping``) from ``sleep``."""
+        self._state.sleep = sleep
+
+    def slept(self, model: str) -> None:
+        self.sleeps.labels(model).inc()
+
+    def woke(self, model: str, seconds: float) -> None:
+        self.wakes.labels(model).inc()
+
+    def request_waited_for_wake(self, model: str, started: float) -> None:
+        """A request that found ``model`` asleep got its engine's answer (``started``: its arrival)."""
+        self.wake_seconds.labels(model).observe(time.monotonic() - started)
 
     def apply(self, events: Iterable[object]) -> None:
         """Records what :class:`HandoverTracker` saw."""

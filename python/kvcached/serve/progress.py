@@ -97,8 +97,8 @@ class StartupProgress:
             return
         self._next_log = now + self._log_interval_s
         for name, engine in self._engines.items():
-            state = str(engine.state.value)
-            if state != "ready":
+            state = engine.shown_state
+            if state not in ("ready", "asleep"):
                 last = _last_log_line(engine)
                 logger.info(
                     "%s: %s for %.0f s%s",
@@ -123,9 +123,9 @@ class StartupProgress:
                 min_width=width if column != "LOG" else None,
                 max_width=width,
             )
-        styles = {"ready": "green", "failed": "bold red", "restarting": "yellow"}
+        styles = {"ready": "green", "asleep": "blue", "failed": "bold red", "restarting": "yellow"}
         for name, engine in self._engines.items():
-            state = str(engine.state.value)
+            state = engine.shown_state
             elapsed = engine.ready_after_s if engine.ready_after_s is not None else time.monotonic() - engine.started_at
             table.add_row(
                 printable(name),

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from kvcached.serve.metrics import ServeMetrics
 from kvcached.serve.request_body import MAX_BODY_BYTES, BadBody, model_of, read_body
+from kvcached.serve.sleep_manager import WakeRefused
 from kvcached.serve.upstreams import DEFAULT_LIMITS, UpstreamLimits, Upstreams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 ENDPOINTS = ("GET /v1/models", *(f"POST {path}" for path in ROUTED_PATHS), "GET /health", "GET /metrics")
 RETRY_AFTER_S = 5
+# Wakes a request waits through when its model is put to sleep again each time before it is claimed.
+WAKE_ATTEMPTS = 3
 # Headers that belong to one connection, not to the request or response passed on.
 _HOP_BY_HOP = frozenset(
     (
@@ -108,8 +111,10 @@ class Router:
         metrics: ServeMetrics,
         limits: UpstreamLimits = DEFAULT_LIMITS,
         max_body_bytes: int = MAX_BODY_BYTES,
+        sleep: Any = None,
     ) -> None:
         self.max_body_bytes = max_body_bytes
+        self.sleep = sleep  # the SleepManager where models may sleep, else None
         self.routes = routes
         self.model_names = model_names
         self.metrics = metrics
@@ -124,15 +129,22 @@ class Router:
         return {"object": "list", "data": data}
 
     def health(self) -> JSONResponse:
-        """200 while every model is ready, else 503; the body gives each model's state."""
+        """200 while every model's engine is ready (awake or asleep: a request wakes it), else 503; the
+        body gives each model's state ("ready", or "asleep", "waking", "falling asleep")."""
         states = {name: _state_text(self.routes.route(name).state) for name in self.model_names}  # type: ignore[union-attr]
         ready = all(state == "ready" for state in states.values())
+        if self.sleep is not None:
+            for name, state in states.items():
+                sleep_state = self.sleep.state(name).value
+                if state == "ready" and sleep_state != "awake":
+                    states[name] = sleep_state
         return JSONResponse(
             {"status": "ok" if ready else "degraded", "models": states}, status_code=200 if ready else 503
         )
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Passes one OpenAI request to its model's engine and the answer back."""
+        """Passes one OpenAI request to its model's engine and the answer back (a sleeping model is
+        woken first: the request waits for it)."""
         started = time.monotonic()
         try:
             body = await read_body(request, self.max_body_bytes)
@@ -144,10 +156,48 @@ class Router:
             message = f"The model `{model}` does not exist. Served models: {', '.join(self.model_names)}."
             self.metrics.request_done(model, path, 404, started, known=False)
             return openai_error(404, message, "NotFoundError", "model_not_found", "model")
-        url = route.url
-        if url is None:
+        if route.url is None:
             self.metrics.request_done(model, path, 503, started)
             return self._unavailable(model, route)
+        woken = False
+        if self.sleep is not None and not self.sleep.claim(model):
+            refused = await self._wake(model)
+            if refused is not None:
+                self.metrics.request_done(model, path, 503, started)
+                return refused
+            woken = True
+        finished = (lambda: self.sleep.done(model)) if self.sleep is not None else (lambda: None)
+        url = route.url
+        if url is None:  # the engine died while the request waited
+            finished()
+            self.metrics.request_done(model, path, 503, started)
+            return self._unavailable(model, route)
+        return await self._pass_on(request, body, model, path, url, started, woken, finished)
+
+    async def _wake(self, model: str) -> Optional[JSONResponse]:
+        """Waits until ``model`` is awake and claims it for this request; the 503 to send if it cannot be."""
+        for _ in range(WAKE_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.sleep.wake_for_request, model)
+            except WakeRefused as refused:
+                return openai_error(503, f"{refused}.", "ServiceUnavailableError", "model_cannot_wake", "model")
+            if self.sleep.claim(model):
+                return None
+        message = f"The model `{model}` was put to sleep again while this request waited for it; retry."
+        return openai_error(503, message, "ServiceUnavailableError", "model_cannot_wake", "model")
+
+    async def _pass_on(
+        self,
+        request: Request,
+        body: bytes,
+        model: str,
+        path: str,
+        url: str,
+        started: float,
+        woken: bool,
+        finished: Callable[[], None],
+    ) -> Response:
+        """Sends the request to the engine at ``url`` and relays its answer; ``finished`` once it ends."""
         client = self.upstreams.client(model)
         upstream = client.build_request("POST", url + path, content=body, headers=_passed_headers(request.headers))
         sending = asyncio.ensure_future(client.send(upstream, stream=True))
@@ -156,30 +206,38 @@ class Router:
         gone.cancel()  # a streaming response watches for the disconnect itself from here
         if not sending.done():
             sending.cancel()  # closes the connection: the engine aborts the request
+            finished()
             self.metrics.request_done(model, path, CLIENT_CLOSED_REQUEST, started)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         try:
             answer = sending.result()
         except httpx.PoolTimeout:
+            finished()
             self.metrics.request_done(model, path, 503, started)
             return self._busy(model)
         except httpx.HTTPError as exc:
             logger.warning("%s: engine did not answer %s: %s", model, path, str(exc) or type(exc).__name__)
+            finished()
             self.metrics.request_done(model, path, 503, started)
             return self._unreachable(model)
+        if woken:
+            self.metrics.request_waited_for_wake(model, started)
         headers = _passed_headers(answer.headers)
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(
-                self._relay(answer, model, path, started), status_code=answer.status_code, headers=headers
+                self._relay(answer, model, path, started, finished), status_code=answer.status_code, headers=headers
             )
         try:
             content = b"".join([chunk async for chunk in answer.aiter_raw()])
         finally:
             await answer.aclose()
+            finished()
         self.metrics.request_done(model, path, answer.status_code, started)
         return Response(content, status_code=answer.status_code, headers=headers)
 
-    async def _relay(self, answer: httpx.Response, model: str, path: str, started: float) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, answer: httpx.Response, model: str, path: str, started: float, finished: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
         status = answer.status_code
         try:
             async for chunk in answer.aiter_raw():
@@ -192,6 +250,7 @@ class Router:
             raise
         finally:
             await answer.aclose()
+            finished()
             self.metrics.request_done(model, path, status, started)
 
     def _busy(self, model: str) -> JSONResponse:
@@ -219,10 +278,11 @@ def create_app(
     metrics: ServeMetrics,
     limits: UpstreamLimits = DEFAULT_LIMITS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    sleep: Any = None,
 ) -> FastAPI:
     """The FastAPI app: ``/v1/models``, the routed ``/v1/*`` endpoints, ``/health`` and ``/metrics``;
     every error the router answers itself (unknown path, wrong method, a fault) in the OpenAI shape."""
-    router = Router(routes, model_names, metrics, limits, max_body_bytes)
+    router = Router(routes, model_names, metrics, limits, max_body_bytes, sleep)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -7,6 +7,7 @@ stop every engine's process group and leave no registry entry behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
@@ -24,6 +25,7 @@ from kvcached.serve.memory import DeviceMemory
 from kvcached.serve.metrics import ServeMetrics
 from kvcached.serve.progress import StartupProgress
 from kvcached.serve.router import create_app
+from kvcached.serve.sleep_manager import SleepManager
 from kvcached.serve.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,21 @@ class _StopRequest:
             signal.signal(signum, handler)  # type: ignore[arg-type]
 
 
+def _sleep_manager(
+    config: ServeConfig, memory: DeviceMemory, supervisor: Supervisor, metrics: ServeMetrics
+) -> Optional[SleepManager]:
+    """Where models may sleep: the manager that decides who is awake, hooked to every engine."""
+    if not config.can_sleep:
+        return None
+    sleep = SleepManager(config, memory, supervisor.engines, on_wake=metrics.woke, on_sleep=metrics.slept)
+    for name, engine in supervisor.engines.items():
+        engine.before_launch = functools.partial(sleep.before_launch, name)
+        engine.on_ready = functools.partial(sleep.engine_ready, name)
+        engine.sleep_state = functools.partial(lambda model: sleep.state(model).value, name)
+    metrics.watch_sleep(sleep)
+    return sleep
+
+
 def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optional[bool] = None) -> int:
     """Serves ``config`` until SIGINT or SIGTERM; 0 after a clean stop. Raises :class:`ServeError`
     (every engine already stopped) when the engines cannot all be started."""
@@ -74,6 +91,7 @@ def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optio
     memory = DeviceMemory(config)
     supervisor = Supervisor(config, memory, logs)
     metrics = ServeMetrics(list(config.models), memory, supervisor.engines)
+    sleep = _sleep_manager(config, memory, supervisor, metrics)
     with _StopRequest() as stop:
         try:
             logger.info("engine logs in %s", logs)
@@ -85,7 +103,9 @@ def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optio
                     return 0
                 raise ServeError(f"engines could not all be started: {problem}")
             metrics.start_sampling()
-            app = create_app(supervisor, [spec.name for spec in config.models], metrics)
+            if sleep is not None:
+                sleep.start()
+            app = create_app(supervisor, [spec.name for spec in config.models], metrics, sleep=sleep)
             server = uvicorn.Server(
                 uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
             )
@@ -96,6 +116,8 @@ def run(config: ServeConfig, log_dir: Optional[str] = None, live_progress: Optio
             return 0
         finally:
             metrics.stop_sampling()
+            if sleep is not None:
+                sleep.stop()
             supervisor.stop()
             memory.restore_budget()
             sock.close()

@@ -16,6 +16,19 @@ from kvcached.registry import MemoryPolicy
 # A tiny random model starts in under a minute on a CPU; a 70B model from a slow disk can take many.
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
+# How long a request for a sleeping model waits for it to wake (models put to sleep first, a level-2
+# model's weights loaded again) before it is answered 503.
+DEFAULT_WAKE_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SleepPolicy:
+    """A model that may sleep while idle: ``level`` 1 keeps its weights in host memory, 2 discards
+    them (loaded again from the model on wake); with ``idle_s`` it sleeps on its own after that many
+    idle seconds, else only when another model needs its memory."""
+
+    level: int = 1
+    idle_s: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +44,7 @@ class ModelSpec:
     python_written: str = ""  # ``python`` as the config wrote it, for messages (``python`` is absolute)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     memory: MemoryPolicy = MemoryPolicy()
+    sleep: Optional[SleepPolicy] = None  # None: never put to sleep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +73,25 @@ class ServeConfig:
     log_dir: Optional[str] = None
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    wake_timeout_s: float = DEFAULT_WAKE_TIMEOUT_S
     restart: RestartPolicy = RestartPolicy()
+
+    @property
+    def can_sleep(self) -> bool:
+        """Whether any model may be put to sleep (serve then starts the models in turn)."""
+        return any(spec.sleep is not None for spec in self.models)
 
     def model(self, name: str) -> Optional[ModelSpec]:
         """The model clients call ``name``, or None."""
         return next((spec for spec in self.models if spec.name == name), None)
 
 
-__all__ = ["DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOP_TIMEOUT_S", "ModelSpec", "RestartPolicy", "ServeConfig"]
+__all__ = [
+    "DEFAULT_STARTUP_TIMEOUT_S",
+    "DEFAULT_STOP_TIMEOUT_S",
+    "DEFAULT_WAKE_TIMEOUT_S",
+    "ModelSpec",
+    "RestartPolicy",
+    "ServeConfig",
+    "SleepPolicy",
+]

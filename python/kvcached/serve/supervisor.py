@@ -71,11 +71,37 @@ class Engine:
         self.crashes = 0
         self.failure: Optional[str] = None
         self.ever_ready = False
+        # Set by the sleep manager where models may sleep: room made before each launch, and the
+        # fresh (awake) engine reported once it answers.
+        self.before_launch: Callable[[], None] = lambda: None
+        self.on_ready: Callable[[], None] = lambda: None
+        self.sleep_state: Callable[[], str] = lambda: "awake"
 
     @property
     def url(self) -> Optional[str]:
         """The engine's base URL while it is ready, else None."""
-        return f"http://{ENGINE_HOST}:{self.port}" if self.state is EngineState.READY else None
+        return self.base_url if self.state is EngineState.READY else None
+
+    @property
+    def base_url(self) -> str:
+        """The engine's base URL (of its current launch), whatever its state."""
+        return f"http://{ENGINE_HOST}:{self.port}"
+
+    @property
+    def shown_state(self) -> str:
+        """The state people see: the engine's, a ready model's sleep state instead of "ready" when it
+        is not awake ("asleep", "waking", ...), and "waiting" for one started in turn, not yet launched."""
+        if not self.launched and self.state is EngineState.STARTING:
+            return "waiting"
+        if self.state is EngineState.READY:
+            sleep_state = self.sleep_state()
+            return "ready" if sleep_state == "awake" else sleep_state
+        return self.state.value
+
+    @property
+    def launched(self) -> bool:
+        """Whether :meth:`start` was called (models that may sleep are started in turn)."""
+        return self._thread is not None
 
     @property
     def pid(self) -> Optional[int]:
@@ -84,8 +110,9 @@ class Engine:
 
     def start(self) -> None:
         """Starts the engine's thread (which launches the engine at once)."""
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.spec.name}", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name=f"engine-{self.spec.name}", daemon=True)
+        thread.start()
+        self._thread = thread  # launched from here on: seen alive until it ends
 
     def stop(self) -> None:
         """Stops the engine's whole process group and its thread; reclaims its registry entries."""
@@ -206,6 +233,7 @@ class Engine:
     def _run_once(self) -> tuple[Optional[str], float]:
         """Launches the engine and follows it to its end: why it never got ready (None: it was ready,
         then exited) and how long it served."""
+        self.before_launch()
         with self._lock:
             if self._stopping.is_set():
                 return None, 0.0
@@ -224,6 +252,7 @@ class Engine:
             self.ready_after_s = time.monotonic() - self.started_at
             self.state, self.ever_ready = EngineState.READY, True
             logger.info("%s: ready after %.1f s", self.spec.name, self.ready_after_s)
+            self.on_ready()
             process.wait()
             if self._stopping.is_set():
                 return None, 0.0
@@ -252,24 +281,43 @@ def _exit_text(returncode: Optional[int]) -> str:
 
 
 class Supervisor:
-    """Every model's :class:`Engine`, started together and stopped together."""
+    """Every model's :class:`Engine`, started together (or in turn, where models may sleep) and stopped together."""
 
     def __init__(self, config: ServeConfig, memory: DeviceMemory, log_dir: Path) -> None:
         self.config = config
         self.engines = {
             spec.name: Engine(spec, config, memory, log_dir / log_file_name(spec.name)) for spec in config.models
         }
+        self._stopping = threading.Event()
 
     def start(self) -> None:
+        """Starts every engine: all at once, or, where models may sleep, each once the one before
+        answers, so that room can be made for it by putting earlier ones to sleep (the engines'
+        ``before_launch``) — the models' weights may add up to more than the budget."""
+        if not self.config.can_sleep:
+            for engine in self.engines.values():
+                engine.start()
+            return
+        threading.Thread(target=self._start_in_turn, name="serve-start-in-turn", daemon=True).start()
+
+    def _start_in_turn(self) -> None:
         for engine in self.engines.values():
+            if self._stopping.is_set():
+                return
             engine.start()
+            while engine.state not in (EngineState.READY, EngineState.FAILED) and engine.thread_alive:
+                if self._stopping.wait(READY_POLL_S):
+                    return
+            if engine.state is not EngineState.READY:
+                return  # the start fails (wait_ready says why); the rest are never launched
 
     def wait_ready(self, should_stop: Callable[[], bool], on_tick: Callable[[], None] = lambda: None) -> Optional[str]:
         """Waits until every engine is ready; None then, else why not (a failure, or a stop request).
 
         Each engine applies ``startup_timeout_s`` to itself; this wait applies it too, to all of
         them, and notices an engine whose thread ended without a verdict, so it always ends."""
-        deadline = time.monotonic() + self.config.startup_timeout_s + STARTUP_SLACK_S
+        in_turn = len(self.engines) if self.config.can_sleep else 1
+        deadline = time.monotonic() + self.config.startup_timeout_s * in_turn + STARTUP_SLACK_S
         while True:
             on_tick()
             failed = [e.failure for e in self.engines.values() if e.state is EngineState.FAILED]
@@ -280,7 +328,9 @@ class Supervisor:
             waiting = [e for e in self.engines.values() if e.state is not EngineState.READY]
             if not waiting:
                 return None
-            ended = [e.spec.name for e in waiting if not e.thread_alive and e.state is not EngineState.FAILED]
+            ended = [
+                e.spec.name for e in waiting if e.launched and not e.thread_alive and e.state is not EngineState.FAILED
+            ]
             if ended:
                 return f"{', '.join(ended)}: the engine's supervision ended before it was ready"
             if time.monotonic() > deadline:
@@ -294,6 +344,7 @@ class Supervisor:
 
     def stop(self) -> None:
         """Stops every engine at once (SIGTERM to every group, then SIGKILL after stop_timeout_s)."""
+        self._stopping.set()  # no further engine is started in turn
         threads = [threading.Thread(target=engine.stop) for engine in self.engines.values()]
         for thread in threads:
             thread.start()

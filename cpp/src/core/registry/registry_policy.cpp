@@ -53,7 +53,9 @@ RoomTerms room_terms(const Layout& layout, std::size_t slot, std::int64_t now_ns
     const EntryRecord& entry = layout.entries[other];
     if (!slot_active(entry)) continue;
     const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
-    const std::size_t claim = other == slot ? 0 : saturating_sub(min_of(entry), mapped);
+    // A sleeping instance claims nothing until it wakes (its wake is a request like any other).
+    const bool asleep = entry.sleeping.load(std::memory_order_relaxed) != 0;
+    const std::size_t claim = other == slot || asleep ? 0 : saturating_sub(min_of(entry), mapped);
     if (__builtin_add_overflow(guaranteed, held_bytes(entry), &guaranteed) ||
         __builtin_add_overflow(guaranteed, claim, &guaranteed)) {
       return {};

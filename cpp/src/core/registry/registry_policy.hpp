@@ -42,8 +42,8 @@ inline std::int64_t priority_of(const EntryRecord& entry) noexcept {
 }
 
 // What `slot` may take now: the budget less every held byte (KV and weights), less what the other
-// instances' min may still claim, less what higher-priority instances were recently
-// refused, though never less than what remains of its own min (a guarantee outranks a
+// instances' min may still claim (a sleeping instance's claims nothing: docs/sleep.md), less what higher-priority
+// instances were recently refused, though never less than what remains of its own min (a guarantee outranks a
 // priority). Saturates at 0 (and at "no room" for a table whose sums overflow).
 std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept;
 
