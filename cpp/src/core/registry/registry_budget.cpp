@@ -73,7 +73,7 @@ bool RegistryBudget::take(std::size_t bytes, bool record_refusal) {
     }
   }
   if (!granted) {
-    segment_->check_table();  // refused because an entry lies? Say so instead.
+    segment_->check_table_locked();  // refused because an entry lies? Say so instead.
     // Only a device-wide refusal is pressure on others; one's own limit is not.
     if (record_refusal) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
     lock.confirm();

@@ -69,6 +69,7 @@ std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRe
   const std::uint64_t requester_slot = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
   if (requester_slot >= kRegistryCapacity) return std::nullopt;
   const EntryRecord& requester = layout.entries[requester_slot];
+  if (&requester == &entry) return std::nullopt;  // nobody asks itself (a lie: table_contradiction)
   if (!owns_entry(requester, entry.reclaim_requester_id.load(std::memory_order_relaxed))) return std::nullopt;
   if (!refused_recently(requester, now_ns)) return std::nullopt;
   if (priority_of(requester) <= priority_of(entry)) return std::nullopt;  // priorities changed since

@@ -29,10 +29,6 @@
 
 namespace kvcached::registry_detail {
 
-// Priorities are stored as 64-bit, accepted as 32-bit: room to grow, none to overflow.
-inline constexpr std::int64_t kMinPriority = INT32_MIN;
-inline constexpr std::int64_t kMaxPriority = INT32_MAX;
-
 inline std::size_t min_of(const EntryRecord& entry) noexcept {
   return static_cast<std::size_t>(entry.min_bytes.load(std::memory_order_relaxed));
 }
