@@ -77,9 +77,9 @@ def child_idle_low(pages: int, ready, stop, results) -> None:
     pool.close()
 
 
-def child_busy_low(pages: int, min_pages: int, ready, stop, results) -> None:
-    """Holds `pages` of blocks in use; while over the limit in force, preempts a page's worth."""
-    budget = DeviceRegistry(DEVICE).register("busy-low", min_bytes=min_pages * PAGE_BYTES, priority=0)
+def child_busy_low(pages: int, min_pages: int, ready, stop, results, *, priority: int = 0, step_s: float = 0.005):
+    """Holds `pages` of blocks in use; while over the limit in force, preempts a page's worth a step."""
+    budget = DeviceRegistry(DEVICE).register("busy-low", min_bytes=min_pages * PAGE_BYTES, priority=priority)
     pool = make_pool(budget)
     held = pool.alloc(pages * BLOCKS_PER_PAGE).tolist()
     ready.set()
@@ -92,9 +92,14 @@ def child_busy_low(pages: int, min_pages: int, ready, stop, results) -> None:
             del held[-BLOCKS_PER_PAGE:]
             preempted += 1
         lowest_mapped = min(lowest_mapped, budget.mapped_bytes)
-        time.sleep(0.005)
+        time.sleep(step_s)
     results.put((lowest_mapped, preempted, len(held) // BLOCKS_PER_PAGE))
     pool.close()
+
+
+def child_busy_high(pages: int, ready, stop, results) -> None:
+    """A busy holder of priority 5 and no min."""
+    child_busy_low(pages, 0, ready, stop, results, priority=5)
 
 
 def child_greedy(priority: int, ready, stop, results) -> None:
@@ -202,3 +207,25 @@ def test_a_busy_lower_priority_shrinks_to_what_is_asked_never_below_its_min_and_
         lowest_mapped, preempted, kept_pages = finish(process, stop, results)
     assert lowest_mapped == min_pages * PAGE_BYTES and kept_pages == min_pages
     assert preempted == BUDGET_PAGES - min_pages
+
+
+def test_a_min_registered_while_a_busy_higher_priority_holds_everything_is_claimed_from_it():
+    registry = DeviceRegistry(DEVICE, BUDGET_PAGES * PAGE_BYTES)
+    process, stop, results = start(child_busy_high, BUDGET_PAGES)
+    min_pages = 6
+    try:
+        late = registry.register("late", min_bytes=min_pages * PAGE_BYTES, priority=0)  # accepted: the mins fit
+        pool = make_pool(late)
+        began = time.monotonic()
+        blocks = pool.alloc(min_pages * BLOCKS_PER_PAGE, timeout_s=CHILD_TIMEOUT_S)
+        waited_s = time.monotonic() - began
+        assert waited_s < PROMPT_S, f"a min is there to be claimed ({waited_s:.2f} s)"
+        assert low_entry(registry, "busy-low")["reclaim_target_bytes"] is None, "the claim ends at the min"
+        with pytest.raises(kvcached.OutOfMemoryError):
+            pool.alloc(BLOCKS_PER_PAGE, timeout_s=0.3)  # beyond its min a higher priority owes it nothing
+        pool.free(blocks)
+        pool.close()
+    finally:
+        lowest_mapped, preempted, kept_pages = finish(process, stop, results)
+    assert lowest_mapped == (BUDGET_PAGES - min_pages) * PAGE_BYTES, "it gave what the min is owed, no more"
+    assert preempted == min_pages

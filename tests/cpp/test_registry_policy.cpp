@@ -208,6 +208,62 @@ void test_a_dead_instance_keeps_no_guarantee() {
   CHECK(registry->budget_bytes() == 50 * kMiB && !guaranteed->registered());
 }
 
+// A min accepted while others hold the whole budget is there to be claimed: whoever holds
+// it, whatever its priority, is asked to give back what the min is owed.
+void test_a_min_is_claimed_from_a_higher_priority_holding_everything() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto holder = registry->register_instance("holder", std::nullopt, policy(0, 5));
+  CHECK(holder->try_acquire(64 * kMiB));
+  holder->report_usage(64 * kMiB, 64 * kMiB);                                           // busy: nothing free
+  auto late = registry->register_instance("late", std::nullopt, policy(32 * kMiB, 0));  // accepted
+  CHECK(!late->try_acquire(2 * kMiB));
+  CHECK(holder->reclaim_target_bytes() == 62 * kMiB);  // what the min lacks now, no more
+  CHECK(!late->try_acquire(40 * kMiB));                // beyond its min: a higher priority owes it only the min
+  CHECK(holder->reclaim_target_bytes() == 32 * kMiB);
+  holder->release(32 * kMiB);
+  CHECK(!holder->try_acquire(2 * kMiB));  // what it gave back is the min's, not its to take again
+  CHECK(late->try_acquire(32 * kMiB));
+  CHECK(!holder->reclaim_target_bytes());                                  // the min is reached: the claim ends
+  CHECK(!late->try_acquire(2 * kMiB) && !holder->reclaim_target_bytes());  // beyond it, no claim
+  late->release(32 * kMiB);
+  holder->release(32 * kMiB);
+}
+
+void test_a_min_claim_leaves_the_asked_their_own_min() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto first = registry->register_instance("first", std::nullopt, policy(24 * kMiB, 5));
+  auto second = registry->register_instance("second", std::nullopt, policy(0, 5));
+  CHECK(first->try_acquire(48 * kMiB) && second->try_acquire(16 * kMiB));
+  first->report_usage(48 * kMiB, 48 * kMiB);
+  second->report_usage(16 * kMiB, 16 * kMiB);
+  auto late = registry->register_instance("late", std::nullopt, policy(32 * kMiB, 0));
+  CHECK(!late->try_acquire(32 * kMiB));
+  const std::size_t first_target = first->reclaim_target_bytes().value_or(48 * kMiB);
+  const std::size_t second_target = second->reclaim_target_bytes().value_or(16 * kMiB);
+  CHECK(first_target >= 24 * kMiB);                                              // never below its own min
+  CHECK((48 * kMiB - first_target) + (16 * kMiB - second_target) == 32 * kMiB);  // the min, no more
+  first->release(48 * kMiB);
+  second->release(16 * kMiB);
+}
+
+// Lower priorities give first, for the whole deficit; equal or higher ones only what the
+// requester's min is still owed beyond that.
+void test_a_min_claim_asks_lower_priorities_first() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  auto lowest = registry->register_instance("lowest", std::nullopt, policy(0, -1));
+  CHECK(high->try_acquire(52 * kMiB) && lowest->try_acquire(12 * kMiB));
+  high->report_usage(52 * kMiB, 52 * kMiB);
+  lowest->report_usage(12 * kMiB, 12 * kMiB);
+  auto late = registry->register_instance("late", std::nullopt, policy(16 * kMiB, 0));
+  CHECK(!late->try_acquire(16 * kMiB));
+  CHECK(lowest->reclaim_target_bytes() == 0 && high->reclaim_target_bytes() == 48 * kMiB);
+  CHECK(!late->try_acquire(24 * kMiB));  // beyond its min: the higher priority still owes only the min
+  CHECK(lowest->reclaim_target_bytes() == 0 && high->reclaim_target_bytes() == 48 * kMiB);
+  high->release(52 * kMiB);
+  lowest->release(12 * kMiB);
+}
+
 }  // namespace
 
 int main() {
@@ -223,6 +279,9 @@ int main() {
   test_a_reserve_refill_is_no_demand();
   test_a_dead_requester_leaves_no_shrink_in_force();
   test_a_dead_instance_keeps_no_guarantee();
+  test_a_min_is_claimed_from_a_higher_priority_holding_everything();
+  test_a_min_claim_leaves_the_asked_their_own_min();
+  test_a_min_claim_asks_lower_priorities_first();
   const std::string cleanup = std::string("rm -rf ") + directory;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", directory);
   return kvcached_test::summary();

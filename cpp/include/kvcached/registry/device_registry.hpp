@@ -171,8 +171,9 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // higher-priority instances were just refused, is set aside. When refused,
   // dead processes' entries are reclaimed (at most every kStaleScanInterval)
   // and the request is retried once; still refused, the refusal is recorded
-  // (pressure) and lower-priority instances are asked to shrink (reclaim
-  // targets, docs/memory-policy.md). Throws
+  // (pressure) and lower-priority instances are asked to shrink, as are the
+  // others for what this instance's min is still owed (reclaim targets,
+  // docs/memory-policy.md). Throws
   // BackendUnavailable once the entry is gone and RegistryUnusable once the
   // file is no longer this registry.
   bool try_acquire(std::size_t bytes) override;

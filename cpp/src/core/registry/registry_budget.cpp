@@ -182,7 +182,12 @@ void RegistryBudget::record_refusal_locked(EntryRecord& entry, std::size_t bytes
   entry.wanted_bytes.store(registry_detail::plausible_bytes(recorded), std::memory_order_relaxed);
   entry.wanted_at_ns.store(now, std::memory_order_relaxed);
   const std::size_t room = registry_detail::room_for(layout, slot_, now);
-  registry_detail::ask_lower_priority_to_shrink(layout, slot_, saturating_sub(bytes, room), now);
+  const std::size_t deficit = saturating_sub(bytes, room);
+  // Below its min, what the min still lacks may be asked of anyone (docs/memory-policy.md).
+  const std::size_t unclaimed_min =
+      saturating_sub(registry_detail::min_of(entry), entry.mapped_bytes.load(std::memory_order_relaxed));
+  const registry_detail::ReclaimRequest request{deficit, std::min(deficit, saturating_sub(unclaimed_min, room))};
+  registry_detail::ask_others_to_shrink(layout, slot_, request, now);
 }
 
 void RegistryBudget::want(std::size_t bytes) noexcept {

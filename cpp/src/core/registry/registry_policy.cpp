@@ -23,6 +23,11 @@ std::string bytes_text(std::size_t bytes) {
   return std::to_string(bytes) + " bytes (" + std::to_string(bytes >> 20) + " MiB)";
 }
 
+// Below its min: what it is owed may be claimed from anyone (docs/memory-policy.md).
+bool below_min(const EntryRecord& entry) noexcept {
+  return entry.mapped_bytes.load(std::memory_order_relaxed) < min_of(entry);
+}
+
 struct Candidate {
   std::size_t slot;
   std::int64_t priority;
@@ -31,6 +36,25 @@ struct Candidate {
   std::size_t surplus;  // above its min
   std::size_t take = 0;
 };
+
+// Spreads `bytes` over the candidates, never beyond one's surplus: memory nobody uses
+// first (an idle holder's), from all of them, then used memory, lowest priority first.
+// Returns how much of it they cover.
+std::size_t share_out(std::vector<Candidate>& candidates, std::size_t bytes) {
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.priority != b.priority ? a.priority < b.priority : a.free > b.free;
+  });
+  std::size_t remaining = bytes;
+  for (Candidate& c : candidates) {
+    const std::size_t take = std::min(c.free, remaining);
+    c.take += take, remaining -= take;
+  }
+  for (Candidate& c : candidates) {
+    const std::size_t take = std::min(c.surplus - c.take, remaining);
+    c.take += take, remaining -= take;
+  }
+  return bytes - remaining;
+}
 
 }  // namespace
 
@@ -72,57 +96,51 @@ std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRe
   if (&requester == &entry) return std::nullopt;  // nobody asks itself (a lie: table_contradiction)
   if (!owns_entry(requester, entry.reclaim_requester_id.load(std::memory_order_relaxed))) return std::nullopt;
   if (!refused_recently(requester, now_ns)) return std::nullopt;
-  if (priority_of(requester) <= priority_of(entry)) return std::nullopt;  // priorities changed since
+  // Priorities or mins changed since, or the requester reached its min: no claim is left.
+  const bool outranks = priority_of(requester) > priority_of(entry);
+  if (!outranks && !below_min(requester)) return std::nullopt;
   return std::max<std::size_t>(target, min_of(entry));
 }
 
-std::size_t ask_lower_priority_to_shrink(Layout& layout, std::size_t requester_slot, std::size_t deficit_bytes,
-                                         std::int64_t now_ns) noexcept {
+std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, const ReclaimRequest& request,
+                                 std::int64_t now_ns) noexcept {
   const EntryRecord& requester = layout.entries[requester_slot];
   const std::int64_t requester_priority = priority_of(requester);
-  std::vector<Candidate> candidates;
+  std::vector<Candidate> lower, others;  // others: equal or higher priority, asked for a min only
   try {
     for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
       const EntryRecord& entry = layout.entries[slot];
-      if (slot == requester_slot || !slot_active(entry) || priority_of(entry) >= requester_priority) continue;
+      if (slot == requester_slot || !slot_active(entry)) continue;
       const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
       const std::size_t surplus = saturating_sub(mapped, min_of(entry));
       if (surplus == 0) continue;
       const std::size_t free = saturating_sub(entry.reported_mapped_bytes.load(std::memory_order_relaxed),
                                               entry.used_bytes.load(std::memory_order_relaxed));
-      candidates.push_back({slot, priority_of(entry), mapped, std::min(free, surplus), surplus});
+      const Candidate candidate{slot, priority_of(entry), mapped, std::min(free, surplus), surplus};
+      (candidate.priority < requester_priority ? lower : others).push_back(candidate);
     }
   } catch (...) {
-    return 0;  // no memory for the list: the refusal stands as plain pressure
+    return 0;  // no memory for the lists: the refusal stands as plain pressure
   }
-  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-    return a.priority != b.priority ? a.priority < b.priority : a.free > b.free;
-  });
-  std::size_t remaining = deficit_bytes;
-  // Memory nobody uses first (an idle holder's), from every lower priority; then used
-  // memory, lowest priority first.
-  for (Candidate& c : candidates) {
-    const std::size_t take = std::min(c.free, remaining);
-    c.take += take, remaining -= take;
-  }
-  for (Candidate& c : candidates) {
-    const std::size_t take = std::min(c.surplus - c.take, remaining);
-    c.take += take, remaining -= take;
-  }
+  const std::size_t from_lower = share_out(lower, request.deficit_bytes);
+  const std::size_t owed = saturating_sub(std::min(request.guaranteed_bytes, request.deficit_bytes), from_lower);
+  const std::size_t from_others = share_out(others, owed);
   const std::uint64_t requester_id = requester.instance_id.load(std::memory_order_relaxed);
-  for (const Candidate& c : candidates) {
-    if (c.take == 0) continue;
-    EntryRecord& entry = layout.entries[c.slot];
-    const std::size_t target = c.mapped - c.take;
-    const auto in_force = reclaim_target_of(layout, entry, now_ns);
-    if (in_force && *in_force <= target) continue;  // a tighter shrink is already asked for
-    // Requester first, target last: a lock-free reader never pairs a new target with
-    // an old requester for long, and both are checked again on every read.
-    entry.reclaim_requester_slot.store(requester_slot, std::memory_order_relaxed);
-    entry.reclaim_requester_id.store(requester_id, std::memory_order_relaxed);
-    entry.reclaim_target_bytes.store(target, std::memory_order_release);
+  for (const std::vector<Candidate>* group : {&lower, &others}) {
+    for (const Candidate& c : *group) {
+      if (c.take == 0) continue;
+      EntryRecord& entry = layout.entries[c.slot];
+      const std::size_t target = c.mapped - c.take;
+      const auto in_force = reclaim_target_of(layout, entry, now_ns);
+      if (in_force && *in_force <= target) continue;  // a tighter shrink is already asked for
+      // Requester first, target last: a lock-free reader never pairs a new target with
+      // an old requester for long, and both are checked again on every read.
+      entry.reclaim_requester_slot.store(requester_slot, std::memory_order_relaxed);
+      entry.reclaim_requester_id.store(requester_id, std::memory_order_relaxed);
+      entry.reclaim_target_bytes.store(target, std::memory_order_release);
+    }
   }
-  return deficit_bytes - remaining;
+  return from_lower + from_others;
 }
 
 std::size_t total_min_bytes(const Layout& layout) noexcept {
