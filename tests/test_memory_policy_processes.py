@@ -93,6 +93,7 @@ def child_busy_low(pages: int, min_pages: int, ready, stop, results, *, priority
             preempted += 1
         lowest_mapped = min(lowest_mapped, budget.mapped_bytes)
         time.sleep(step_s)
+    lowest_mapped = min(lowest_mapped, budget.mapped_bytes)  # a last free may have been unmapped since
     results.put((lowest_mapped, preempted, len(held) // BLOCKS_PER_PAGE))
     pool.close()
 
@@ -229,3 +230,23 @@ def test_a_min_registered_while_a_busy_higher_priority_holds_everything_is_claim
         lowest_mapped, preempted, kept_pages = finish(process, stop, results)
     assert lowest_mapped == (BUDGET_PAGES - min_pages) * PAGE_BYTES, "it gave what the min is owed, no more"
     assert preempted == min_pages
+
+
+def test_a_request_no_giving_back_could_meet_fails_at_once_and_asks_nobody():
+    registry = DeviceRegistry(DEVICE, BUDGET_PAGES * PAGE_BYTES)
+    min_pages = 4
+    process, stop, results = start(child_busy_low, BUDGET_PAGES, min_pages)
+    try:
+        pool = make_pool(registry.register("high", priority=5))
+        for pages in (BUDGET_PAGES + 1, BUDGET_PAGES - min_pages + 1):  # the budget; the budget less the min
+            began = time.monotonic()
+            with pytest.raises(kvcached.OutOfMemoryError, match="could never grant more than 12 more page"):
+                pool.alloc(pages * BLOCKS_PER_PAGE, timeout_s=10.0)
+            assert time.monotonic() - began < PROMPT_S, "refused at once, not after its timeout"
+            entries = {entry["name"]: entry for entry in registry.entries()}
+            assert entries["high"]["wanted_bytes"] == 0 and entries["busy-low"]["reclaim_target_bytes"] is None
+        assert low_entry(registry, "busy-low")["mapped_bytes"] == BUDGET_PAGES * PAGE_BYTES
+        pool.close()
+    finally:
+        lowest_mapped, preempted, _ = finish(process, stop, results)
+    assert (lowest_mapped, preempted) == (BUDGET_PAGES * PAGE_BYTES, 0), "nobody was asked to shrink"

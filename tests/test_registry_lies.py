@@ -222,7 +222,8 @@ def test_nothing_kvcached_writes_for_the_policy_is_taken_for_a_lie():
     low = registry.register("low", min_bytes=2 * PAGE_BYTES, limit_bytes=6 * PAGE_BYTES, priority=-(2**31))
     high = registry.register("high", min_bytes=2 * PAGE_BYTES, priority=2**31 - 1)
     assert low.try_acquire(6 * PAGE_BYTES)
-    assert not high.try_acquire(4 * PAGE_BYTES)  # recorded, and a reclaim target on low
+    assert not high.try_acquire(8 * PAGE_BYTES)  # beyond reach: no trace
+    assert not high.try_acquire(4 * PAGE_BYTES)  # recorded now, and a reclaim target on low
     high.want(4 * PAGE_BYTES)
     assert low.reclaim_target_bytes == 4 * PAGE_BYTES
     registry.budget_bytes = 4 * PAGE_BYTES  # below what is mapped, but not below the mins

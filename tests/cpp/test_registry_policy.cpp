@@ -264,6 +264,33 @@ void test_a_min_claim_asks_lower_priorities_first() {
   lowest->release(12 * kMiB);
 }
 
+// A request no giving back could meet (beyond the budget less the others' mins, or beyond
+// its own max) is refused without a trace: no pressure, no reclaim target.
+void test_a_request_beyond_reach_asks_nobody() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto guaranteed = registry->register_instance("guaranteed", std::nullopt, policy(16 * kMiB, 0));
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  auto capped = registry->register_instance("capped", std::nullopt, policy(0, 5, 40 * kMiB));
+  CHECK(low->try_acquire(48 * kMiB));
+  low->report_usage(48 * kMiB, 48 * kMiB);
+  CHECK(high->reachable_bytes() == 48 * kMiB && capped->reachable_bytes() == 40 * kMiB);
+  CHECK(low->reachable_bytes() == 0);
+  const std::pair<RegistryBudget*, std::size_t> beyond[] = {
+      {high.get(), 80 * kMiB},    // the whole budget
+      {high.get(), 49 * kMiB},    // the budget less the others' mins
+      {capped.get(), 41 * kMiB},  // its own max
+  };
+  for (const auto& [budget, bytes] : beyond) {
+    CHECK(!budget->try_acquire(bytes));
+    budget->want(bytes);
+    CHECK(!low->reclaim_target_bytes() && low->pressure_bytes() == 0 && guaranteed->pressure_bytes() == 0);
+  }
+  CHECK(!high->try_acquire(48 * kMiB));  // within reach: asked of the lower priority
+  CHECK(low->reclaim_target_bytes() == 0 && low->pressure_bytes() == 48 * kMiB);
+  low->release(48 * kMiB);
+}
+
 }  // namespace
 
 int main() {
@@ -282,6 +309,7 @@ int main() {
   test_a_min_is_claimed_from_a_higher_priority_holding_everything();
   test_a_min_claim_leaves_the_asked_their_own_min();
   test_a_min_claim_asks_lower_priorities_first();
+  test_a_request_beyond_reach_asks_nobody();
   const std::string cleanup = std::string("rm -rf ") + directory;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", directory);
   return kvcached_test::summary();

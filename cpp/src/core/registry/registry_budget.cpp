@@ -74,8 +74,10 @@ bool RegistryBudget::take(std::size_t bytes, bool record_refusal) {
   }
   if (!granted) {
     segment_->check_table_locked();  // refused because an entry lies? Say so instead.
-    // Only a device-wide refusal is pressure on others; one's own limit is not.
-    if (record_refusal) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
+    // Only a device-wide refusal is pressure on others; one's own limit is not, nor a
+    // request that nothing anybody gives back could ever meet.
+    const bool reachable = bytes <= saturating_sub(registry_detail::holding_ceiling(layout, slot_), own_mapped);
+    if (record_refusal && reachable) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
     lock.confirm();
     return false;
   }
@@ -122,6 +124,14 @@ void RegistryBudget::check_usable() const {
     throw BackendUnavailable("registry entry '" + name_ + "' in " + segment_->path() +
                              " is gone (reclaimed because its pid was judged dead); register again");
   }
+}
+
+std::optional<std::size_t> RegistryBudget::reachable_bytes() const {
+  const EntryRecord* entry = owned_entry();
+  if (entry == nullptr) return 0;
+  // Read without the lock, like available_bytes: a hint the locked try_acquire confirms.
+  return saturating_sub(registry_detail::holding_ceiling(segment_->layout(), slot_),
+                        entry->mapped_bytes.load(std::memory_order_relaxed));
 }
 
 std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
@@ -197,9 +207,10 @@ void RegistryBudget::want(std::size_t bytes) noexcept {
     EntryRecord* entry = owned_entry();
     if (entry == nullptr) return;
     const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
-    const auto limit = registry_detail::limit_of(*entry);
-    if (limit && bytes > saturating_sub(*limit, own_mapped)) return;  // nobody else can help
-    if (bytes <= registry_detail::room_for(segment_->layout(), slot_, registry_detail::monotonic_now_ns())) return;
+    const registry_detail::Layout& layout = segment_->layout();
+    // Its own max, or the budget less the others' mins, stands in the way: nobody can help.
+    if (bytes > saturating_sub(registry_detail::holding_ceiling(layout, slot_), own_mapped)) return;
+    if (bytes <= registry_detail::room_for(layout, slot_, registry_detail::monotonic_now_ns())) return;
     // A recent larger refusal stays what is wanted: this only says the wait goes on.
     record_refusal_locked(*entry, bytes, /*keep_larger=*/true);
   } catch (...) {

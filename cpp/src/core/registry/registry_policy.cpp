@@ -102,6 +102,19 @@ std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRe
   return std::max<std::size_t>(target, min_of(entry));
 }
 
+std::size_t holding_ceiling(const Layout& layout, std::size_t slot) noexcept {
+  std::size_t others_mins = 0;
+  for (std::size_t other = 0; other < kRegistryCapacity; ++other) {
+    const EntryRecord& entry = layout.entries[other];
+    if (other == slot || !slot_active(entry)) continue;
+    if (__builtin_add_overflow(others_mins, min_of(entry), &others_mins)) return 0;
+  }
+  const std::size_t budget = plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
+  const std::size_t ceiling = saturating_sub(budget, others_mins);
+  const auto limit = limit_of(layout.entries[slot]);
+  return limit ? std::min(ceiling, *limit) : ceiling;
+}
+
 std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, const ReclaimRequest& request,
                                  std::int64_t now_ns) noexcept {
   const EntryRecord& requester = layout.entries[requester_slot];

@@ -50,6 +50,11 @@ std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns
 std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,
                                              std::int64_t now_ns) noexcept;
 
+// The most `slot` could ever hold while the table stays as it is: its max, and the budget
+// less what every other instance is guaranteed (the sum of their mins). A request that
+// would take it beyond this waits for nothing: it is refused at once and asks nobody.
+std::size_t holding_ceiling(const Layout& layout, std::size_t slot) noexcept;
+
 // What `requester_slot` asks of others after being refused for want of `deficit_bytes`,
 // of which `guaranteed_bytes` (at most the deficit) it is owed by its min.
 struct ReclaimRequest {
