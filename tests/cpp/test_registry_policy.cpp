@@ -153,8 +153,8 @@ void test_a_target_lapses_when_the_requester_stops_or_outranks_no_more() {
   CHECK(!high->try_acquire(10 * kMiB));
   CHECK(low->reclaim_target_bytes() == 90 * kMiB);
   low->release(10 * kMiB);
-  CHECK(high->try_acquire(10 * kMiB));  // got what it wanted: nothing more is asked
-  CHECK(!low->reclaim_target_bytes() && !low->external_limit_bytes());
+  CHECK(high->try_acquire(10 * kMiB));  // it has what it asked for, and may ask again at its next step
+  CHECK(low->reclaim_target_bytes() == 90 * kMiB && low->external_limit_bytes() == 90 * kMiB);
   CHECK(!high->try_acquire(10 * kMiB) && low->reclaim_target_bytes() == 80 * kMiB);
   PolicyChange demote;
   demote.priority = -1;
@@ -291,6 +291,59 @@ void test_a_request_beyond_reach_asks_nobody() {
   low->release(48 * kMiB);
 }
 
+// A wait renewed with a smaller figure (an engine's step) keeps every holder asked for all
+// that is still missing, even once another requester's tighter target has lapsed.
+void test_a_renewed_wait_asks_for_all_that_is_still_missing() {
+  auto registry = fresh_registry(100 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto waiting = registry->register_instance("waiting", std::nullopt, policy(0, 5));
+  auto urgent = registry->register_instance("urgent", std::nullopt, policy(0, 6));
+  CHECK(low->try_acquire(100 * kMiB));
+  low->report_usage(100 * kMiB, 100 * kMiB);
+  CHECK(!waiting->try_acquire(40 * kMiB) && low->reclaim_target_bytes() == 60 * kMiB);
+  CHECK(!urgent->try_acquire(50 * kMiB) && low->reclaim_target_bytes() == 50 * kMiB);
+  low->release(50 * kMiB);
+  CHECK(urgent->try_acquire(50 * kMiB));  // all it asked for; its target stays while its ask is recent
+  CHECK(low->reclaim_target_bytes() == 50 * kMiB);
+  waiting->want(2 * kMiB);  // the wait goes on: 40 MiB are still missing
+  CHECK(low->reclaim_target_bytes() == 10 * kMiB);
+  low->release(40 * kMiB);
+  CHECK(waiting->try_acquire(30 * kMiB));  // a partial grant: the rest is still asked for
+  waiting->want(2 * kMiB);
+  CHECK(low->reclaim_target_bytes() == 10 * kMiB);
+  CHECK(waiting->try_acquire(10 * kMiB) && low->reclaim_target_bytes() == 10 * kMiB);
+  low->release(10 * kMiB);
+  waiting->release(40 * kMiB);
+  urgent->release(50 * kMiB);
+}
+
+// Each ask says all the requester lacks now: its own earlier target, tighter or not, gives
+// way, and one it no longer needs ends, instead of coming back into force with the next ask.
+void test_a_new_ask_replaces_the_requesters_own_earlier_targets() {
+  auto registry = fresh_registry(100 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto idle = registry->register_instance("idle", std::nullopt, policy(0, 1));
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  CHECK(low->try_acquire(100 * kMiB));
+  low->report_usage(100 * kMiB, 100 * kMiB);
+  CHECK(!high->try_acquire(40 * kMiB) && low->reclaim_target_bytes() == 60 * kMiB);
+  low->release(40 * kMiB);
+  CHECK(high->try_acquire(40 * kMiB));  // satisfied
+  high->release(40 * kMiB);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // it stopped asking: the target lapsed
+  CHECK(!low->reclaim_target_bytes());
+  CHECK(low->try_acquire(40 * kMiB));  // the holder grows back
+  CHECK(!high->try_acquire(2 * kMiB));
+  CHECK(low->reclaim_target_bytes() == 98 * kMiB);  // not the 60 MiB of the old request
+  low->release(10 * kMiB);
+  CHECK(idle->try_acquire(8 * kMiB));  // all but the 2 MiB set aside for the waiting higher priority
+  idle->report_usage(0, 8 * kMiB);     // mapped and free: asked for first
+  CHECK(!high->try_acquire(4 * kMiB));
+  CHECK(idle->reclaim_target_bytes() == 6 * kMiB && !low->reclaim_target_bytes());
+  low->release(90 * kMiB);
+  idle->release(8 * kMiB);
+}
+
 }  // namespace
 
 int main() {
@@ -310,6 +363,8 @@ int main() {
   test_a_min_claim_leaves_the_asked_their_own_min();
   test_a_min_claim_asks_lower_priorities_first();
   test_a_request_beyond_reach_asks_nobody();
+  test_a_renewed_wait_asks_for_all_that_is_still_missing();
+  test_a_new_ask_replaces_the_requesters_own_earlier_targets();
   const std::string cleanup = std::string("rm -rf ") + directory;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", directory);
   return kvcached_test::summary();

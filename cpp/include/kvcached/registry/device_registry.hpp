@@ -205,10 +205,11 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget {
   // Says this instance wants `bytes` more and did not ask for them because
   // the device has no room (an engine that checks free memory before it
   // allocates never reaches try_acquire): recorded as a refusal would be, so
-  // others see the pressure. Nothing is recorded when the device has room or
-  // the request is beyond reachable_bytes() (its own limit, or the others'
-  // mins, stands in the way). Like a refusal, asks others to shrink (takes the
-  // registry lock).
+  // others see the pressure. A recent larger figure stays (less what was
+  // granted since): this says the wait goes on, and the instances asked to
+  // shrink are asked for all that is still missing. Nothing is recorded when
+  // the device has room or the request is beyond reachable_bytes() (its own
+  // limit, or the others' mins, stands in the way). Takes the registry lock.
   void want(std::size_t bytes) noexcept;
   std::optional<std::size_t> limit_bytes() const noexcept;
   std::size_t min_bytes() const noexcept;

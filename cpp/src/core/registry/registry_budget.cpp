@@ -188,11 +188,14 @@ void RegistryBudget::record_refusal_locked(EntryRecord& entry, std::size_t bytes
   const std::int64_t now = registry_detail::monotonic_now_ns();
   const bool recent = now - entry.wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
   const std::size_t wanted = entry.wanted_bytes.load(std::memory_order_relaxed);
-  const std::size_t recorded = keep_larger && recent ? std::max(wanted, bytes) : bytes;
-  entry.wanted_bytes.store(registry_detail::plausible_bytes(recorded), std::memory_order_relaxed);
+  const std::size_t recorded =
+      registry_detail::plausible_bytes(keep_larger && recent ? std::max(wanted, bytes) : bytes);
+  entry.wanted_bytes.store(recorded, std::memory_order_relaxed);
   entry.wanted_at_ns.store(now, std::memory_order_relaxed);
+  // Others are asked for all that is still missing, not only this call's bytes: a wait
+  // renewed with a smaller figure keeps its holders shrinking to the size of the whole.
   const std::size_t room = registry_detail::room_for(layout, slot_, now);
-  const std::size_t deficit = saturating_sub(bytes, room);
+  const std::size_t deficit = saturating_sub(recorded, room);
   // Below its min, what the min still lacks may be asked of anyone (docs/memory-policy.md).
   const std::size_t unclaimed_min =
       saturating_sub(registry_detail::min_of(entry), entry.mapped_bytes.load(std::memory_order_relaxed));

@@ -2,6 +2,7 @@
 #include "registry_policy.hpp"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 #include <vector>
@@ -13,9 +14,13 @@ namespace kvcached::registry_detail {
 
 namespace {
 
+// Its last refusal or want() is recent: it still waits, whatever it was granted since.
+bool asked_recently(const EntryRecord& entry, std::int64_t now_ns) noexcept {
+  return now_ns - entry.wanted_at_ns.load(std::memory_order_relaxed) < kPressureWindowNs;
+}
+
 bool refused_recently(const EntryRecord& entry, std::int64_t now_ns) noexcept {
-  return entry.wanted_bytes.load(std::memory_order_relaxed) > 0 &&
-         now_ns - entry.wanted_at_ns.load(std::memory_order_relaxed) < kPressureWindowNs;
+  return entry.wanted_bytes.load(std::memory_order_relaxed) > 0 && asked_recently(entry, now_ns);
 }
 
 // "3221225472 bytes (3072 MiB)": exact for scripts, readable for people.
@@ -27,6 +32,8 @@ std::string bytes_text(std::size_t bytes) {
 bool below_min(const EntryRecord& entry) noexcept {
   return entry.mapped_bytes.load(std::memory_order_relaxed) < min_of(entry);
 }
+
+constexpr std::size_t kNotAsked = std::numeric_limits<std::size_t>::max();
 
 struct Candidate {
   std::size_t slot;
@@ -95,7 +102,9 @@ std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRe
   const EntryRecord& requester = layout.entries[requester_slot];
   if (&requester == &entry) return std::nullopt;  // nobody asks itself (a lie: table_contradiction)
   if (!owns_entry(requester, entry.reclaim_requester_id.load(std::memory_order_relaxed))) return std::nullopt;
-  if (!refused_recently(requester, now_ns)) return std::nullopt;
+  // Kept while the requester asks, even once grants covered what it asked last: an engine
+  // asks a little at a time, and a holder that grew back in between would undo the shrink.
+  if (!asked_recently(requester, now_ns)) return std::nullopt;
   // Priorities or mins changed since, or the requester reached its min: no claim is left.
   const bool outranks = priority_of(requester) > priority_of(entry);
   if (!outranks && !below_min(requester)) return std::nullopt;
@@ -138,20 +147,34 @@ std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, con
   const std::size_t from_lower = share_out(lower, request.deficit_bytes);
   const std::size_t owed = saturating_sub(std::min(request.guaranteed_bytes, request.deficit_bytes), from_lower);
   const std::size_t from_others = share_out(others, owed);
-  const std::uint64_t requester_id = requester.instance_id.load(std::memory_order_relaxed);
+  std::array<std::size_t, kRegistryCapacity> asked;  // what each instance is asked to shrink to now
+  asked.fill(kNotAsked);
   for (const std::vector<Candidate>* group : {&lower, &others}) {
     for (const Candidate& c : *group) {
-      if (c.take == 0) continue;
-      EntryRecord& entry = layout.entries[c.slot];
-      const std::size_t target = c.mapped - c.take;
-      const auto in_force = reclaim_target_of(layout, entry, now_ns);
-      if (in_force && *in_force <= target) continue;  // a tighter shrink is already asked for
-      // Requester first, target last: a lock-free reader never pairs a new target with
-      // an old requester for long, and both are checked again on every read.
-      entry.reclaim_requester_slot.store(requester_slot, std::memory_order_relaxed);
-      entry.reclaim_requester_id.store(requester_id, std::memory_order_relaxed);
-      entry.reclaim_target_bytes.store(target, std::memory_order_release);
+      if (c.take > 0) asked[c.slot] = c.mapped - c.take;
     }
+  }
+  const std::uint64_t requester_id = requester.instance_id.load(std::memory_order_relaxed);
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    EntryRecord& entry = layout.entries[slot];
+    if (slot == requester_slot || !slot_active(entry)) continue;
+    // This ask says all the requester still lacks: it replaces the requester's own earlier
+    // targets, tighter or looser, and ends those it no longer needs (else a target written
+    // for an old request would come back into force with the next refusal).
+    const bool ours = entry.reclaim_target_bytes.load(std::memory_order_relaxed) != kNoLimit &&
+                      entry.reclaim_requester_slot.load(std::memory_order_relaxed) == requester_slot &&
+                      entry.reclaim_requester_id.load(std::memory_order_relaxed) == requester_id;
+    if (asked[slot] == kNotAsked) {
+      if (ours) entry.reclaim_target_bytes.store(kNoLimit, std::memory_order_release);
+      continue;
+    }
+    const auto in_force = reclaim_target_of(layout, entry, now_ns);
+    if (!ours && in_force && *in_force <= asked[slot]) continue;  // another's tighter shrink stays
+    // Requester first, target last: a lock-free reader never pairs a new target with
+    // an old requester for long, and both are checked again on every read.
+    entry.reclaim_requester_slot.store(requester_slot, std::memory_order_relaxed);
+    entry.reclaim_requester_id.store(requester_id, std::memory_order_relaxed);
+    entry.reclaim_target_bytes.store(asked[slot], std::memory_order_release);
   }
   return from_lower + from_others;
 }

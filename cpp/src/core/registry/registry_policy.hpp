@@ -12,9 +12,11 @@
 // instances (lowest priority first, their free mapped memory before their used memory,
 // never below their min), and, for what its own min is still owed, into the entries of
 // any other instance; each pool reads it as an external limit and shrinks as it does for
-// `kvctl set-limit`. (3) A target is in force only while its requester's entry lives
-// and its refusal is recent (kPressureWindowNs): nobody clears it, so a requester that got
-// its memory, gave up or died cannot leave a shrink in force.
+// `kvctl set-limit`. A requester's every refusal (and want()) asks for all it still lacks,
+// replacing its own earlier targets. (3) A target is in force only while its requester's
+// entry lives and its last refusal or want() is recent (kPressureWindowNs), grants since
+// notwithstanding: nobody else clears it, so a requester that stopped asking (it got its
+// memory, gave up or died) cannot leave a shrink in force for more than that window.
 //
 // Limitations. A target is a request, not a revocation: a busy engine shrinks as fast as
 // it can free blocks (cached prefixes first, then preemption). Liveness of a requester is
@@ -45,8 +47,9 @@ inline std::int64_t priority_of(const EntryRecord& entry) noexcept {
 std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept;
 
 // The reclaim target in force on `entry` (never below its min), or nullopt: none was
-// set, or its requester's entry is gone, its refusal is no longer recent, or it no longer
-// has a claim on this instance (a higher priority, or a min it has not reached yet).
+// set, or its requester's entry is gone, its last refusal or want() is no longer recent,
+// or it no longer has a claim on this instance (a higher priority, or a min it has not
+// reached yet).
 std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,
                                              std::int64_t now_ns) noexcept;
 
@@ -66,8 +69,9 @@ struct ReclaimRequest {
 // above their own min allows. Lower priorities cover the whole deficit: free mapped memory
 // (reported) first, from every lower priority, then used memory, lowest priority first.
 // Instances of equal or higher priority cover only what the requester's min is still owed
-// beyond that, in the same order: a min is there to be claimed whoever holds it. A tighter
-// target already in force stays. Returns the bytes asked for.
+// beyond that, in the same order: a min is there to be claimed whoever holds it. The
+// request replaces the requester's own earlier targets (ending those it no longer needs);
+// another requester's tighter target already in force stays. Returns the bytes asked for.
 std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, const ReclaimRequest& request,
                                  std::int64_t now_ns) noexcept;
 
