@@ -62,6 +62,23 @@ def test_set_policy_refuses_mins_above_the_budget_naming_the_numbers(env, regist
     assert "guaranteed minimums" in refused.stderr and registry.budget_bytes == BUDGET_BYTES
 
 
+def test_a_min_set_on_an_instance_of_equal_priority_is_claimed_from_the_holder(env, registry):
+    holder, late = registry.register("holder"), registry.register("late")
+    assert holder.try_acquire(BUDGET_BYTES)
+    holder.report_usage(BUDGET_BYTES, BUDGET_BYTES)  # busy: no free memory to give
+    assert kvctl_json(env, "set-policy", "late", "--min", "32MiB")["matched"] == 1  # accepted: the mins fit
+    assert not late.try_acquire(2 * MIB)
+    # Equal priorities never ask each other for more, but a min is there to be claimed.
+    assert holder.reclaim_target_bytes == BUDGET_BYTES - 2 * MIB
+    (entry,) = [e for e in kvctl_json(env, "list")["instances"] if e["name"] == "holder"]
+    assert entry["reclaim_target_bytes"] == BUDGET_BYTES - 2 * MIB
+    holder.release(2 * MIB)  # the holder honours it, like a lowered limit
+    assert late.try_acquire(2 * MIB)
+    assert holder.reclaim_target_bytes == BUDGET_BYTES - 2 * MIB, "kept while late may ask again"
+    holder.release(BUDGET_BYTES - 2 * MIB)
+    late.release(2 * MIB)
+
+
 def test_set_policy_bad_input_is_one_clear_line(env, registry):
     engine = registry.register("x")
     assert engine.registered

@@ -91,6 +91,25 @@ def test_free_and_alloc_ids_refuse_non_integer_ids(bad):
         pool.free(ids)
 
 
+@pytest.mark.parametrize("bad", [None, 1.5, "3", [2], True], ids=["None", "float", "str", "list", "bool"])
+@pytest.mark.parametrize("call", ["alloc", "alloc_list", "try_reserve"])
+def test_a_count_that_is_not_an_integer_is_a_type_error_naming_it(call, bad):
+    with make_pool(background_worker=False) as pool:
+        ids = pool.alloc(4)
+        before = pool.stats()
+        with pytest.raises(kvcached.errors.InvalidTypeError, match=f"n must be an integer, got {type(bad).__name__}"):
+            getattr(pool, call)(bad)
+        assert pool.stats() == before
+        pool.free(ids)
+
+
+def test_ids_that_are_none_are_a_type_error_naming_them():
+    with make_pool(background_worker=False) as pool:
+        for call in (pool.free, pool.alloc_ids):
+            with pytest.raises(kvcached.errors.InvalidTypeError, match="ids must be integer block ids.*NoneType"):
+                call(None)
+
+
 def test_free_accepts_every_integer_dtype_and_numpy_scalars():
     with make_pool(background_worker=False) as pool:
         for dtype in (np.int64, np.int32, np.uint16, np.int8):

@@ -17,7 +17,7 @@ import pytest
 
 import kvcached
 from kvcached.errors import OutOfMemoryError, RegistryUnusableError
-from kvcached.registry import DeviceRegistry
+from kvcached.registry import DeviceRegistry, MemoryPolicy, clean_directory, registry_files
 from registry_files import LAYOUT, PAGE_BYTES, entry_offset, poke
 
 DEVICE = "cpu"
@@ -125,6 +125,115 @@ def test_an_absurd_request_is_recorded_as_pressure_without_poisoning_the_file():
         budget.report_usage(2**62, 2**62)
         names = [entry["name"] for entry in registry.entries()]  # the table is still believed
         assert len(names) == 2 and "reporter" in names
+
+
+# ---- policy values no kvcached writes -------------------------------------------------
+
+HOUR_NS = 3600 * 10**9
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("priority", 2**40, "priority 1099511627776"),
+        ("priority", -(2**62), "priority -4611686018427387904"),
+        ("wanted_at_ns", -5, "wanted_at_ns -5"),
+        ("wanted_at_ns", "future", r"wanted_at_ns \d+, \d+ ms in the future"),  # a refusal never lapsing
+    ],
+)
+def test_a_policy_value_out_of_its_range_makes_every_user_detach(field, value, words):
+    registry = make_registry(8)
+    engine, other = registry.register("engine"), registry.register("other")
+    if value == "future":
+        value = time.monotonic_ns() + HOUR_NS  # CLOCK_MONOTONIC, the clock kvcached writes there
+        write_u64(registry.path, entry_offset(engine.slot, "wanted_bytes"), PAGE_BYTES)
+    write_u64(registry.path, entry_offset(engine.slot, field), value)
+    with pytest.raises(RegistryUnusableError, match=rf"cannot be true \(slot {engine.slot}: {words}"):
+        registry.entries()  # kvctl list, kvtop
+    with pytest.raises(RegistryUnusableError, match="cannot be true"):
+        other.try_acquire(PAGE_BYTES)
+    with pytest.raises(RegistryUnusableError, match="cannot be true"):
+        DeviceRegistry(DEVICE)  # a tool (no budget): told, never handed the lie
+    fresh = make_registry(8)  # the next engine replaces the damaged file
+    assert fresh.entries() == []
+
+
+def contradict_min_above_max(registry, engine, other):
+    write_u64(registry.path, entry_offset(engine.slot, "limit_bytes"), PAGE_BYTES)
+    write_u64(registry.path, entry_offset(engine.slot, "min_bytes"), 2 * PAGE_BYTES)
+    return rf"slot {engine.slot}: min_bytes {2 * PAGE_BYTES} above its limit of {PAGE_BYTES} bytes"
+
+
+def contradict_mins_above_budget(registry, engine, other):
+    for budget in (engine, other):
+        write_u64(registry.path, entry_offset(budget.slot, "min_bytes"), 5 * PAGE_BYTES)
+    return rf"mins summing to {10 * PAGE_BYTES} bytes, above the budget of {8 * PAGE_BYTES} bytes"
+
+
+def contradict_target_asked_by_itself(registry, engine, other):
+    write_u64(registry.path, entry_offset(engine.slot, "reclaim_requester_slot"), engine.slot)
+    write_u64(registry.path, entry_offset(engine.slot, "reclaim_requester_id"), engine.instance_id)
+    write_u64(registry.path, entry_offset(engine.slot, "reclaim_target_bytes"), 0)
+    return rf"slot {engine.slot}: a reclaim target asked by itself"
+
+
+def contradict_target_asked_by_nobody(registry, engine, other):
+    write_u64(registry.path, entry_offset(engine.slot, "reclaim_requester_slot"), other.slot)
+    write_u64(registry.path, entry_offset(engine.slot, "reclaim_requester_id"), 99)
+    write_u64(registry.path, entry_offset(engine.slot, "reclaim_target_bytes"), 0)
+    return rf"slot {engine.slot}: a reclaim target asked by instance 99, never handed out"
+
+
+@pytest.mark.parametrize(
+    "contradict",
+    [
+        contradict_min_above_max,
+        contradict_mins_above_budget,
+        contradict_target_asked_by_itself,
+        contradict_target_asked_by_nobody,
+    ],
+)
+def test_policy_values_that_contradict_each_other_make_every_user_detach(contradict):
+    registry = make_registry(8)
+    engine, other = registry.register("engine"), registry.register("other")
+    assert other.try_acquire(PAGE_BYTES)
+    words = contradict(registry, engine, other)
+    with pytest.raises(RegistryUnusableError, match=rf"cannot be true \({words}"):
+        registry.entries()
+    with pytest.raises(RegistryUnusableError, match="cannot be true"):
+        other.try_acquire(PAGE_BYTES)
+    assert not other.registered, "every user of the file detached"
+    (listed,) = registry_files()  # kvctl files: looked at under the file's lock
+    assert (listed["status"], listed["removable"]) == ("damaged", True) and "cannot be true" in listed["detail"]
+    fresh = make_registry(8)  # the next engine replaces it
+    assert fresh.entries() == []
+
+
+def test_kvctl_clean_removes_a_file_whose_values_contradict_each_other():
+    registry = make_registry(8)
+    engine, other = registry.register("engine"), registry.register("other")
+    contradict_mins_above_budget(registry, engine, other)
+    assert [file["status"] for file in clean_directory()] == ["damaged"]
+    assert registry_files() == []
+
+
+def test_nothing_kvcached_writes_for_the_policy_is_taken_for_a_lie():
+    registry = make_registry(8)
+    low = registry.register(
+        "low", policy=MemoryPolicy(min_bytes=2 * PAGE_BYTES, max_bytes=6 * PAGE_BYTES, priority=-(2**31))
+    )
+    high = registry.register("high", policy=MemoryPolicy(min_bytes=2 * PAGE_BYTES, priority=2**31 - 1))
+    assert low.try_acquire(6 * PAGE_BYTES)
+    assert not high.try_acquire(8 * PAGE_BYTES)  # beyond reach: no trace
+    assert not high.try_acquire(4 * PAGE_BYTES)  # recorded now, and a reclaim target on low
+    high.want(4 * PAGE_BYTES)
+    assert low.reclaim_target_bytes == 4 * PAGE_BYTES
+    registry.budget_bytes = 4 * PAGE_BYTES  # below what is mapped, but not below the mins
+    with pytest.raises(ValueError, match="guaranteed minimums"):
+        registry.budget_bytes = 3 * PAGE_BYTES  # refused, never written
+    assert {entry["name"] for entry in registry.entries()} == {"low", "high"}
+    assert [file["status"] for file in registry_files()] == ["current"]
+    low.release(6 * PAGE_BYTES)
 
 
 # ---- a registry moved away from its path --------------------------------------------

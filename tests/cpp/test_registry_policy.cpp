@@ -153,8 +153,8 @@ void test_a_target_lapses_when_the_requester_stops_or_outranks_no_more() {
   CHECK(!high->try_acquire(10 * kMiB));
   CHECK(low->reclaim_target_bytes() == 90 * kMiB);
   low->release(10 * kMiB);
-  CHECK(high->try_acquire(10 * kMiB));  // got what it wanted: nothing more is asked
-  CHECK(!low->reclaim_target_bytes() && !low->external_limit_bytes());
+  CHECK(high->try_acquire(10 * kMiB));  // it has what it asked for, and may ask again at its next step
+  CHECK(low->reclaim_target_bytes() == 90 * kMiB && low->external_limit_bytes() == 90 * kMiB);
   CHECK(!high->try_acquire(10 * kMiB) && low->reclaim_target_bytes() == 80 * kMiB);
   PolicyChange demote;
   demote.priority = -1;
@@ -208,6 +208,142 @@ void test_a_dead_instance_keeps_no_guarantee() {
   CHECK(registry->budget_bytes() == 50 * kMiB && !guaranteed->registered());
 }
 
+// A min accepted while others hold the whole budget is there to be claimed: whoever holds
+// it, whatever its priority, is asked to give back what the min is owed.
+void test_a_min_is_claimed_from_a_higher_priority_holding_everything() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto holder = registry->register_instance("holder", std::nullopt, policy(0, 5));
+  CHECK(holder->try_acquire(64 * kMiB));
+  holder->report_usage(64 * kMiB, 64 * kMiB);                                           // busy: nothing free
+  auto late = registry->register_instance("late", std::nullopt, policy(32 * kMiB, 0));  // accepted
+  CHECK(!late->try_acquire(2 * kMiB));
+  CHECK(holder->reclaim_target_bytes() == 62 * kMiB);  // what the min lacks now, no more
+  CHECK(!late->try_acquire(40 * kMiB));                // beyond its min: a higher priority owes it only the min
+  CHECK(holder->reclaim_target_bytes() == 32 * kMiB);
+  holder->release(32 * kMiB);
+  CHECK(!holder->try_acquire(2 * kMiB));  // what it gave back is the min's, not its to take again
+  CHECK(late->try_acquire(32 * kMiB));
+  CHECK(!holder->reclaim_target_bytes());                                  // the min is reached: the claim ends
+  CHECK(!late->try_acquire(2 * kMiB) && !holder->reclaim_target_bytes());  // beyond it, no claim
+  late->release(32 * kMiB);
+  holder->release(32 * kMiB);
+}
+
+void test_a_min_claim_leaves_the_asked_their_own_min() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto first = registry->register_instance("first", std::nullopt, policy(24 * kMiB, 5));
+  auto second = registry->register_instance("second", std::nullopt, policy(0, 5));
+  CHECK(first->try_acquire(48 * kMiB) && second->try_acquire(16 * kMiB));
+  first->report_usage(48 * kMiB, 48 * kMiB);
+  second->report_usage(16 * kMiB, 16 * kMiB);
+  auto late = registry->register_instance("late", std::nullopt, policy(32 * kMiB, 0));
+  CHECK(!late->try_acquire(32 * kMiB));
+  const std::size_t first_target = first->reclaim_target_bytes().value_or(48 * kMiB);
+  const std::size_t second_target = second->reclaim_target_bytes().value_or(16 * kMiB);
+  CHECK(first_target >= 24 * kMiB);                                              // never below its own min
+  CHECK((48 * kMiB - first_target) + (16 * kMiB - second_target) == 32 * kMiB);  // the min, no more
+  first->release(48 * kMiB);
+  second->release(16 * kMiB);
+}
+
+// Lower priorities give first, for the whole deficit; equal or higher ones only what the
+// requester's min is still owed beyond that.
+void test_a_min_claim_asks_lower_priorities_first() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  auto lowest = registry->register_instance("lowest", std::nullopt, policy(0, -1));
+  CHECK(high->try_acquire(52 * kMiB) && lowest->try_acquire(12 * kMiB));
+  high->report_usage(52 * kMiB, 52 * kMiB);
+  lowest->report_usage(12 * kMiB, 12 * kMiB);
+  auto late = registry->register_instance("late", std::nullopt, policy(16 * kMiB, 0));
+  CHECK(!late->try_acquire(16 * kMiB));
+  CHECK(lowest->reclaim_target_bytes() == 0 && high->reclaim_target_bytes() == 48 * kMiB);
+  CHECK(!late->try_acquire(24 * kMiB));  // beyond its min: the higher priority still owes only the min
+  CHECK(lowest->reclaim_target_bytes() == 0 && high->reclaim_target_bytes() == 48 * kMiB);
+  high->release(52 * kMiB);
+  lowest->release(12 * kMiB);
+}
+
+// A request no giving back could meet (beyond the budget less the others' mins, or beyond
+// its own max) is refused without a trace: no pressure, no reclaim target.
+void test_a_request_beyond_reach_asks_nobody() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto guaranteed = registry->register_instance("guaranteed", std::nullopt, policy(16 * kMiB, 0));
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  auto capped = registry->register_instance("capped", std::nullopt, policy(0, 5, 40 * kMiB));
+  CHECK(low->try_acquire(48 * kMiB));
+  low->report_usage(48 * kMiB, 48 * kMiB);
+  CHECK(high->reachable_bytes() == 48 * kMiB && capped->reachable_bytes() == 40 * kMiB);
+  CHECK(low->reachable_bytes() == 0);
+  const std::pair<RegistryBudget*, std::size_t> beyond[] = {
+      {high.get(), 80 * kMiB},    // the whole budget
+      {high.get(), 49 * kMiB},    // the budget less the others' mins
+      {capped.get(), 41 * kMiB},  // its own max
+  };
+  for (const auto& [budget, bytes] : beyond) {
+    CHECK(!budget->try_acquire(bytes));
+    budget->want(bytes);
+    CHECK(!low->reclaim_target_bytes() && low->pressure_bytes() == 0 && guaranteed->pressure_bytes() == 0);
+  }
+  CHECK(!high->try_acquire(48 * kMiB));  // within reach: asked of the lower priority
+  CHECK(low->reclaim_target_bytes() == 0 && low->pressure_bytes() == 48 * kMiB);
+  low->release(48 * kMiB);
+}
+
+// A wait renewed with a smaller figure (an engine's step) keeps every holder asked for all
+// that is still missing, even once another requester's tighter target has lapsed.
+void test_a_renewed_wait_asks_for_all_that_is_still_missing() {
+  auto registry = fresh_registry(100 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto waiting = registry->register_instance("waiting", std::nullopt, policy(0, 5));
+  auto urgent = registry->register_instance("urgent", std::nullopt, policy(0, 6));
+  CHECK(low->try_acquire(100 * kMiB));
+  low->report_usage(100 * kMiB, 100 * kMiB);
+  CHECK(!waiting->try_acquire(40 * kMiB) && low->reclaim_target_bytes() == 60 * kMiB);
+  CHECK(!urgent->try_acquire(50 * kMiB) && low->reclaim_target_bytes() == 50 * kMiB);
+  low->release(50 * kMiB);
+  CHECK(urgent->try_acquire(50 * kMiB));  // all it asked for; its target stays while its ask is recent
+  CHECK(low->reclaim_target_bytes() == 50 * kMiB);
+  waiting->want(2 * kMiB);  // the wait goes on: 40 MiB are still missing
+  CHECK(low->reclaim_target_bytes() == 10 * kMiB);
+  low->release(40 * kMiB);
+  CHECK(waiting->try_acquire(30 * kMiB));  // a partial grant: the rest is still asked for
+  waiting->want(2 * kMiB);
+  CHECK(low->reclaim_target_bytes() == 10 * kMiB);
+  CHECK(waiting->try_acquire(10 * kMiB) && low->reclaim_target_bytes() == 10 * kMiB);
+  low->release(10 * kMiB);
+  waiting->release(40 * kMiB);
+  urgent->release(50 * kMiB);
+}
+
+// Each ask says all the requester lacks now: its own earlier target, tighter or not, gives
+// way, and one it no longer needs ends, instead of coming back into force with the next ask.
+void test_a_new_ask_replaces_the_requesters_own_earlier_targets() {
+  auto registry = fresh_registry(100 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto idle = registry->register_instance("idle", std::nullopt, policy(0, 1));
+  auto high = registry->register_instance("high", std::nullopt, policy(0, 5));
+  CHECK(low->try_acquire(100 * kMiB));
+  low->report_usage(100 * kMiB, 100 * kMiB);
+  CHECK(!high->try_acquire(40 * kMiB) && low->reclaim_target_bytes() == 60 * kMiB);
+  low->release(40 * kMiB);
+  CHECK(high->try_acquire(40 * kMiB));  // satisfied
+  high->release(40 * kMiB);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // it stopped asking: the target lapsed
+  CHECK(!low->reclaim_target_bytes());
+  CHECK(low->try_acquire(40 * kMiB));  // the holder grows back
+  CHECK(!high->try_acquire(2 * kMiB));
+  CHECK(low->reclaim_target_bytes() == 98 * kMiB);  // not the 60 MiB of the old request
+  low->release(10 * kMiB);
+  CHECK(idle->try_acquire(8 * kMiB));  // all but the 2 MiB set aside for the waiting higher priority
+  idle->report_usage(0, 8 * kMiB);     // mapped and free: asked for first
+  CHECK(!high->try_acquire(4 * kMiB));
+  CHECK(idle->reclaim_target_bytes() == 6 * kMiB && !low->reclaim_target_bytes());
+  low->release(90 * kMiB);
+  idle->release(8 * kMiB);
+}
+
 }  // namespace
 
 int main() {
@@ -223,6 +359,12 @@ int main() {
   test_a_reserve_refill_is_no_demand();
   test_a_dead_requester_leaves_no_shrink_in_force();
   test_a_dead_instance_keeps_no_guarantee();
+  test_a_min_is_claimed_from_a_higher_priority_holding_everything();
+  test_a_min_claim_leaves_the_asked_their_own_min();
+  test_a_min_claim_asks_lower_priorities_first();
+  test_a_request_beyond_reach_asks_nobody();
+  test_a_renewed_wait_asks_for_all_that_is_still_missing();
+  test_a_new_ask_replaces_the_requesters_own_earlier_targets();
   const std::string cleanup = std::string("rm -rf ") + directory;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", directory);
   return kvcached_test::summary();

@@ -269,7 +269,7 @@ void bind_block_manager(nb::module_& m) {
             }
             return ids_to_array(std::move(ids));
           },
-          "n"_a, "timeout_s"_a = 0.0,
+          "n"_a.none(), "timeout_s"_a = 0.0,
           nb::sig("def alloc(self, n: int, timeout_s: float = 0.0) -> numpy.typing.NDArray[numpy.int64]"),
           "Allocate n block ids (numpy int64). Raises OutOfMemoryError, rolling back. With timeout_s, waits "
           "up to that long for memory other pools give back (only when a budget stands in the way).")
@@ -284,7 +284,7 @@ void bind_block_manager(nb::module_& m) {
             }
             return ids;
           },
-          "n"_a, nb::sig("def alloc_list(self, n: int) -> list[int]"), "alloc(n) as a list of ints.")
+          "n"_a.none(), nb::sig("def alloc_list(self, n: int) -> list[int]"), "alloc(n) as a list of ints.")
       .def(
           "alloc_ids",
           [](BlockManager& b, nb::handle ids) {
@@ -292,7 +292,7 @@ void bind_block_manager(nb::module_& m) {
             nb::gil_scoped_release release;
             b.alloc_ids(v);
           },
-          "ids"_a, nb::sig("def alloc_ids(self, ids: Sequence[int] | numpy.ndarray) -> None"),
+          "ids"_a.none(), nb::sig("def alloc_ids(self, ids: Sequence[int] | numpy.ndarray) -> None"),
           "Take exactly these free block ids (all or nothing).")
       .def(
           "free", [](BlockManager& b, const nb::list& ids) { b.free(ids_from_list(ids)); }, "ids"_a)
@@ -311,7 +311,7 @@ void bind_block_manager(nb::module_& m) {
           },
           "ids"_a.noconvert())
       .def(
-          "free", [](BlockManager& b, nb::handle ids) { b.free(ids_from(ids)); }, "ids"_a,
+          "free", [](BlockManager& b, nb::handle ids) { b.free(ids_from(ids)); }, "ids"_a.none(),
           nb::sig("def free(self, ids: Sequence[int] | numpy.ndarray) -> None"),
           "Free block ids (integers, all distinct and handed out, or nothing is freed).")
       .def(
@@ -321,7 +321,7 @@ void bind_block_manager(nb::module_& m) {
             nb::gil_scoped_release release;
             return b.try_reserve(n);
           },
-          "n"_a, nb::sig("def try_reserve(self, n: int) -> bool"),
+          "n"_a.none(), nb::sig("def try_reserve(self, n: int) -> bool"),
           "Set n more blocks aside for the next allocs, which hand them out first; False (nothing taken) "
           "when they cannot be had now.")
       .def("release_reserved", &BlockManager::release_reserved, "Free the reserved blocks; returns how many.")

@@ -229,6 +229,9 @@ class KVCACHED_EXPORT BlockManager {
   std::size_t growth_room_locked(std::string* bound_by = nullptr) const;
   // The same with only the page ids and the limit: what waiting cannot change.
   std::size_t fixed_room_locked() const;
+  // Pages the budgets could ever still grant, were everyone else to give back all they
+  // may (MemoryBudget::reachable_bytes); `words` (optional) says what bounds it.
+  std::size_t reachable_budget_pages_locked(std::string* words = nullptr) const;
 
   // ---- pages (map_mutex_ held; mutex_ held on entry and exit, released inside) ----
   // `for_reserve`: pages the worker keeps ready, charged without signalling demand.

@@ -28,6 +28,12 @@ class KVCACHED_EXPORT MemoryBudget {
   // What try_acquire could grant right now (a hint: others may take it first).
   // Must not take a lock another process can hold (it is read on fast paths).
   virtual std::size_t available_bytes() const = 0;
+  // The most bytes beyond what this user holds that the budget could ever grant it, were
+  // every other user to give back all it may (a shared registry: the instance's max, and
+  // the device budget less what the other instances are guaranteed); nullopt when nothing
+  // bounds it. A waiting alloc needing more is refused at once instead of waiting. A
+  // lock-free hint, like available_bytes.
+  virtual std::optional<std::size_t> reachable_bytes() const { return std::nullopt; }
   // Throws the budget's own error if it can no longer grant anything at all
   // (a shared registry that was truncated or damaged), so that a pool refusing
   // an alloc says why instead of reporting the budget as merely full. Called

@@ -65,6 +65,8 @@ class KVCACHED_EXPORT MirrorBudgets {
   // ---- what the budgets say ----
   // Pages mirror i's budget would still grant (SIZE_MAX without a budget).
   std::size_t room_pages(std::size_t i) const;
+  // Pages mirror i's budget could ever still grant (SIZE_MAX when nothing bounds it).
+  std::size_t reachable_pages(std::size_t i) const;
   // The tightest limit set on a live mirror's budget from outside (kvctl):
   // in that mirror's pages, and the bytes it was set as.
   struct ExternalLimit {

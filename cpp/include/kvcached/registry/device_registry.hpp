@@ -192,8 +192,10 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget, public std::enable_s
   // higher-priority instances were just refused, is set aside. When refused,
   // dead processes' entries are reclaimed (at most every kStaleScanInterval)
   // and the request is retried once; still refused, the refusal is recorded
-  // (pressure) and lower-priority instances are asked to shrink (reclaim
-  // targets, docs/memory-policy.md). Throws
+  // (pressure) and lower-priority instances are asked to shrink, as are the
+  // others for what this instance's min is still owed (reclaim targets,
+  // docs/memory-policy.md); unless the request is beyond reachable_bytes(),
+  // which nobody giving back could meet: then nothing is recorded. Throws
   // BackendUnavailable once the entry is gone and RegistryUnusable once the
   // file is no longer this registry.
   bool try_acquire(std::size_t bytes) override;
@@ -202,6 +204,9 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget, public std::enable_s
   bool try_acquire_for_reserve(std::size_t bytes) override;
   void release(std::size_t bytes) noexcept override;
   std::size_t available_bytes() const override;
+  // Its max, or the budget less the other instances' mins, less what it holds: a request
+  // beyond it is refused without recording anything (no pressure, no reclaim target).
+  std::optional<std::size_t> reachable_bytes() const override;
   // Throws RegistryUnusable once the file is no longer this registry (checked
   // now: fstat and the header, no lock) and BackendUnavailable once the entry
   // is gone, as try_acquire would.
@@ -221,9 +226,11 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget, public std::enable_s
   // Says this instance wants `bytes` more and did not ask for them because
   // the device has no room (an engine that checks free memory before it
   // allocates never reaches try_acquire): recorded as a refusal would be, so
-  // others see the pressure. Nothing is recorded when the device has room or
-  // this instance's own limit is what stands in the way. Like a refusal, asks
-  // lower-priority instances to shrink (takes the registry lock).
+  // others see the pressure. A recent larger figure stays (less what was
+  // granted since): this says the wait goes on, and the instances asked to
+  // shrink are asked for all that is still missing. Nothing is recorded when
+  // the device has room or the request is beyond reachable_bytes() (its own
+  // limit, or the others' mins, stands in the way). Takes the registry lock.
   void want(std::size_t bytes) noexcept;
   std::optional<std::size_t> limit_bytes() const noexcept;
   std::size_t min_bytes() const noexcept;

@@ -56,6 +56,29 @@ std::size_t BlockManager::fixed_room_locked() const {
   return std::min(ids, limit_pages_ > committed ? limit_pages_ - committed : 0);
 }
 
+std::size_t BlockManager::reachable_budget_pages_locked(std::string* words) const {
+  const std::size_t committed = index_.pages() + mapping_pages_;
+  std::size_t reachable = std::numeric_limits<std::size_t>::max();
+  for (std::size_t i = 0; i < budgets_.size(); ++i) {
+    if (!budgets_.alive(i) || budgets_.budget(i) == nullptr) continue;
+    const std::size_t pages = budgets_.reachable_pages(i);
+    if (pages == std::numeric_limits<std::size_t>::max()) continue;
+    // As in growth_room_locked: pages charged but not mapped are reused by a new page.
+    const auto slack = static_cast<std::int64_t>(budgets_.charged_pages(i)) - static_cast<std::int64_t>(committed);
+    const auto more =
+        std::max<std::int64_t>(static_cast<std::int64_t>(std::min<std::size_t>(pages, KVLayout::kMaxPages)) + slack, 0);
+    if (static_cast<std::size_t>(more) >= reachable) continue;
+    reachable = static_cast<std::size_t>(more);
+    if (words != nullptr) {
+      *words = "the memory budget" + (budgets_.size() > 1 ? " of mirror " + std::to_string(i) : std::string()) +
+               ", which could never grant more than " + std::to_string(reachable) +
+               " more page(s) to this pool (its max, or the device budget less what the other instances are "
+               "guaranteed by their min)";
+    }
+  }
+  return reachable;
+}
+
 std::size_t BlockManager::budget_room_pages_locked() const {
   std::size_t room = 0;
   bool any = false;

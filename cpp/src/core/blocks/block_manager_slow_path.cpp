@@ -78,8 +78,11 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         if (requery_device_locked(lock)) continue;
       }
       const std::size_t rest = n - (into_reserve ? 0 : std::min(n, reserved_.size()));
-      if (plan.action == AllocPlan::kRefuse && Clock::now() < deadline &&
-          takeable_locked() + growth_blocks_locked(fixed_room_locked()) >= rest) {
+      const bool ids_and_limit_allow = takeable_locked() + growth_blocks_locked(fixed_room_locked()) >= rest;
+      // Beyond what the budgets could ever grant (a max, or the device budget less what the
+      // others are guaranteed), nobody giving back helps: refused at once, asking nobody.
+      const bool reachable = plan.action != AllocPlan::kRefuse || reachable_budget_pages_locked() >= plan.pages;
+      if (plan.action == AllocPlan::kRefuse && reachable && Clock::now() < deadline && ids_and_limit_allow) {
         // Neither the page ids nor a limit stand in the way: map what memory
         // there is now (so these maps overlap the holders' unmaps), then wait
         // for more to come back.
@@ -110,9 +113,10 @@ std::vector<std::int64_t> BlockManager::alloc_slow(std::size_t n, bool into_rese
         const std::size_t can = available_locked();
         std::string bound_by;
         growth_room_locked(&bound_by);
+        if (!reachable && ids_and_limit_allow) reachable_budget_pages_locked(&bound_by);
         roll_back();
         rolled_back = true;
-        if (!asleep_) probe_budget_for_pressure(lock, plan.pages);  // asleep, it wants nobody's memory
+        if (reachable && !asleep_) probe_budget_for_pressure(lock, plan.pages);  // asleep, it wants nobody's memory
         throw BudgetExhausted("cannot allocate " + std::to_string(n) + " blocks: " + std::to_string(can) +
                               " are available (bound by " + bound_by + "; pages of " +
                               std::to_string(layout_.page_id_bytes()) + " bytes, " + std::to_string(index_.pages()) +

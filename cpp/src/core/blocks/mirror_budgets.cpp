@@ -73,6 +73,12 @@ std::size_t MirrorBudgets::room_pages(std::size_t i) const {
   return m.budget->available_bytes() / m.page_bytes;
 }
 
+std::size_t MirrorBudgets::reachable_pages(std::size_t i) const {
+  const Mirror& m = mirrors_[i];
+  const std::optional<std::size_t> bytes = m.budget ? m.budget->reachable_bytes() : std::nullopt;
+  return bytes ? *bytes / m.page_bytes : std::numeric_limits<std::size_t>::max();
+}
+
 std::optional<MirrorBudgets::ExternalLimit> MirrorBudgets::external_limit() const {
   std::optional<ExternalLimit> tightest;
   for (const Mirror& m : mirrors_) {

@@ -73,9 +73,11 @@ bool RegistryBudget::take(std::size_t bytes, bool record_refusal) {
     }
   }
   if (!granted) {
-    segment_->check_table();  // refused because an entry lies? Say so instead.
-    // Only a device-wide refusal is pressure on others; one's own limit is not.
-    if (record_refusal) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
+    segment_->check_table_locked();  // refused because an entry lies? Say so instead.
+    // Only a device-wide refusal is pressure on others; one's own limit is not, nor a
+    // request that nothing anybody gives back could ever meet.
+    const bool reachable = bytes <= saturating_sub(registry_detail::holding_ceiling(layout, slot_), own_mapped);
+    if (record_refusal && reachable) record_refusal_locked(*entry, bytes, /*keep_larger=*/false);
     lock.confirm();
     return false;
   }
@@ -122,6 +124,14 @@ void RegistryBudget::check_usable() const {
     throw BackendUnavailable("registry entry '" + name_ + "' in " + segment_->path() +
                              " is gone (reclaimed because its pid was judged dead); register again");
   }
+}
+
+std::optional<std::size_t> RegistryBudget::reachable_bytes() const {
+  const EntryRecord* entry = owned_entry();
+  if (entry == nullptr) return 0;
+  // Read without the lock, like available_bytes: a hint the locked try_acquire confirms.
+  return saturating_sub(registry_detail::holding_ceiling(segment_->layout(), slot_),
+                        entry->mapped_bytes.load(std::memory_order_relaxed));
 }
 
 std::optional<std::size_t> RegistryBudget::external_limit_bytes() const {
@@ -179,11 +189,19 @@ void RegistryBudget::record_refusal_locked(EntryRecord& entry, std::size_t bytes
   const std::int64_t now = registry_detail::monotonic_now_ns();
   const bool recent = now - entry.wanted_at_ns.load(std::memory_order_relaxed) < registry_detail::kPressureWindowNs;
   const std::size_t wanted = entry.wanted_bytes.load(std::memory_order_relaxed);
-  const std::size_t recorded = keep_larger && recent ? std::max(wanted, bytes) : bytes;
-  entry.wanted_bytes.store(registry_detail::plausible_bytes(recorded), std::memory_order_relaxed);
+  const std::size_t recorded =
+      registry_detail::plausible_bytes(keep_larger && recent ? std::max(wanted, bytes) : bytes);
+  entry.wanted_bytes.store(recorded, std::memory_order_relaxed);
   entry.wanted_at_ns.store(now, std::memory_order_relaxed);
+  // Others are asked for all that is still missing, not only this call's bytes: a wait
+  // renewed with a smaller figure keeps its holders shrinking to the size of the whole.
   const std::size_t room = registry_detail::room_for(layout, slot_, now);
-  registry_detail::ask_lower_priority_to_shrink(layout, slot_, saturating_sub(bytes, room), now);
+  const std::size_t deficit = saturating_sub(recorded, room);
+  // Below its min, what the min still lacks may be asked of anyone (docs/memory-policy.md).
+  const std::size_t unclaimed_min =
+      saturating_sub(registry_detail::min_of(entry), entry.mapped_bytes.load(std::memory_order_relaxed));
+  const registry_detail::ReclaimRequest request{deficit, std::min(deficit, saturating_sub(unclaimed_min, room))};
+  registry_detail::ask_others_to_shrink(layout, slot_, request, now);
 }
 
 void RegistryBudget::want(std::size_t bytes) noexcept {
@@ -193,9 +211,10 @@ void RegistryBudget::want(std::size_t bytes) noexcept {
     EntryRecord* entry = owned_entry();
     if (entry == nullptr) return;
     const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
-    const auto limit = registry_detail::limit_of(*entry);
-    if (limit && bytes > saturating_sub(*limit, own_mapped)) return;  // nobody else can help
-    if (bytes <= registry_detail::room_for(segment_->layout(), slot_, registry_detail::monotonic_now_ns())) return;
+    const registry_detail::Layout& layout = segment_->layout();
+    // Its own max, or the budget less the others' mins, stands in the way: nobody can help.
+    if (bytes > saturating_sub(registry_detail::holding_ceiling(layout, slot_), own_mapped)) return;
+    if (bytes <= registry_detail::room_for(layout, slot_, registry_detail::monotonic_now_ns())) return;
     // A recent larger refusal stays what is wanted: this only says the wait goes on.
     record_refusal_locked(*entry, bytes, /*keep_larger=*/true);
   } catch (...) {

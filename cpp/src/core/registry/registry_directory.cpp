@@ -87,6 +87,18 @@ RegistryFileInfo inspect(const std::string& directory, const std::string& file_n
         return info;
       }
       info.status = verdict.device == info.device ? Status::current : Status::foreign;
+      if (info.status == Status::current && verdict.contradiction_seen) {
+        try {
+          if (auto damage = damage_seen_under_lock(info.path, info.device)) {
+            info.status = Status::damaged;
+            info.removable = ours;
+            info.detail = *damage;
+            return info;
+          }
+        } catch (const std::exception&) {
+          // Changed meanwhile, or its lock is held too long: reported as the copy showed it.
+        }
+      }
       info.detail = info.status == Status::current
                         ? "used by " + std::to_string(info.live_pids.size()) + " live instance(s)"
                         : "its header names device '" + verdict.device + "'";

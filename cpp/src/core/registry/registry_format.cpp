@@ -82,7 +82,24 @@ std::size_t total_held_bytes(const Layout& layout) noexcept {
 
 namespace {
 
-std::optional<std::string> entry_lie(const EntryRecord& entry) {
+constexpr std::size_t kHeaderSlot = kRegistryCapacity;
+
+// The latest time the table holds, and where (a slot's wanted_at_ns, or the header's last
+// stale scan), compared with the clock once; no string is built unless it lies.
+struct LatestTime {
+  std::int64_t ns = 0;
+  std::size_t slot = kHeaderSlot;
+  void see(std::int64_t time_ns, std::size_t where) {
+    if (time_ns > ns) ns = time_ns, slot = where;
+  }
+  std::string describe(std::int64_t now_ns) const {
+    const std::string field =
+        slot == kHeaderSlot ? "last_stale_scan_ns " : "slot " + std::to_string(slot) + ": wanted_at_ns ";
+    return field + std::to_string(ns) + ", " + std::to_string((ns - now_ns) / 1'000'000) + " ms in the future";
+  }
+};
+
+std::optional<std::string> entry_lie(const EntryRecord& entry, std::size_t slot, LatestTime& latest) {
   const std::uint64_t state = entry.state.load(std::memory_order_acquire);
   if (state != kSlotFree && state != kSlotActive) return "state " + std::to_string(state);
   if (state != kSlotActive) return std::nullopt;
@@ -104,6 +121,11 @@ std::optional<std::string> entry_lie(const EntryRecord& entry) {
   if (sleeping > 1) return "sleeping " + std::to_string(sleeping);
   const std::uint64_t handles = entry.handles.load(std::memory_order_relaxed);
   if (handles == 0 || handles > kMaxEntryHandles) return "handles " + std::to_string(handles);
+  const std::int64_t priority = entry.priority.load(std::memory_order_relaxed);
+  if (priority < kMinPriority || priority > kMaxPriority) return "priority " + std::to_string(priority);
+  const std::int64_t wanted_at = entry.wanted_at_ns.load(std::memory_order_relaxed);
+  if (wanted_at < 0) return "wanted_at_ns " + std::to_string(wanted_at);
+  latest.see(wanted_at, slot);
   const std::uint64_t target = entry.reclaim_target_bytes.load(std::memory_order_relaxed);
   if (target != kNoLimit && target > kMaxPlausibleBytes) return "reclaim_target_bytes " + std::to_string(target);
   const std::uint64_t requester = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
@@ -111,14 +133,55 @@ std::optional<std::string> entry_lie(const EntryRecord& entry) {
   return std::nullopt;
 }
 
+std::string bytes_words(std::uint64_t bytes) { return std::to_string(bytes) + " bytes"; }
+
 }  // namespace
 
 std::optional<std::string> table_lie(const Layout& layout) {
   const std::uint64_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
   if (budget > kMaxPlausibleBytes) return "budget_bytes " + std::to_string(budget);
+  LatestTime latest;
+  const std::int64_t last_scan = layout.header.last_stale_scan_ns.load(std::memory_order_relaxed);
+  if (last_scan < 0) return "last_stale_scan_ns " + std::to_string(last_scan);
+  latest.see(last_scan, kHeaderSlot);
   for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
-    if (auto lie = entry_lie(layout.entries[slot])) return "slot " + std::to_string(slot) + ": " + *lie;
+    if (auto lie = entry_lie(layout.entries[slot], slot, latest)) return "slot " + std::to_string(slot) + ": " + *lie;
   }
+  // The clock is read after every time in the table: whatever a writer stored before is not later.
+  const std::int64_t now = monotonic_now_ns();
+  if (latest.ns > now && latest.ns - now > kClockSkewAllowanceNs) return latest.describe(now);
+  return std::nullopt;
+}
+
+std::optional<std::string> table_contradiction(const Layout& layout) {
+  const std::uint64_t issued_ids = layout.header.next_instance_id.load(std::memory_order_relaxed);
+  std::uint64_t mins = 0;
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    const EntryRecord& entry = layout.entries[slot];
+    if (!slot_active(entry)) continue;
+    const auto where = [slot] { return "slot " + std::to_string(slot) + ": "; };
+    const std::uint64_t id = entry.instance_id.load(std::memory_order_relaxed);
+    if (id == 0 || id > issued_ids) {
+      return where() + "instance_id " + std::to_string(id) + ", never handed out (the last was " +
+             std::to_string(issued_ids) + ")";
+    }
+    const std::uint64_t min = entry.min_bytes.load(std::memory_order_relaxed);
+    const std::uint64_t limit = entry.limit_bytes.load(std::memory_order_relaxed);
+    if (limit != kNoLimit && min > limit) {
+      return where() + "min_bytes " + std::to_string(min) + " above its limit of " + bytes_words(limit);
+    }
+    if (__builtin_add_overflow(mins, min, &mins)) mins = std::numeric_limits<std::uint64_t>::max();
+    if (entry.reclaim_target_bytes.load(std::memory_order_relaxed) == kNoLimit) continue;
+    const std::uint64_t requester = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
+    const std::uint64_t requester_id = entry.reclaim_requester_id.load(std::memory_order_relaxed);
+    if (requester == slot) return where() + "a reclaim target asked by itself";
+    if (requester_id == 0 || requester_id > issued_ids) {
+      return where() + "a reclaim target asked by instance " + std::to_string(requester_id) +
+             ", never handed out (the last was " + std::to_string(issued_ids) + ")";
+    }
+  }
+  const std::uint64_t budget = layout.header.budget_bytes.load(std::memory_order_relaxed);
+  if (mins > budget) return "mins summing to " + bytes_words(mins) + ", above the budget of " + bytes_words(budget);
   return std::nullopt;
 }
 
@@ -147,12 +210,20 @@ std::vector<std::pair<std::string, std::size_t>> registry_layout_offsets() {
       {"entry.mapped_bytes", offsetof(EntryRecord, mapped_bytes)},
       {"entry.name", offsetof(EntryRecord, name)},
       {"entry.local_device", offsetof(EntryRecord, local_device)},
+      {"header.next_instance_id", offsetof(Header, next_instance_id)},
+      {"header.last_stale_scan_ns", offsetof(Header, last_stale_scan_ns)},
+      {"entry.instance_id", offsetof(EntryRecord, instance_id)},
+      {"entry.limit_bytes", offsetof(EntryRecord, limit_bytes)},
+      {"entry.wanted_bytes", offsetof(EntryRecord, wanted_bytes)},
+      {"entry.wanted_at_ns", offsetof(EntryRecord, wanted_at_ns)},
       {"entry.min_bytes", offsetof(EntryRecord, min_bytes)},
       {"entry.priority", offsetof(EntryRecord, priority)},
       {"entry.reclaim_target_bytes", offsetof(EntryRecord, reclaim_target_bytes)},
       {"entry.weights_bytes", offsetof(EntryRecord, weights_bytes)},
       {"entry.sleeping", offsetof(EntryRecord, sleeping)},
       {"entry.handles", offsetof(EntryRecord, handles)},
+      {"entry.reclaim_requester_slot", offsetof(EntryRecord, reclaim_requester_slot)},
+      {"entry.reclaim_requester_id", offsetof(EntryRecord, reclaim_requester_id)},
   };
 #pragma GCC diagnostic pop
 }

@@ -35,6 +35,15 @@ inline constexpr std::uint64_t kSlotActive = 1;
 inline constexpr std::uint64_t kMaxPlausibleBytes = std::uint64_t{1} << 56;
 // More handles on one entry than any engine's processes could hold cannot be true.
 inline constexpr std::uint64_t kMaxEntryHandles = std::uint64_t{1} << 20;
+// Priorities are stored as 64-bit, accepted as 32-bit: room to grow, none to overflow.
+inline constexpr std::int64_t kMinPriority = INT32_MIN;
+inline constexpr std::int64_t kMaxPriority = INT32_MAX;
+// Times in the table are CLOCK_MONOTONIC readings of the process that wrote them, which on
+// one machine (and in one time namespace) every process shares. A time later than the
+// reader's own clock by more than this is a lie (a refusal that would never lapse). The
+// margin is wide on purpose: a lie within it lasts one second more, while a false alarm
+// would make every engine on the device detach.
+inline constexpr std::int64_t kClockSkewAllowanceNs = 1'000'000'000;
 
 using Counter = std::atomic<std::uint64_t>;
 using SignedCounter = std::atomic<std::int64_t>;
@@ -149,10 +158,19 @@ inline std::size_t held_bytes(const EntryRecord& entry) noexcept {
 // Every active entry's KV cache and weights together (saturating).
 std::size_t total_held_bytes(const Layout& layout) noexcept;
 
-// The first value in the table that cannot be true (a slot state other than
-// free or active, a pid outside pid_t's positive range, a budget or byte count
-// above kMaxPlausibleBytes), described for a message; nullopt when none. Read
-// under the lock, or from a private copy.
+// The first value in the table that cannot be true on its own (a slot state other than
+// free or active, a pid outside pid_t's positive range, a budget or byte count above
+// kMaxPlausibleBytes, a priority outside int32, a time in the future or before the clock
+// started, a reclaim requester slot beyond the table), described for a message; nullopt
+// when none. Never a false alarm, with or without the lock (writers store in-range
+// values, an entry's fields before its state), so also read from a private copy.
 std::optional<std::string> table_lie(const Layout& layout);
+
+// The first pair of values that contradict each other (a min above the instance's max,
+// mins summing above the budget, a reclaim target asked by its own holder or by an
+// instance id never handed out), described for a message; nullopt when none. kvcached
+// keeps these relations under the lock but writes their values one at a time, so only a
+// reader holding the lock can tell a lie from a change in progress.
+std::optional<std::string> table_contradiction(const Layout& layout);
 
 }  // namespace kvcached::registry_detail

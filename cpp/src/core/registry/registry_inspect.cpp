@@ -134,6 +134,7 @@ FileVerdict inspect_registry_file(int fd, const struct stat& info) {
     return verdict;
   }
   verdict.kind = FileVerdict::current;
+  verdict.contradiction_seen = table_contradiction(*layout).has_value();
   verdict.device.assign(header.device, strnlen(header.device, sizeof header.device));
   for (const EntryRecord& entry : layout->entries) {
     if (slot_active(entry) && process_alive(entry.pid.load(), entry.start_time_ticks.load())) {

@@ -15,7 +15,7 @@ namespace kvcached::registry_detail {
 
 struct FileVerdict {
   enum Kind {
-    current,        // layout version 2, whole
+    current,        // this layout version, whole
     old_style,      // layout version 1
     damaged,        // ours but truncated, empty, or holding impossible values
     foreign,        // not a kvcached registry
@@ -28,6 +28,9 @@ struct FileVerdict {
   std::vector<std::int64_t> live_pids;
   // Old-style: whether its table could be read (else nobody can tell who uses it).
   bool table_readable = true;
+  // Current: its copy holds values that contradict each other, which only a look under
+  // the lock can confirm (the copy may have caught a change half-way).
+  bool contradiction_seen = false;
 };
 
 // Reads the file behind `fd` (fstat'ed as `info`) with pread.

@@ -74,7 +74,7 @@ RegistryLock::RegistryLock(Segment& segment, LockCheck check) : segment_(segment
   }
   if (check == LockCheck::attached) return;  // hot paths: see LockCheck
   try {
-    segment.check_table();  // a lying entry must not steer this section (sums, liveness)
+    segment.check_table_locked();  // a lying entry must not steer this section (sums, liveness)
   } catch (...) {
     header.lock_owner_pid.store(0, std::memory_order_relaxed);
     pthread_mutex_unlock(&header.mutex);

@@ -46,7 +46,7 @@ enum class LockCheck {
 class RegistryLock {
  public:
   // Checks the segment as asked, then takes the lock, then (unless `attached`)
-  // checks that the table holds no impossible value (Segment::check_table). Throws
+  // checks that the table holds no impossible value (Segment::check_table_locked). Throws
   // RegistryUnusable, or DriverError when the lock stays held past the timeout.
   explicit RegistryLock(Segment& segment, LockCheck check = LockCheck::file_path);
   ~RegistryLock();

@@ -12,6 +12,7 @@
 
 #include "kvcached/registry/registry_errors.hpp"
 #include "registry_inspect.hpp"
+#include "registry_lock.hpp"
 #include "registry_os.hpp"
 
 namespace kvcached::registry_detail {
@@ -41,6 +42,18 @@ struct Opened {
                          (dangling ? ", which does not exist" : "") +
                          "); kvcached never follows links there, so that no link can redirect "
                          "engines to another file. Remove the link");
+}
+
+// What the table lies about, seen under its lock; nullopt when nothing. Other damage throws.
+std::optional<std::string> lie_under_lock(Segment& segment) {
+  try {
+    RegistryLock lock(segment);
+    lock.confirm();
+  } catch (const RegistryUnusable&) {
+    if (auto lie = segment.lie()) return lie;
+    throw;
+  }
+  return std::nullopt;
 }
 
 Layout* map_layout(int fd, const std::string& path) {
@@ -120,6 +133,10 @@ Opened open_existing(const std::string& path, const std::string& device, const A
   // releases both if it fails).
   auto segment = std::make_shared<Segment>(path, device, fd, layout);
   segment->check_intact(/*check_path=*/true);
+  // Values that contradict each other are certain only under the lock: such a file is
+  // damaged like one whose copy lied (replaced when creating, reported otherwise).
+  if (auto lie = lie_under_lock(*segment))
+    return Opened{nullptr, false, info, "holds a value that cannot be true (" + *lie + ")"};
   return Opened{std::move(segment), false, std::nullopt, ""};
 }
 
@@ -159,6 +176,12 @@ std::shared_ptr<Segment> create_segment(const std::string& path, const std::stri
 }
 
 }  // namespace
+
+std::optional<std::string> damage_seen_under_lock(const std::string& path, const std::string& device) {
+  const Opened opened = open_existing(path, device, AccessPolicy::configured());
+  if (!opened.segment && opened.stale) return opened.why;
+  return std::nullopt;
+}
 
 std::string registry_path(const std::string& device) { return registry_directory() + "/" + kSegmentPrefix + device; }
 

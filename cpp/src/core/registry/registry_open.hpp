@@ -23,6 +23,11 @@ std::string registry_path(const std::string& device);
 // replaced when creating and reported (RegistryUnusable) otherwise.
 std::shared_ptr<Segment> open_or_create_segment(const std::string& device, std::optional<std::size_t> budget_bytes);
 
+// Why the current registry file at `path` is damaged, judged with it open and its lock
+// held (values that contradict each other are certain only there); nullopt when it is
+// sound. Throws what opening it would (another version, access denied, ...).
+std::optional<std::string> damage_seen_under_lock(const std::string& path, const std::string& device);
+
 // Exclusive lock on a directory (flock), so that removing a stale file cannot
 // race with another remover putting a fresh one in its place.
 class DirectoryLock {

@@ -2,6 +2,7 @@
 #include "registry_policy.hpp"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 #include <vector>
@@ -13,15 +14,26 @@ namespace kvcached::registry_detail {
 
 namespace {
 
+// Its last refusal or want() is recent: it still waits, whatever it was granted since.
+bool asked_recently(const EntryRecord& entry, std::int64_t now_ns) noexcept {
+  return now_ns - entry.wanted_at_ns.load(std::memory_order_relaxed) < kPressureWindowNs;
+}
+
 bool refused_recently(const EntryRecord& entry, std::int64_t now_ns) noexcept {
-  return entry.wanted_bytes.load(std::memory_order_relaxed) > 0 &&
-         now_ns - entry.wanted_at_ns.load(std::memory_order_relaxed) < kPressureWindowNs;
+  return entry.wanted_bytes.load(std::memory_order_relaxed) > 0 && asked_recently(entry, now_ns);
 }
 
 // "3221225472 bytes (3072 MiB)": exact for scripts, readable for people.
 std::string bytes_text(std::size_t bytes) {
   return std::to_string(bytes) + " bytes (" + std::to_string(bytes >> 20) + " MiB)";
 }
+
+// Below its min: what it is owed may be claimed from anyone (docs/memory-policy.md).
+bool below_min(const EntryRecord& entry) noexcept {
+  return entry.mapped_bytes.load(std::memory_order_relaxed) < min_of(entry);
+}
+
+constexpr std::size_t kNotAsked = std::numeric_limits<std::size_t>::max();
 
 struct Candidate {
   std::size_t slot;
@@ -31,6 +43,25 @@ struct Candidate {
   std::size_t surplus;  // above its min
   std::size_t take = 0;
 };
+
+// Spreads `bytes` over the candidates, never beyond one's surplus: memory nobody uses
+// first (an idle holder's), from all of them, then used memory, lowest priority first.
+// Returns how much of it they cover.
+std::size_t share_out(std::vector<Candidate>& candidates, std::size_t bytes) {
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.priority != b.priority ? a.priority < b.priority : a.free > b.free;
+  });
+  std::size_t remaining = bytes;
+  for (Candidate& c : candidates) {
+    const std::size_t take = std::min(c.free, remaining);
+    c.take += take, remaining -= take;
+  }
+  for (Candidate& c : candidates) {
+    const std::size_t take = std::min(c.surplus - c.take, remaining);
+    c.take += take, remaining -= take;
+  }
+  return bytes - remaining;
+}
 
 }  // namespace
 
@@ -94,59 +125,86 @@ std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRe
   const std::uint64_t requester_slot = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
   if (requester_slot >= kRegistryCapacity) return std::nullopt;
   const EntryRecord& requester = layout.entries[requester_slot];
+  if (&requester == &entry) return std::nullopt;  // nobody asks itself (a lie: table_contradiction)
   if (!owns_entry(requester, entry.reclaim_requester_id.load(std::memory_order_relaxed))) return std::nullopt;
-  if (!refused_recently(requester, now_ns)) return std::nullopt;
-  if (priority_of(requester) <= priority_of(entry)) return std::nullopt;  // priorities changed since
+  // Kept while the requester asks, even once grants covered what it asked last: an engine
+  // asks a little at a time, and a holder that grew back in between would undo the shrink.
+  if (!asked_recently(requester, now_ns)) return std::nullopt;
+  // Priorities or mins changed since, or the requester reached its min: no claim is left.
+  const bool outranks = priority_of(requester) > priority_of(entry);
+  if (!outranks && !below_min(requester)) return std::nullopt;
   return std::max<std::size_t>(target, min_of(entry));
 }
 
-std::size_t ask_lower_priority_to_shrink(Layout& layout, std::size_t requester_slot, std::size_t deficit_bytes,
-                                         std::int64_t now_ns) noexcept {
+std::size_t holding_ceiling(const Layout& layout, std::size_t slot) noexcept {
+  std::size_t others_mins = 0;
+  for (std::size_t other = 0; other < kRegistryCapacity; ++other) {
+    const EntryRecord& entry = layout.entries[other];
+    if (other == slot || !slot_active(entry)) continue;
+    if (entry.sleeping.load(std::memory_order_relaxed) != 0) continue;  // asleep, it claims nothing
+    if (__builtin_add_overflow(others_mins, min_of(entry), &others_mins)) return 0;
+  }
+  // Model weights awake are given back only by a sleep, which no KV shrink asks for.
+  const std::size_t weights = total_weights_bytes(layout);
+  const std::size_t budget = plausible_bytes(layout.header.budget_bytes.load(std::memory_order_relaxed));
+  const std::size_t ceiling = saturating_sub(saturating_sub(budget, others_mins), weights);
+  const auto limit = limit_of(layout.entries[slot]);
+  return limit ? std::min(ceiling, *limit) : ceiling;
+}
+
+std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, const ReclaimRequest& request,
+                                 std::int64_t now_ns) noexcept {
   const EntryRecord& requester = layout.entries[requester_slot];
   const std::int64_t requester_priority = priority_of(requester);
-  std::vector<Candidate> candidates;
+  std::vector<Candidate> lower, others;  // others: equal or higher priority, asked for a min only
   try {
     for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
       const EntryRecord& entry = layout.entries[slot];
-      if (slot == requester_slot || !slot_active(entry) || priority_of(entry) >= requester_priority) continue;
+      if (slot == requester_slot || !slot_active(entry)) continue;
       const std::size_t mapped = entry.mapped_bytes.load(std::memory_order_relaxed);
       const std::size_t surplus = saturating_sub(mapped, min_of(entry));
       if (surplus == 0) continue;
       const std::size_t free = saturating_sub(entry.reported_mapped_bytes.load(std::memory_order_relaxed),
                                               entry.used_bytes.load(std::memory_order_relaxed));
-      candidates.push_back({slot, priority_of(entry), mapped, std::min(free, surplus), surplus});
+      const Candidate candidate{slot, priority_of(entry), mapped, std::min(free, surplus), surplus};
+      (candidate.priority < requester_priority ? lower : others).push_back(candidate);
     }
   } catch (...) {
-    return 0;  // no memory for the list: the refusal stands as plain pressure
+    return 0;  // no memory for the lists: the refusal stands as plain pressure
   }
-  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-    return a.priority != b.priority ? a.priority < b.priority : a.free > b.free;
-  });
-  std::size_t remaining = deficit_bytes;
-  // Memory nobody uses first (an idle holder's), from every lower priority; then used
-  // memory, lowest priority first.
-  for (Candidate& c : candidates) {
-    const std::size_t take = std::min(c.free, remaining);
-    c.take += take, remaining -= take;
-  }
-  for (Candidate& c : candidates) {
-    const std::size_t take = std::min(c.surplus - c.take, remaining);
-    c.take += take, remaining -= take;
+  const std::size_t from_lower = share_out(lower, request.deficit_bytes);
+  const std::size_t owed = saturating_sub(std::min(request.guaranteed_bytes, request.deficit_bytes), from_lower);
+  const std::size_t from_others = share_out(others, owed);
+  std::array<std::size_t, kRegistryCapacity> asked;  // what each instance is asked to shrink to now
+  asked.fill(kNotAsked);
+  for (const std::vector<Candidate>* group : {&lower, &others}) {
+    for (const Candidate& c : *group) {
+      if (c.take > 0) asked[c.slot] = c.mapped - c.take;
+    }
   }
   const std::uint64_t requester_id = requester.instance_id.load(std::memory_order_relaxed);
-  for (const Candidate& c : candidates) {
-    if (c.take == 0) continue;
-    EntryRecord& entry = layout.entries[c.slot];
-    const std::size_t target = c.mapped - c.take;
+  for (std::size_t slot = 0; slot < kRegistryCapacity; ++slot) {
+    EntryRecord& entry = layout.entries[slot];
+    if (slot == requester_slot || !slot_active(entry)) continue;
+    // This ask says all the requester still lacks: it replaces the requester's own earlier
+    // targets, tighter or looser, and ends those it no longer needs (else a target written
+    // for an old request would come back into force with the next refusal).
+    const bool ours = entry.reclaim_target_bytes.load(std::memory_order_relaxed) != kNoLimit &&
+                      entry.reclaim_requester_slot.load(std::memory_order_relaxed) == requester_slot &&
+                      entry.reclaim_requester_id.load(std::memory_order_relaxed) == requester_id;
+    if (asked[slot] == kNotAsked) {
+      if (ours) entry.reclaim_target_bytes.store(kNoLimit, std::memory_order_release);
+      continue;
+    }
     const auto in_force = reclaim_target_of(layout, entry, now_ns);
-    if (in_force && *in_force <= target) continue;  // a tighter shrink is already asked for
+    if (!ours && in_force && *in_force <= asked[slot]) continue;  // another's tighter shrink stays
     // Requester first, target last: a lock-free reader never pairs a new target with
     // an old requester for long, and both are checked again on every read.
     entry.reclaim_requester_slot.store(requester_slot, std::memory_order_relaxed);
     entry.reclaim_requester_id.store(requester_id, std::memory_order_relaxed);
-    entry.reclaim_target_bytes.store(target, std::memory_order_release);
+    entry.reclaim_target_bytes.store(asked[slot], std::memory_order_release);
   }
-  return deficit_bytes - remaining;
+  return from_lower + from_others;
 }
 
 std::size_t total_min_bytes(const Layout& layout) noexcept {

@@ -10,10 +10,13 @@
 // and for what a higher-priority instance was recently refused. (2) Reclaim: an instance
 // refused for lack of room writes a *reclaim target* into the entries of lower-priority
 // instances (lowest priority first, their free mapped memory before their used memory,
-// never below their min); each pool reads it as an external limit and shrinks as it does
-// for `kvctl set-limit`. (3) A target is in force only while its requester's entry lives
-// and its refusal is recent (kPressureWindowNs): nobody clears it, so a requester that got
-// its memory, gave up or died cannot leave a shrink in force.
+// never below their min), and, for what its own min is still owed, into the entries of
+// any other instance; each pool reads it as an external limit and shrinks as it does for
+// `kvctl set-limit`. A requester's every refusal (and want()) asks for all it still lacks,
+// replacing its own earlier targets. (3) A target is in force only while its requester's
+// entry lives and its last refusal or want() is recent (kPressureWindowNs), grants since
+// notwithstanding: nobody else clears it, so a requester that stopped asking (it got its
+// memory, gave up or died) cannot leave a shrink in force for more than that window.
 //
 // Limitations. A target is a request, not a revocation: a busy engine shrinks as fast as
 // it can free blocks (cached prefixes first, then preemption). Liveness of a requester is
@@ -28,10 +31,6 @@
 #include "registry_format.hpp"
 
 namespace kvcached::registry_detail {
-
-// Priorities are stored as 64-bit, accepted as 32-bit: room to grow, none to overflow.
-inline constexpr std::int64_t kMinPriority = INT32_MIN;
-inline constexpr std::int64_t kMaxPriority = INT32_MAX;
 
 inline std::size_t min_of(const EntryRecord& entry) noexcept {
   return static_cast<std::size_t>(entry.min_bytes.load(std::memory_order_relaxed));
@@ -53,16 +52,34 @@ std::size_t room_for(const Layout& layout, std::size_t slot, std::int64_t now_ns
 std::size_t room_for_weights(const Layout& layout, std::size_t slot, std::int64_t now_ns) noexcept;
 
 // The reclaim target in force on `entry` (never below its min), or nullopt: none was
-// set, or its requester's entry is gone or its refusal is no longer recent.
+// set, or its requester's entry is gone, its last refusal or want() is no longer recent,
+// or it no longer has a claim on this instance (a higher priority, or a min it has not
+// reached yet).
 std::optional<std::size_t> reclaim_target_of(const Layout& layout, const EntryRecord& entry,
                                              std::int64_t now_ns) noexcept;
 
-// After `requester_slot` was refused for want of `deficit_bytes`: lower-priority
-// instances are given reclaim targets covering as much of it as their surplus above min
-// allows. Lowest priority first; within it, free mapped memory (reported) before used
-// memory. A tighter target already in force stays. Returns the bytes asked for.
-std::size_t ask_lower_priority_to_shrink(Layout& layout, std::size_t requester_slot, std::size_t deficit_bytes,
-                                         std::int64_t now_ns) noexcept;
+// The most `slot` could ever hold while the table stays as it is: its max, and the budget
+// less what every other awake instance is guaranteed (the sum of their mins) and every
+// model's weights awake. A request that
+// would take it beyond this waits for nothing: it is refused at once and asks nobody.
+std::size_t holding_ceiling(const Layout& layout, std::size_t slot) noexcept;
+
+// What `requester_slot` asks of others after being refused for want of `deficit_bytes`,
+// of which `guaranteed_bytes` (at most the deficit) it is owed by its min.
+struct ReclaimRequest {
+  std::size_t deficit_bytes;
+  std::size_t guaranteed_bytes;
+};
+
+// Gives other instances reclaim targets covering the request as far as their surplus
+// above their own min allows. Lower priorities cover the whole deficit: free mapped memory
+// (reported) first, from every lower priority, then used memory, lowest priority first.
+// Instances of equal or higher priority cover only what the requester's min is still owed
+// beyond that, in the same order: a min is there to be claimed whoever holds it. The
+// request replaces the requester's own earlier targets (ending those it no longer needs);
+// another requester's tighter target already in force stays. Returns the bytes asked for.
+std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, const ReclaimRequest& request,
+                                 std::int64_t now_ns) noexcept;
 
 // Sum of every active entry's min (saturating).
 std::size_t total_min_bytes(const Layout& layout) noexcept;

@@ -88,14 +88,27 @@ void Segment::check_header() {
 }
 
 void Segment::check_table() {
-  if (auto lie = table_lie(*layout_)) {
-    {
-      std::lock_guard<std::mutex> guard(lie_mutex_);
-      if (lie_.empty()) lie_ = *lie;
-    }
-    detach(kImpossible);
-    throw_unusable();
+  if (auto lie = table_lie(*layout_)) detach_for_lie(*lie);
+}
+
+void Segment::check_table_locked() {
+  check_table();
+  if (auto contradiction = table_contradiction(*layout_)) detach_for_lie(*contradiction);
+}
+
+void Segment::detach_for_lie(const std::string& lie) {
+  {
+    std::lock_guard<std::mutex> guard(lie_mutex_);
+    if (lie_.empty()) lie_ = lie;
   }
+  detach(kImpossible);
+  throw_unusable();
+}
+
+std::optional<std::string> Segment::lie() const {
+  if (reason_.load() != kImpossible) return std::nullopt;
+  std::lock_guard<std::mutex> guard(lie_mutex_);
+  return lie_;
 }
 
 void Segment::throw_unusable() const {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "registry_format.hpp"
@@ -64,14 +65,20 @@ class Segment {
   // Called before every lock: a garbage mutex is never handed to pthreads.
   void check_header();
   // Throws RegistryUnusable (detaching first) if the table holds a value that
-  // cannot be true. Exact under the lock; without it never a false alarm
-  // (writers store in-range values, an entry's fields before its state).
+  // cannot be true (table_lie). Never a false alarm, with or without the lock.
   void check_table();
+  // The same, and values that contradict each other (table_contradiction): call
+  // with the lock held, the only place where those are certain.
+  void check_table_locked();
+  // What the table was found to lie about, once detached for it (kImpossible).
+  std::optional<std::string> lie() const;
   [[noreturn]] void throw_unusable() const;
   // Stops using the file (idempotent; the first reason is kept).
   void detach(DetachReason reason) noexcept;
 
  private:
+  [[noreturn]] void detach_for_lie(const std::string& lie);
+
   std::string path_;
   std::string device_;
   int fd_;

@@ -183,13 +183,15 @@ class EngineBlocks:
         """The engine waits for blocks it did not ask for, having seen too few available.
 
         An engine that checks free blocks before it allocates never has a
-        request refused, so nobody would learn that it waits: this records
-        one page id wanted on every rank's registry entry whose device is
-        full (not where its own limit is the obstacle), which idle instances
-        of the device read as pressure to give memory back.
+        request refused, so nobody would learn that it waits: this records,
+        on every rank's registry entry, one page id more than that budget
+        could grant now (what it saw was too few), unless its own limit is the
+        obstacle. Idle instances of the device read it as pressure to give
+        memory back, lower priorities as a reclaim target; called each step
+        while the engine waits, it keeps them shrinking until it has enough.
         """
         for budget, page_id_bytes in zip(self.budgets, self._page_id_bytes):
-            budget.want(page_id_bytes)
+            budget.want(int(budget.available_bytes) + page_id_bytes)
 
     def secure(self, n: int) -> bool:
         """Holds at least ``n`` blocks for the next allocations if memory allows.
