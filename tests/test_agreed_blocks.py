@@ -142,13 +142,13 @@ def test_a_wake_up_refused_on_one_rank_leaves_every_rank_asleep(engine):
     leader.sleep()
     follower.call("sleep")
     leader.poll_acknowledgements()
-    registry_for("cpu").set_limit(follower.process.pid, 0)  # rank 1 may hold nothing
+    registry_for("cpu").set_policy(follower.process.pid, max_bytes=0)  # rank 1 may hold nothing
     with pytest.raises(OutOfMemoryError):
         leader.wake_up()
     status, error = follower.call("wake_up")
     assert status == "error" and error.startswith("OutOfMemoryError") and "could not wake" in error
     assert leader.asleep and _entries(name)["rank0-cpu"]["mapped_bytes"] == 0
-    registry_for("cpu").set_limit(follower.process.pid, None)
+    registry_for("cpu").set_policy(follower.process.pid, clear_max=True)
     leader.wake_up()
     assert follower.call("wake_up") == ("ok", None)
 
