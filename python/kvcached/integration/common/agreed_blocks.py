@@ -231,8 +231,8 @@ class LeaderBlocks(_AgreedBlocks):
         """``decide()`` here, its answer on every rank (a time- or memory-dependent choice)."""
         return self._answer("agree", decide())
 
-    def want_more(self) -> None:
-        self.blocks.want_more()
+    def want_more(self, missing_blocks: int = 0) -> None:
+        self.blocks.want_more(missing_blocks)
 
     def end_step(self) -> None:
         self._poll()

@@ -179,19 +179,21 @@ class EngineBlocks:
         """Gives handed-out ids back. Unknown, repeated, free or secured ids raise ValueError, freeing nothing."""
         self.manager.free(ids)
 
-    def want_more(self) -> None:
+    def want_more(self, missing_blocks: int = 0) -> None:
         """The engine waits for blocks it did not ask for, having seen too few available.
 
         An engine that checks free blocks before it allocates never has a
         request refused, so nobody would learn that it waits: this records,
-        on every rank's registry entry, one page id more than that budget
-        could grant now (what it saw was too few), unless its own limit is the
-        obstacle. Idle instances of the device read it as pressure to give
-        memory back, lower priorities as a reclaim target; called each step
-        while the engine waits, it keeps them shrinking until it has enough.
+        on every rank's registry entry, what that budget could grant now plus
+        ``missing_blocks`` (at least one page id more: what it saw was too
+        few), unless its own limit is the obstacle. Idle instances of the
+        device read it as pressure to give memory back, lower priorities as a
+        reclaim target for all of it; called each step while the engine waits,
+        it keeps them shrinking until it has enough.
         """
+        pages = max(1, -(-int(missing_blocks) // int(self.layout.blocks_per_page)))
         for budget, page_id_bytes in zip(self.budgets, self._page_id_bytes):
-            budget.want(int(budget.available_bytes) + page_id_bytes)
+            budget.want(int(budget.available_bytes) + pages * page_id_bytes)
 
     def secure(self, n: int) -> bool:
         """Holds at least ``n`` blocks for the next allocations if memory allows.

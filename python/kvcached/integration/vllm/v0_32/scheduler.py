@@ -48,6 +48,7 @@ class EngineKV:
         self.name = name
         self.num_exhausted = 0  # allocations kvcached refused after vLLM's check passed
         self.num_preempted = 0  # requests vLLM preempted (for lack of KV memory)
+        self.short_of_blocks = False  # this step, vLLM saw too few blocks for a request
         self.block_pool: Any = None
         # An in-process EngineCore's steps and its idle flush (on IdleRelease's thread) take turns.
         self.lock = threading.RLock()
@@ -152,11 +153,11 @@ def wrap_allocate_slots(original: Any) -> Any:
             logger.debug("kvcached: %s waits or is preempted: %s", request_id, exc)
             return None
         if blocks is None:
-            # vLLM saw too few free blocks and asked kvcached for none: say that
-            # this engine waits, so that idle engines on the device give memory back.
+            # vLLM saw too few free blocks and asked kvcached for none: the step's end says
+            # how much this engine waits for (schedule), so that others give memory back.
             engine = getattr(self.block_pool, "_kv", None)
             if engine is not None:
-                engine.blocks.want_more()
+                engine.short_of_blocks = True
         return blocks
 
     return allocate_slots
@@ -173,13 +174,23 @@ def wrap_schedule(original: Any) -> Any:
         engine.block_pool.forget_available()
         if engine.blocks.asked_to_shrink():  # a higher priority waits, or kvctl lowered the limit
             shrink_to_limit(self, engine)
+        engine.short_of_blocks = False
         output = original(self, *args, **kwargs)
+        if engine.short_of_blocks:
+            engine.blocks.want_more(_blocks_waited_for(self))
         ops = engine.blocks.take_page_ops()
         if ops is not None:
             setattr(output, PAGE_OPS_ATTR, ops)
         return output
 
     return schedule
+
+
+def _blocks_waited_for(scheduler: Any) -> int:
+    """Blocks the requests still waiting would take: what this engine asks the device for while it
+    waits (all of it at once, so that lower priorities are asked for all of it, not a page a step)."""
+    block_size = scheduler.block_size
+    return sum(-(-getattr(request, "num_tokens", 0) // block_size) for request in scheduler.waiting)
 
 
 def wrap_preempt_request(original: Any) -> Any:
