@@ -38,6 +38,7 @@ from kvcached.option_values import InstanceName, Size, describe
 from kvcached.registry import MemoryPolicy
 from kvcached.serve.config_limits import capped, check_values, key_text, load_yaml, read_config_file, shown
 from kvcached.serve.engines import ENGINES, OWNED_ARGUMENTS, POLICY_VARIABLES
+from kvcached.serve.fit import check_fit
 from kvcached.serve.owned_arguments import owned_flag
 from kvcached.serve.spec import (
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -262,7 +263,7 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> ServeConfig:
         seen[spec.name] = i
     budget = _size(section["budget"], "budget") if "budget" in section else None
     if budget is not None:
-        check_min_sum(models, budget, "budget")
+        check_fit(models, budget, "budget")
     log_dir = section.get("log_dir")
     if log_dir is not None:
         log_dir = _path_from(base_dir, _text(log_dir, "log_dir", "a directory"))
@@ -280,17 +281,6 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> ServeConfig:
     )
 
 
-def check_min_sum(models: tuple[ModelSpec, ...], budget_bytes: int, budget_key: str) -> None:
-    """Refuses mins that together exceed the device budget: they could not all be guaranteed."""
-    total = sum(spec.memory.min_bytes for spec in models)
-    if total > budget_bytes:
-        raise _fail(
-            budget_key,
-            f"the models' memory.min add up to {format_bytes(total)}, above the budget of "
-            f"{format_bytes(budget_bytes)}; lower some min or raise the budget",
-        )
-
-
 def load_config(path: str | os.PathLike) -> ServeConfig:
     """Reads and checks the YAML file at ``path`` (see :func:`parse_config`), within the bounds of
     :mod:`kvcached.serve.config_limits` (size, encoding, aliases, depth, numbers)."""
@@ -305,7 +295,6 @@ __all__ = [
     "ModelSpec",
     "RestartPolicy",
     "ServeConfig",
-    "check_min_sum",
     "load_config",
     "parse_config",
 ]

@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 from kvcached.errors import KvcachedError, RegistryUnusableError, ServeConfigError
 from kvcached.registry import DeviceRegistry, default_budget_bytes, open_existing, registry_for
-from kvcached.serve.config import ServeConfig, check_min_sum
+from kvcached.serve.fit import check_fit
+from kvcached.serve.spec import ServeConfig
 from kvcached.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class DeviceMemory:
     def _check_device(self) -> None:
         self.registry.clean_stale()  # entries of engines that died before, named like ours
         config = self._config
-        check_min_sum(config.models, self.registry.budget_bytes, "budget" if config.budget_bytes else "device")
+        check_fit(config.models, self.registry.budget_bytes, "budget" if config.budget_bytes else "device")
         names = {spec.name for spec in config.models}
         for entry in self.registry.entries():
             if entry["alive"] and entry["name"] in names:

@@ -23,11 +23,11 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvcached.errors import KvcachedError, ServeError
 from kvcached.serve.engine_sleep import EngineSleepError, put_to_sleep, wake
+from kvcached.serve.fit import checkpoint_bytes
 from kvcached.serve.spec import ModelSpec, ServeConfig
 from kvcached.sizes import format_bytes
 
@@ -35,20 +35,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
 ROOM_POLL_S = 0.05  # while waiting for a busy model to become idle (so it can be put to sleep)
-
-
-# Files that hold a checkpoint's weights (what an engine's weights take awake, before it ever ran).
-_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def checkpoint_bytes(model: str) -> Optional[int]:
-    """The size of the weight files of a model given as a local directory; None when it is not one
-    (a hub id: the size is learnt once its engine has run)."""
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
-        return None
-    sizes = [f.stat().st_size for f in folder.iterdir() if f.suffix in _CHECKPOINT_SUFFIXES and f.is_file()]
-    return sum(sizes) if sizes else None
 
 
 class SleepState(str, enum.Enum):
@@ -342,4 +328,4 @@ class SleepManager:
         ]
 
 
-__all__ = ["SleepManager", "SleepState", "WakeRefused", "checkpoint_bytes"]
+__all__ = ["SleepManager", "SleepState", "WakeRefused"]
