@@ -148,3 +148,24 @@ def test_a_sleeping_instance_claims_no_min_until_it_wakes():
     weights.credit(2 * PAGE_BYTES, True)  # asleep
     assert other.try_acquire(8 * PAGE_BYTES), "asleep, it claims nothing: everything may be used"
     assert not weights.try_charge(2 * PAGE_BYTES), "its wake asks like anyone else"
+
+
+def test_mins_that_fit_only_beside_sleeping_instances_are_accepted_and_a_wake_must_make_its_min_fit():
+    """The mins of the instances awake fit the budget: a sleeping one's min is not counted when
+    another registers or raises its min, and its wake takes its weights only where its min fits."""
+    registry = DeviceRegistry(DEVICE, 8 * PAGE_BYTES)
+    sleeper = registry.register("sleeper", policy=MemoryPolicy(min_bytes=4 * PAGE_BYTES))
+    weights = sleeper.weights_budget()
+    assert weights.try_charge(PAGE_BYTES)
+    with pytest.raises(ValueError, match=r"registering 'late' with a min .* would sum to"):
+        registry.register("late", policy=MemoryPolicy(min_bytes=5 * PAGE_BYTES))
+    weights.credit(PAGE_BYTES, True)  # asleep: its min is claimed by nobody
+    late = registry.register("late", policy=MemoryPolicy(min_bytes=5 * PAGE_BYTES))
+    registry.set_policy("late", min_bytes=6 * PAGE_BYTES)
+    assert entry(registry, "late")["min_bytes"] == 6 * PAGE_BYTES
+    assert not weights.try_charge(PAGE_BYTES), "awake, its 4-page min would not fit beside the 6 pages of late's"
+    assert entry(registry, "sleeper")["sleeping"]
+    registry.set_policy("late", min_bytes=2 * PAGE_BYTES)
+    assert weights.try_charge(PAGE_BYTES), "its weights and its min fit beside late's min now"
+    late.unregister()
+    sleeper.unregister()

@@ -170,7 +170,8 @@ std::optional<std::string> table_contradiction(const Layout& layout) {
     if (limit != kNoLimit && min > limit) {
       return where() + "min_bytes " + std::to_string(min) + " above its limit of " + bytes_words(limit);
     }
-    if (__builtin_add_overflow(mins, min, &mins)) mins = std::numeric_limits<std::uint64_t>::max();
+    const bool asleep = entry.sleeping.load(std::memory_order_relaxed) != 0;  // claims no min
+    if (!asleep && __builtin_add_overflow(mins, min, &mins)) mins = std::numeric_limits<std::uint64_t>::max();
     if (entry.reclaim_target_bytes.load(std::memory_order_relaxed) == kNoLimit) continue;
     const std::uint64_t requester = entry.reclaim_requester_slot.load(std::memory_order_relaxed);
     const std::uint64_t requester_id = entry.reclaim_requester_id.load(std::memory_order_relaxed);

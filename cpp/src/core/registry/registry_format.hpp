@@ -167,7 +167,7 @@ std::size_t total_held_bytes(const Layout& layout) noexcept;
 std::optional<std::string> table_lie(const Layout& layout);
 
 // The first pair of values that contradict each other (a min above the instance's max,
-// mins summing above the budget, a reclaim target asked by its own holder or by an
+// the mins of the instances awake summing above the budget, a reclaim target asked by its own holder or by an
 // instance id never handed out), described for a message; nullopt when none. kvcached
 // keeps these relations under the lock but writes their values one at a time, so only a
 // reader holding the lock can tell a lie from a change in progress.

@@ -210,7 +210,9 @@ std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, con
 std::size_t total_min_bytes(const Layout& layout) noexcept {
   std::size_t total = 0;
   for (const EntryRecord& entry : layout.entries) {
-    if (!slot_active(entry)) continue;
+    // Asleep, an instance claims no min; its wake takes its weights only where its min fits too
+    // (room_for_weights), so the mins of the instances awake always fit the budget.
+    if (!slot_active(entry) || entry.sleeping.load(std::memory_order_relaxed) != 0) continue;
     if (__builtin_add_overflow(total, min_of(entry), &total)) return std::numeric_limits<std::size_t>::max();
   }
   return total;

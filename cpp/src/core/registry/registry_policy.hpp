@@ -81,7 +81,7 @@ struct ReclaimRequest {
 std::size_t ask_others_to_shrink(Layout& layout, std::size_t requester_slot, const ReclaimRequest& request,
                                  std::int64_t now_ns) noexcept;
 
-// Sum of every active entry's min (saturating).
+// Sum of the mins of the active entries that are awake (saturating): a sleeping one claims none.
 std::size_t total_min_bytes(const Layout& layout) noexcept;
 
 // InvalidArgument unless mins summing to `mins_bytes` fit `budget_bytes`; `what` says
