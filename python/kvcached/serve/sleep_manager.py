@@ -25,8 +25,10 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+import httpx
+
 from kvcached.errors import KvcachedError, ServeError
-from kvcached.serve.engine_sleep import EngineSleepError, put_to_sleep, wake
+from kvcached.serve.engine_sleep import CALL_TIMEOUT_S, EngineSleepError, put_to_sleep, wake
 from kvcached.serve.fit import checkpoint_bytes
 from kvcached.serve.spec import ModelSpec, ServeConfig
 from kvcached.sizes import format_bytes
@@ -74,6 +76,8 @@ class SleepManager:
         self._weights_bytes = {name: 0 for name in self._specs}  # as last seen awake
         self._stop = threading.Event()
         self._idle_thread: Optional[threading.Thread] = None
+        # One client for every sleep and wake call: a new one costs tens of ms (its TLS context).
+        self._http = httpx.Client(timeout=CALL_TIMEOUT_S)
 
     # ---- what the router and the views ask ------------------------------------------------------
 
@@ -241,7 +245,7 @@ class SleepManager:
             self._states[name] = SleepState.FALLING_ASLEEP
         self._note_weights(name)
         try:
-            put_to_sleep(self._specs[name], engine.base_url)
+            put_to_sleep(self._specs[name], engine.base_url, self._http)
         except EngineSleepError as exc:
             logger.error("%s: could not be put to sleep: %s", name, exc)
             with self._lock:
@@ -260,7 +264,7 @@ class SleepManager:
             self._states[name] = SleepState.WAKING
         started = time.monotonic()
         try:
-            wake(self._specs[name], engine.base_url)
+            wake(self._specs[name], engine.base_url, self._http)
         except EngineSleepError as exc:
             with self._lock:
                 self._states[name] = SleepState.ASLEEP
@@ -294,6 +298,7 @@ class SleepManager:
         self._stop.set()
         if self._idle_thread is not None:
             self._idle_thread.join()
+        self._http.close()
 
     def _idle_loop(self) -> None:
         while not self._stop.wait(IDLE_POLL_S):
