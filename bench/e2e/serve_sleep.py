@@ -279,7 +279,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         name: str(write_tiny_tokenizer(make_tiny_llama(workdir / name, seed=k))) for k, name in enumerate(names)
     }
     # One cold start before anything is timed: reads what the weights take in the registry and
-    # warms the page cache and Python's imports, as the timed cold starts will find them.
+    # warms the page cache and Python's imports, as the timed cold starts will find them. Only its
+    # engine's command is used: the budget and serve's port (8000) in this config never serve.
     probe = parse_config(serve_sleep_config(model_dirs, 1, MIN_FLOOR_BYTES, 1 << 30, 8000), workdir).models[0]
     warm_up = cold_start(probe, workdir, "warm-up")
     sizes = awake_sizes(warm_up["cold_weights_bytes"])
