@@ -61,7 +61,9 @@ def test_the_largest_sleepy_model_beside_the_mins_of_those_that_never_sleep_must
 
 
 def test_a_sleepy_model_alone_larger_than_the_budget_is_refused(tmp_path):
-    with pytest.raises(ServeConfigError, match=r"^budget: the model 'big' needs 20.0 MiB awake .*above the budget of 16.0"):
+    with pytest.raises(
+        ServeConfigError, match=r"^budget: the model 'big' needs 20.0 MiB awake .*above the budget of 16.0"
+    ):
         config("16MiB", model("big", checkpoint(tmp_path, "big", 12), 8, sleep=True))
 
 
