@@ -211,3 +211,19 @@ def test_other_arguments_pass(word):
     data = config()
     data["models"][0]["args"] = [word, "1"]
     assert parse_config(data).models[0].args == (word, "1")
+
+
+def test_every_config_in_the_serve_docs_parses():
+    """The YAML blocks of docs/serve.md are configs a user copies: each must pass the parser."""
+    import re
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serve.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
+    assert len(blocks) >= 2
+    for block in blocks:
+        data = yaml.safe_load(block)
+        data.setdefault("device", "cpu")
+        config = parse_config(data)
+        assert config.models
