@@ -172,6 +172,17 @@ def test_the_example_configs_are_valid(example):
     assert {spec.engine for spec in parsed.models} == {"vllm", "sglang"}
 
 
+# What the tiny model's weights hold in the registry on vLLM's CPU build (two 2 MiB pages).
+TINY_WEIGHTS_BYTES = 4 << 20
+
+
+def test_the_sleep_example_holds_more_models_than_fit_awake():
+    parsed = load_config(EXAMPLES / "serve-sleep-cpu.yaml")
+    assert all(spec.sleep is not None for spec in parsed.models)
+    awake = [spec.memory.min_bytes + TINY_WEIGHTS_BYTES for spec in parsed.models]
+    assert sum(sorted(awake)[:2]) <= parsed.budget_bytes < sum(awake), "two fit awake, three do not"
+
+
 @pytest.mark.skipif(bool(missing_requirements()), reason="kvcached serve needs the serve extra: pip install '.[serve]'")
 def test_the_command_checks_before_starting_anything(tmp_path):
     path = tmp_path / "serve.yaml"

@@ -28,6 +28,7 @@ def _round(k: int, handover_ms, to_need_ms) -> dict:
         b_held_bytes=44 * MiB,
         b_low_bytes=8 * MiB,
         a_peak_bytes=44 * MiB,
+        a_peak_used_bytes=40 * MiB,
         handovers=0 if handover_ms is None else 1,
         handover_ms=handover_ms,
         to_need_ms=to_need_ms,
@@ -59,11 +60,18 @@ def test_rounds_without_a_figure_are_counted_not_averaged():
     assert summary["handover_ms"]["median"] == 200.0 and summary["handover_ms"]["max"] == 300.0
     assert summary["to_need_ms"]["median"] == 400.0
     assert (summary["rounds_without_handover"], summary["rounds_short_of_need"]) == (1, 1)
-    report = format_summary({"mode": "idle", "need_bytes": 44 * MiB, "rounds": rounds, "summary": summary})
-    assert "serve hand-over (idle, 3 rounds; A needs 44 MiB" in report
+    result = {
+        "mode": "idle",
+        "need_bytes": 40 * MiB,
+        "need_mapped_bytes": 44 * MiB,
+        "rounds": rounds,
+        "summary": summary,
+    }
+    report = format_summary(result)
+    assert "serve hand-over (idle, 3 rounds; A needs 40 MiB in use for its burst, 44 MiB mapped alone)" in report
     assert "median 200 ms  p90 " in report and "max 300 ms" in report
     assert "rounds with no hand-over: 1; rounds where A never held its need: 1" in report
-    assert "mean - ms; to need 500 ms" in format_round(rounds[1])
+    assert "A peaked at 44 MiB (40 MiB in use); 0 hand-over(s), mean - ms; to need 500 ms" in format_round(rounds[1])
 
 
 def test_the_config_is_two_vllm_models_serve_accepts(tmp_path):

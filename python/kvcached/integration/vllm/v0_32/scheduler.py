@@ -187,10 +187,30 @@ def wrap_schedule(original: Any) -> Any:
 
 
 def _blocks_waited_for(scheduler: Any) -> int:
-    """Blocks the requests still waiting would take: what this engine asks the device for while it
-    waits (all of it at once, so that lower priorities are asked for all of it, not a page a step)."""
+    """Blocks this engine's requests still need to finish: what it asks the device for while it
+    waits, all at once, so that lower priorities are asked for all of it, not a page a step.
+
+    Each waiting request's whole length (prompt and ``max_tokens``, within ``max_model_len``), and
+    what each running request has yet to grow: a burst admitted on what it got asks for its decode
+    too, instead of letting the holder grow back and then preempting its own requests a page at a
+    time."""
     block_size = scheduler.block_size
-    return sum(-(-getattr(request, "num_tokens", 0) // block_size) for request in scheduler.waiting)
+    cap = getattr(scheduler, "max_model_len", None)
+
+    def blocks(tokens: int) -> int:
+        return -(-int(tokens) // block_size)
+
+    def final_tokens(request: Any) -> int:
+        whole = getattr(request, "num_prompt_tokens", 0) + (getattr(request, "max_tokens", 0) or 0)
+        whole = max(whole, getattr(request, "num_tokens", 0))
+        return min(whole, cap) if cap else whole
+
+    waiting = sum(blocks(final_tokens(request)) for request in scheduler.waiting)
+    growing = sum(
+        max(0, blocks(final_tokens(request)) - blocks(getattr(request, "num_tokens", 0)))
+        for request in scheduler.running
+    )
+    return waiting + growing
 
 
 def wrap_preempt_request(original: Any) -> Any:
