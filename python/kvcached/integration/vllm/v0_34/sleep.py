@@ -13,20 +13,19 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
-
 from kvcached.weights.placement import module_tensors
 
-from ..v0_32.plan import settings
 from ..v0_32.sleep import current_weights
+from ..v0_32.sleep_backend import KvcachedSleepBackend as _Backend032
 
 _LEVEL_KEEP, _LEVEL_DISCARD = 1, 2
 
 
-class KvcachedSleepBackend(SleepModeBackend):
-    """Weights kept in host memory (nothing discardable) or discarded but for what must survive."""
+class KvcachedSleepBackend(_Backend032):
+    """0.32's backend, but for ``suspend``: weights kept in host memory (nothing discardable) or
+    discarded but for what must survive."""
 
-    def suspend(self, discardable: Collection[int] = ()) -> None:
+    def suspend(self, discardable: Collection[int] = ()) -> None:  # type: ignore[override]
         weights = current_weights()
         if weights is not None:
             if discardable:
@@ -35,31 +34,6 @@ class KvcachedSleepBackend(SleepModeBackend):
             else:
                 weights.sleep(_LEVEL_KEEP)
         self._state = "SUSPENDED"
-
-    def resume(self, tags: list[str] | None = None) -> None:
-        self._state = "RESUMING"
-        weights = current_weights()
-        if weights is not None and (tags is None or "weights" in tags):
-            weights.wake_up(timeout_s=settings().wake_timeout_s)
-        self._state = "RUNNING"
-
-    def discard(self, tags: tuple[str, ...]) -> None:
-        weights = current_weights()
-        if weights is not None and "weights" in tags:
-            weights.sleep(_LEVEL_DISCARD)
-        self._state = "SUSPENDED"
-
-    @classmethod
-    def preserves_communicators(cls) -> bool:
-        return True
-
-    @classmethod
-    def preserves_compiled_artifacts(cls) -> bool:
-        return True
-
-    @classmethod
-    def preserves_graphs_with_communicators(cls) -> bool:
-        return True
 
 
 def worker_sleep(self: Any, level: int = 1) -> None:
