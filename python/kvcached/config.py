@@ -9,11 +9,8 @@ device budget) is created, so a process can set them before it builds its KV cac
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Optional
 
-from kvcached.errors import ConfigurationError
 from kvcached.option_values import (
     AbsolutePath,
     Boolean,
@@ -23,50 +20,14 @@ from kvcached.option_values import (
     GroupName,
     InstanceName,
     Integer,
+    Option,
     Seconds,
     Size,
 )
 
-T = TypeVar("T")
-
 LAYOUTS = ("per_layer", "contiguous")
 HOST_MEMORY_KINDS = ("anonymous", "huge_pages", "shared_files")
 HOST_POPULATE_WAYS = ("background", "on_touch")
-# What the shell counts as surrounding whitespace; stripped the same way for every option.
-_WHITESPACE = " \t\n\r\f\v"
-
-
-@dataclasses.dataclass(frozen=True)
-class Option(Generic[T]):
-    """One option: its variable, its default (used when unset or empty), its grammar
-    (:mod:`kvcached.option_values`), its meaning and what reads it."""
-
-    env: str
-    default: T
-    parse: Callable[[str], T]
-    doc: str
-    #: What reads the option, for the docs ("pools", "device registry", ...).
-    read_by: str = ""
-    #: What the default means, for the docs (for an unset default: what happens then).
-    default_note: str = ""
-    #: Older names still honoured when ``env`` is unset.
-    aliases: tuple[str, ...] = ()
-
-    def get(self) -> T:
-        """The variable's value (surrounding whitespace ignored), else the default when it is
-        unset or empty. A value the grammar refuses raises :class:`ConfigurationError` naming
-        the variable, its text and what is expected."""
-        env = next((name for name in (self.env, *self.aliases) if os.environ.get(name)), self.env)
-        raw = os.environ.get(env)
-        text = raw.strip(_WHITESPACE) if raw is not None else ""
-        if not text:
-            return self.default
-        try:
-            return self.parse(text)
-        except ValueError as exc:
-            shown = raw.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
-            raise ConfigurationError(f"{env}={shown!r} is invalid: {exc}") from None
-
 
 OPTIONS: dict[str, Option] = {
     "page_bytes": Option(

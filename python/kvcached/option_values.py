@@ -1,7 +1,8 @@
-"""The grammar of each kind of option value: sizes, counts, seconds, fractions, booleans, choices.
+"""The grammar of each kind of option value (sizes, counts, seconds, fractions, booleans, choices),
+and :class:`Option`, what ties a ``KVCACHED_*`` variable to its grammar.
 
 One grammar per kind, used by every ``KVCACHED_*`` variable of that kind. All of them are
-ASCII only (``'٣'`` is no more a count than a size); :meth:`kvcached.config.Option.get`
+ASCII only (``'٣'`` is no more a count than a size); :meth:`Option.get`
 strips surrounding whitespace before any of them runs, the same way for every kind. A
 grammar raises ``ValueError`` with the reason only; ``Option.get`` turns it into a
 :class:`~kvcached.errors.ConfigurationError` naming the variable and its text. Each grammar
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
-from typing import Optional
+from typing import Callable, Generic, Optional, TypeVar
 
-from kvcached.errors import InvalidArgumentError
+from kvcached.errors import ConfigurationError, InvalidArgumentError
 from kvcached.sizes import MAX_SIZE_BYTES, format_bytes, parse_bytes
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -221,6 +223,45 @@ class GroupName:
         return f"a group name, or a gid from 0 to {MAX_GROUP_ID}"
 
 
+T = TypeVar("T")
+
+
+# What the shell counts as surrounding whitespace; stripped the same way for every option.
+_WHITESPACE = " \t\n\r\f\v"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option(Generic[T]):
+    """One option: its variable, its default (used when unset or empty), its grammar
+    (:mod:`kvcached.option_values`), its meaning and what reads it."""
+
+    env: str
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+    #: What reads the option, for the docs ("pools", "device registry", ...).
+    read_by: str = ""
+    #: What the default means, for the docs (for an unset default: what happens then).
+    default_note: str = ""
+    #: Older names still honoured when ``env`` is unset.
+    aliases: tuple[str, ...] = ()
+
+    def get(self) -> T:
+        """The variable's value (surrounding whitespace ignored), else the default when it is
+        unset or empty. A value the grammar refuses raises :class:`ConfigurationError` naming
+        the variable, its text and what is expected."""
+        env = next((name for name in (self.env, *self.aliases) if os.environ.get(name)), self.env)
+        raw = os.environ.get(env)
+        text = raw.strip(_WHITESPACE) if raw is not None else ""
+        if not text:
+            return self.default
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            shown = raw.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            raise ConfigurationError(f"{env}={shown!r} is invalid: {exc}") from None
+
+
 def describe(grammar: object) -> Optional[str]:
     """What ``grammar`` accepts, for the docs (None for a parser without a description)."""
     method = getattr(grammar, "describe", None)
@@ -237,6 +278,7 @@ __all__ = [
     "Fraction",
     "GroupName",
     "InstanceName",
+    "Option",
     "Seconds",
     "Size",
     "describe",
