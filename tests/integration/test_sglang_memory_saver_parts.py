@@ -27,7 +27,7 @@ SUPPORTED = plugin.POLICY.release_of(sglang.__version__) in plugin.POLICY.releas
 def v():
     if not SUPPORTED:
         pytest.skip(f"SGLang {sglang.__version__} is not supported")
-    return plugin.hook_module_for(sglang.__version__)
+    return plugin.module_for(sglang.__version__)
 
 
 @pytest.fixture
