@@ -163,7 +163,8 @@ def own_outputs(serve):
 def test_every_model_is_ready_awake_or_asleep_after_the_start_in_turn(serve):
     status, health = serve.health()
     assert status == 200 and set(health["models"]) == set(MODELS)
-    assert set(health["models"].values()) <= {"ready", "asleep"}
+    # The idle_s model may already be on its way to sleep on its own.
+    assert set(health["models"].values()) <= {"ready", "asleep", "falling asleep"}, health
     assert "asleep" in health["models"].values(), "four models on a budget for two: some sleep"
 
 
