@@ -53,7 +53,7 @@ def test_a_sleeping_model_is_woken_after_the_least_recently_used_idle_one_is_put
     assert memory.held() == 20 * MiB
     assert manager.claim("a")  # a is used after b
     manager.done("a")
-    manager.wake_for_request("c")
+    manager.wake_and_claim("c")
     assert manager.state("c") is SleepState.AWAKE
     assert manager.state("b") is SleepState.ASLEEP, "b, the least recently used, made room"
     assert manager.state("a") is SleepState.AWAKE
@@ -65,7 +65,7 @@ def test_lower_priority_sleeps_first_and_a_model_with_requests_in_flight_never(f
     manager, memory, calls = fleet([("a", "vllm", L1, 0), ("b", "vllm", L1, 5), ("c", "vllm", L1, 9)], 25 * MiB)
     manager.put_to_sleep("c")
     assert manager.claim("a")  # a (the lowest priority) is busy
-    manager.wake_for_request("c")
+    manager.wake_and_claim("c")
     assert manager.state("b") is SleepState.ASLEEP and manager.state("a") is SleepState.AWAKE
     manager.done("a")
 
@@ -76,7 +76,7 @@ def test_a_wake_waits_for_a_busy_model_to_finish_then_puts_it_to_sleep(fleet):
     assert manager.claim("a")
     threading.Timer(0.3, lambda: manager.done("a")).start()
     started = time.monotonic()
-    manager.wake_for_request("c")
+    manager.wake_and_claim("c")
     assert time.monotonic() - started >= 0.25, "waited for a's request"
     assert manager.state("a") is SleepState.ASLEEP and manager.state("c") is SleepState.AWAKE
 
@@ -86,7 +86,7 @@ def test_a_model_that_cannot_fit_beside_the_models_that_never_sleep_is_refused_a
     manager.put_to_sleep("c")
     started = time.monotonic()
     with pytest.raises(WakeRefused, match="never sleep"):
-        manager.wake_for_request("c")
+        manager.wake_and_claim("c")
     assert time.monotonic() - started < 1.0
     assert manager.state("c") is SleepState.ASLEEP and ("a", "sleep", {}) not in calls
 
@@ -96,7 +96,7 @@ def test_no_idle_model_within_the_wake_timeout_is_a_refusal_not_a_hang(fleet):
     manager.put_to_sleep("c")
     assert manager.claim("a")
     with pytest.raises(WakeRefused, match="no other model was idle"):
-        manager.wake_for_request("c")
+        manager.wake_and_claim("c")
     manager.done("a")
 
 
@@ -106,10 +106,10 @@ def test_an_engine_that_fails_to_wake_is_a_refusal_and_stays_asleep(fleet):
     manager, memory, _ = fleet([("a", "vllm", L1, 0), ("b", "vllm", L1, 0)], 100 * MiB, fail_wake=fail)
     manager.put_to_sleep("b")
     with pytest.raises(WakeRefused, match="could not be woken.*500"):
-        manager.wake_for_request("b")
+        manager.wake_and_claim("b")
     assert manager.state("b") is SleepState.ASLEEP
     fail.clear()
-    manager.wake_for_request("b")
+    manager.wake_and_claim("b")
     assert manager.state("b") is SleepState.AWAKE
 
 
@@ -117,7 +117,7 @@ def test_level_2_wakes_the_weights_reloads_them_then_wakes_the_kv_cache(fleet):
     manager, memory, calls = fleet([("v", "vllm", L2, 0), ("s", "sglang", L2, 0)], 100 * MiB)
     for name in ("v", "s"):
         manager.put_to_sleep(name)
-        manager.wake_for_request(name)
+        manager.wake_and_claim(name)
     assert [c[1:] for c in calls if c[0] == "v"] == [
         ("sleep", {"level": "2"}),
         ("wake_up", {"tags": "weights"}),
@@ -139,8 +139,7 @@ def test_concurrent_requests_for_several_sleeping_models_are_all_woken(fleet):
 
     def use(name):
         try:
-            manager.wake_for_request(name)
-            assert manager.claim(name)
+            manager.wake_and_claim(name)
             time.sleep(0.05)
             manager.done(name)
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -153,6 +152,22 @@ def test_concurrent_requests_for_several_sleeping_models_are_all_woken(fleet):
         t.join(30)
     assert errors == []
     assert memory.held() <= 25 * MiB
+
+
+def test_a_model_woken_for_a_request_is_not_put_to_sleep_before_the_request_ends(fleet):
+    # The wake claims the model for its request: the next wake cannot take it back in between.
+    manager, memory, _ = fleet([("a", "vllm", L1, 0), ("c", "vllm", L1, 0)], 15 * MiB, wake_timeout_s=0.5)
+    manager.put_to_sleep("c")
+    manager.wake_and_claim("c")
+    assert manager.state("a") is SleepState.ASLEEP and manager.state("c") is SleepState.AWAKE
+    assert not manager.put_to_sleep("c"), "c has its request"
+    with pytest.raises(WakeRefused, match="no other model was idle"):
+        manager.wake_and_claim("a")
+    assert manager.state("c") is SleepState.AWAKE and manager.state("a") is SleepState.ASLEEP
+    manager.done("c")
+    manager.wake_and_claim("a")
+    assert manager.state("c") is SleepState.ASLEEP and manager.state("a") is SleepState.AWAKE
+    manager.done("a")
 
 
 def test_a_model_with_idle_s_sleeps_on_its_own_but_not_while_it_serves(fleet):

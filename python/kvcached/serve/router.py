@@ -32,8 +32,6 @@ logger = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 ENDPOINTS = ("GET /v1/models", *(f"POST {path}" for path in ROUTED_PATHS), "GET /health", "GET /metrics")
 RETRY_AFTER_S = 5
-# Wakes a request waits through when its model is put to sleep again each time before it is claimed.
-WAKE_ATTEMPTS = 3
 # Headers that belong to one connection, not to the request or response passed on.
 _HOP_BY_HOP = frozenset(
     (
@@ -176,15 +174,11 @@ class Router:
 
     async def _wake(self, model: str) -> Optional[JSONResponse]:
         """Waits until ``model`` is awake and claims it for this request; the 503 to send if it cannot be."""
-        for _ in range(WAKE_ATTEMPTS):
-            try:
-                await asyncio.to_thread(self.sleep.wake_for_request, model)
-            except WakeRefused as refused:
-                return openai_error(503, f"{refused}.", "ServiceUnavailableError", "model_cannot_wake", "model")
-            if self.sleep.claim(model):
-                return None
-        message = f"The model `{model}` was put to sleep again while this request waited for it; retry."
-        return openai_error(503, message, "ServiceUnavailableError", "model_cannot_wake", "model")
+        try:
+            await asyncio.to_thread(self.sleep.wake_and_claim, model)
+        except WakeRefused as refused:
+            return openai_error(503, f"{refused}.", "ServiceUnavailableError", "model_cannot_wake", "model")
+        return None
 
     async def _pass_on(
         self,

@@ -108,9 +108,11 @@ class SleepManager:
 
     # ---- waking ---------------------------------------------------------------------------------------
 
-    def wake_for_request(self, name: str) -> None:
+    def wake_and_claim(self, name: str) -> None:
         """Blocks until ``name`` is awake (putting others to sleep if need be), within the config's
-        ``wake_timeout_s``; raises :class:`WakeRefused` when it cannot be."""
+        ``wake_timeout_s``, and counts one request in flight for it, as :meth:`claim` does (end it
+        with :meth:`done`); raises :class:`WakeRefused` when it cannot be woken. Claimed before the
+        next wake may run: a model woken for a request is never put to sleep before it gets it."""
         deadline = time.monotonic() + self._config.wake_timeout_s
         if not self._transition.acquire(timeout=self._config.wake_timeout_s):
             raise WakeRefused(
@@ -118,10 +120,11 @@ class SleepManager:
                 f"{self._config.wake_timeout_s:g} s; retry later"
             )
         try:
-            if self._states[name] is SleepState.AWAKE:
-                return
-            self._make_room(name, self._need(name), deadline)
-            self._wake(name)
+            if self._states[name] is not SleepState.AWAKE:
+                self._make_room(name, self._need(name), deadline)
+                self._wake(name)
+            if not self.claim(name):
+                raise WakeRefused(f"the model `{name}` was woken but is not awake")
         finally:
             self._transition.release()
 
