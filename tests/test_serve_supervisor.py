@@ -203,14 +203,14 @@ def test_an_engine_that_cannot_be_launched_fails_the_start_with_the_reason(tmp_p
 
 
 def test_a_fault_in_an_engine_thread_fails_the_start_instead_of_hanging(tmp_path, monkeypatch):
-    import kvcached.serve.supervisor as supervision
+    import kvcached.serve.ports as ports
 
     supervisor = make_supervisor(tmp_path, monkeypatch)
 
     def broken_port(host):
         raise RuntimeError("no port today")
 
-    monkeypatch.setattr(supervision, "free_port", broken_port)
+    monkeypatch.setattr(ports, "free_port", broken_port)
     supervisor.start()
     try:
         problem = wait_bounded(supervisor)

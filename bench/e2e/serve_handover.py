@@ -216,7 +216,7 @@ class Bench:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict:
-    from kvcached.serve.processes import free_port
+    from kvcached.serve.ports import free_port
     from kvcached.testing.serve_session import ServeProcess, serve_config
     from kvcached.testing.tiny_llama import make_tiny_llama
     from kvcached.testing.tiny_tokenizer import write_tiny_tokenizer

@@ -236,7 +236,7 @@ def serve_level(
     args: argparse.Namespace, workdir: Path, model_dirs: dict[str, str], level: int, sizes: tuple[int, int], plot: bool
 ) -> dict[str, Any]:
     from kvcached.serve.config import parse_config
-    from kvcached.serve.processes import free_port
+    from kvcached.serve.ports import free_port
     from kvcached.testing.serve_session import ServeProcess
 
     where = workdir / f"level-{level}"

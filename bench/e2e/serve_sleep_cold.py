@@ -48,7 +48,8 @@ def cold_start(spec: Any, workdir: Path, tag: str) -> dict[str, Any]:
 
     from kvcached.registry import REGISTRY_DIR_ENV
     from kvcached.serve.engines import ENGINES, engine_environment
-    from kvcached.serve.processes import free_port, stop_group
+    from kvcached.serve.ports import free_port
+    from kvcached.serve.processes import stop_group
     from kvcached.testing.serve_session import registry_entries
 
     port = free_port()

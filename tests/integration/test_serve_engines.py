@@ -34,7 +34,8 @@ if not Path(SGLANG_PYTHON).is_file():
 
 import openai  # noqa: E402
 
-from kvcached.serve.processes import free_port, group_members  # noqa: E402
+from kvcached.serve.ports import free_port  # noqa: E402
+from kvcached.serve.processes import group_members  # noqa: E402
 from kvcached.testing.serve_session import (  # noqa: E402
     Sampler,
     ServeProcess,

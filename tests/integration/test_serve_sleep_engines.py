@@ -28,7 +28,7 @@ if not Path(SGLANG_PYTHON).is_file():
 
 import openai  # noqa: E402
 
-from kvcached.serve.processes import free_port  # noqa: E402
+from kvcached.serve.ports import free_port  # noqa: E402
 from kvcached.testing.serve_session import Sampler, ServeProcess, metric_value, registry_entries  # noqa: E402
 from kvcached.testing.tiny_llama import make_tiny_llama  # noqa: E402
 from kvcached.testing.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402

@@ -11,20 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the kernel's choice)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def _group_of(stat: str) -> tuple[str, int]:
@@ -78,4 +70,4 @@ def stop_group(pgid: int, timeout_s: float, *, force: bool = False) -> None:
         logger.error("processes %s of group %d survive SIGKILL", group_members(pgid), pgid)
 
 
-__all__ = ["free_port", "group_members", "stop_group", "wait_group_gone"]
+__all__ = ["group_members", "stop_group", "wait_group_gone"]

@@ -27,7 +27,8 @@ from kvcached.serve.config import ModelSpec, ServeConfig
 from kvcached.serve.engine_logs import LAUNCH_HEADER, log_file_name, read_tail
 from kvcached.serve.engines import ENGINE_HOST, ENGINES, engine_environment
 from kvcached.serve.memory import DeviceMemory
-from kvcached.serve.processes import free_port, stop_group
+from kvcached.serve.ports import PortBook
+from kvcached.serve.processes import stop_group
 from kvcached.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,14 @@ class EngineState(str, enum.Enum):
 class Engine:
     """One model's engine process and the thread that keeps it running."""
 
-    def __init__(self, spec: ModelSpec, config: ServeConfig, memory: DeviceMemory, log_path: Path) -> None:
+    def __init__(
+        self, spec: ModelSpec, config: ServeConfig, memory: DeviceMemory, log_path: Path, ports: PortBook
+    ) -> None:
         self.spec = spec
         self.log_path = log_path
         self._config = config
         self._memory = memory
+        self._ports = ports  # shared by every engine of this serve: no two are given one port
         self._kind = ENGINES[spec.engine]
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -139,7 +143,9 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def _launch(self) -> subprocess.Popen:
-        self.port = free_port(ENGINE_HOST)
+        if self.port is not None:  # the last launch's process group is gone
+            self._ports.give_back(self.port)
+        self.port = self._ports.take(ENGINE_HOST)
         command = self._kind.command(self.spec, self.port)
         env = engine_environment(self.spec, self._config.device)
         self.started_at = time.monotonic()
@@ -285,8 +291,10 @@ class Supervisor:
 
     def __init__(self, config: ServeConfig, memory: DeviceMemory, log_dir: Path) -> None:
         self.config = config
+        self.ports = PortBook()
         self.engines = {
-            spec.name: Engine(spec, config, memory, log_dir / log_file_name(spec.name)) for spec in config.models
+            spec.name: Engine(spec, config, memory, log_dir / log_file_name(spec.name), self.ports)
+            for spec in config.models
         }
         self._stopping = threading.Event()
 
