@@ -107,13 +107,32 @@ def test_memory_wanted_without_asking_is_pressure_only_when_the_device_is_full()
     waiting.want(PAGE_BYTES)  # the device has room: nobody needs to give back
     assert holder.pressure_bytes == 0
     assert holder.try_acquire(2 * PAGE_BYTES)
-    waiting.want(3 * PAGE_BYTES)  # beyond its own limit: nobody else can help
-    assert holder.pressure_bytes == 0
     waiting.want(PAGE_BYTES)  # the device is full
     assert holder.pressure_bytes == PAGE_BYTES and waiting.pressure_bytes == 0
     assert waiting.mapped_bytes == 0  # nothing was taken
     with pytest.raises(ValueError):
         waiting.want(-1)
+
+
+def test_wanting_more_than_an_instance_could_hold_asks_for_the_part_within_reach():
+    """An engine's figure is all its requests may need; its max bounds what it waits for, it does not
+    silence the wait (a higher priority whose requests needed more than its max was never helped)."""
+    registry = make_registry(4)
+    holder = registry.register("holder")
+    waiting = registry.register("waiting", policy=MemoryPolicy(max_bytes=2 * PAGE_BYTES, priority=1))
+    assert holder.try_acquire(4 * PAGE_BYTES)
+    waiting.want(3 * PAGE_BYTES)  # one page beyond its max
+    assert holder.pressure_bytes == 2 * PAGE_BYTES
+    assert holder.reclaim_target_bytes == 2 * PAGE_BYTES  # shrink by the two pages it could hold
+
+
+def test_an_instance_at_its_max_waits_for_nothing():
+    registry = make_registry(4)
+    holder = registry.register("holder")
+    full = registry.register("full", policy=MemoryPolicy(max_bytes=PAGE_BYTES, priority=1))
+    assert full.try_acquire(PAGE_BYTES) and holder.try_acquire(3 * PAGE_BYTES)
+    full.want(PAGE_BYTES)  # its own limit stands in the way: nobody else can help
+    assert holder.pressure_bytes == 0 and holder.reclaim_target_bytes is None
 
 
 def test_wanting_less_than_a_recent_refusal_keeps_the_refusal():

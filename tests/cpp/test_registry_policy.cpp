@@ -265,7 +265,8 @@ void test_a_min_claim_asks_lower_priorities_first() {
 }
 
 // A request no giving back could meet (beyond the budget less the others' mins, or beyond
-// its own max) is refused without a trace: no pressure, no reclaim target.
+// its own max) is refused without a trace: no pressure, no reclaim target. (A want() is not one
+// request but all that an engine's requests may need: test_a_want_beyond_reach_asks_for_the_rest.)
 void test_a_request_beyond_reach_asks_nobody() {
   auto registry = fresh_registry(64 * kMiB);
   auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
@@ -283,12 +284,35 @@ void test_a_request_beyond_reach_asks_nobody() {
   };
   for (const auto& [budget, bytes] : beyond) {
     CHECK(!budget->try_acquire(bytes));
-    budget->want(bytes);
     CHECK(!low->reclaim_target_bytes() && low->pressure_bytes() == 0 && guaranteed->pressure_bytes() == 0);
   }
   CHECK(!high->try_acquire(48 * kMiB));  // within reach: asked of the lower priority
   CHECK(low->reclaim_target_bytes() == 0 && low->pressure_bytes() == 48 * kMiB);
   low->release(48 * kMiB);
+}
+
+// An engine that waits says all its requests may still need. The part beyond what it could ever
+// hold (its max, the budget less the others' mins) is dropped, the rest asked for.
+void test_a_want_beyond_reach_asks_for_the_rest() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto low = registry->register_instance("low", std::nullopt, policy(0, 0));
+  auto guaranteed = registry->register_instance("guaranteed", std::nullopt, policy(16 * kMiB, 0));
+  auto capped = registry->register_instance("capped", std::nullopt, policy(0, 5, 40 * kMiB));
+  CHECK(low->try_acquire(48 * kMiB));
+  capped->want(41 * kMiB);  // one MiB beyond its max
+  CHECK(low->reclaim_target_bytes() == 8 * kMiB && low->pressure_bytes() == 40 * kMiB);
+  low->release(48 * kMiB);
+}
+
+void test_an_instance_at_its_max_waits_for_nothing() {
+  auto registry = fresh_registry(64 * kMiB);
+  auto holder = registry->register_instance("holder", std::nullopt, policy(0, 0));
+  auto at_max = registry->register_instance("at-max", std::nullopt, policy(0, 5, 8 * kMiB));
+  CHECK(at_max->try_acquire(8 * kMiB) && holder->try_acquire(56 * kMiB));
+  at_max->want(kMiB);
+  CHECK(!holder->reclaim_target_bytes() && holder->pressure_bytes() == 0);
+  holder->release(56 * kMiB);
+  at_max->release(8 * kMiB);
 }
 
 // A wait renewed with a smaller figure (an engine's step) keeps every holder asked for all
@@ -363,6 +387,8 @@ int main() {
   test_a_min_claim_leaves_the_asked_their_own_min();
   test_a_min_claim_asks_lower_priorities_first();
   test_a_request_beyond_reach_asks_nobody();
+  test_a_want_beyond_reach_asks_for_the_rest();
+  test_an_instance_at_its_max_waits_for_nothing();
   test_a_renewed_wait_asks_for_all_that_is_still_missing();
   test_a_new_ask_replaces_the_requesters_own_earlier_targets();
   const std::string cleanup = std::string("rm -rf ") + directory;

@@ -248,8 +248,9 @@ void bind_registry(nb::module_& m) {
           },
           "bytes"_a,
           "Records that this instance wants `bytes` more and did not ask because the device "
-          "has no room (others then see pressure_bytes); nothing when the device has room or "
-          "this instance's own limit is the obstacle. Like a refusal, it asks lower priorities to shrink.")
+          "has no room (others then see pressure_bytes), counting only what it could ever hold "
+          "(its own limit, or the others' mins, bounds it); nothing when the device has room for "
+          "that. Like a refusal, it asks lower priorities to shrink.")
       .def(
           "report_worker_errors",
           [](RegistryBudget& self, std::int64_t worker_errors) {

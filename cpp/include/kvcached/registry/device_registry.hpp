@@ -228,9 +228,10 @@ class KVCACHED_EXPORT RegistryBudget : public MemoryBudget, public std::enable_s
   // allocates never reaches try_acquire): recorded as a refusal would be, so
   // others see the pressure. A recent larger figure stays (less what was
   // granted since): this says the wait goes on, and the instances asked to
-  // shrink are asked for all that is still missing. Nothing is recorded when
-  // the device has room or the request is beyond reachable_bytes() (its own
-  // limit, or the others' mins, stands in the way). Takes the registry lock.
+  // shrink are asked for all that is still missing. Only the part of `bytes`
+  // this instance could ever hold counts (its own limit, or the budget less the
+  // others' mins, bounds it); nothing is recorded when the device has room for
+  // that part, or when it is nothing. Takes the registry lock.
   void want(std::size_t bytes) noexcept;
   std::optional<std::size_t> limit_bytes() const noexcept;
   std::size_t min_bytes() const noexcept;

@@ -212,8 +212,11 @@ void RegistryBudget::want(std::size_t bytes) noexcept {
     if (entry == nullptr) return;
     const std::size_t own_mapped = entry->mapped_bytes.load(std::memory_order_relaxed);
     const registry_detail::Layout& layout = segment_->layout();
-    // Its own max, or the budget less the others' mins, stands in the way: nobody can help.
-    if (bytes > saturating_sub(registry_detail::holding_ceiling(layout, slot_), own_mapped)) return;
+    // Its own max, or the budget less the others' mins, bounds what anyone could give it. An
+    // engine's figure is all that its requests may still need: it waits for the part within
+    // reach (asking for nothing because of the rest would leave it short for good).
+    bytes = std::min(bytes, saturating_sub(registry_detail::holding_ceiling(layout, slot_), own_mapped));
+    if (bytes == 0) return;
     if (bytes <= registry_detail::room_for(layout, slot_, registry_detail::monotonic_now_ns())) return;
     // A recent larger refusal stays what is wanted: this only says the wait goes on.
     record_refusal_locked(*entry, bytes, /*keep_larger=*/true);
