@@ -65,6 +65,10 @@ LONG_LOAD = prompt_ids(16, 500, seed=12)
 LONG_TOKENS = 400
 # 4 sequences of 500 + 32 tokens: 20 blocks (+ the null block) = 3 page ids, within tiny-b's min.
 SMALL = prompt_ids(4, 500, seed=13)
+# Two bursts' worth at once: 16 sequences run (max_num_seqs) while 16 wait, so tiny-a needs more than it
+# holds for two rounds. On two cores one step of a busy engine may take seconds, and the memory it gives
+# back only when its step is done: a single burst could be served by what tiny-a had before it arrived.
+DOUBLE_BURST = prompt_ids(32, 500, seed=14)
 # An engine's answer reaches the client through the router this long after the engine is done, at most.
 ANSWER_SLACK_S = 0.5
 
@@ -347,7 +351,7 @@ def test_a_higher_priority_model_gets_memory_from_a_busy_lower_priority_one(serv
             assert busy.is_alive() and time.monotonic() < deadline, "tiny-b's load never grew"
             time.sleep(0.05)
         asked = time.monotonic()
-        _burst("tiny-a", serve)
+        _burst_of(serve, "tiny-a", DOUBLE_BURST)
         took_s = time.monotonic() - asked
         busy.join()
     assert result["usage"] == 16 * LONG_TOKENS  # preempted, not failed
