@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("httpx", reason="kvcached serve needs the serve extra: pip install '.[serve]'")
 
 import kvcached.serve.ports as ports  # noqa: E402
+from kvcached.errors import ServeError  # noqa: E402
 from kvcached.serve.ports import PortBook  # noqa: E402
 from test_serve_supervisor import make_supervisor  # noqa: E402
 
@@ -42,7 +43,7 @@ def test_a_kernel_that_names_only_ports_held_is_an_error_not_a_shared_port(monke
     kernel_naming(monkeypatch, 40001)
     book.take("127.0.0.1")
     monkeypatch.setattr(ports, "free_port", lambda host: 40001)
-    with pytest.raises(OSError, match="only ports other engines hold"):
+    with pytest.raises(ServeError, match="only ports other engines hold"):
         book.take("127.0.0.1")
     assert book.taken == {40001}
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import socket
 import threading
 
+from kvcached.errors import ServeError
+
 # How many ports the kernel may name that this serve handed out already before giving up.
 PROBES = 64
 
@@ -38,7 +40,7 @@ class PortBook:
                 if port not in self._taken:
                     self._taken.add(port)
                     return port
-        raise OSError(f"the kernel named only ports other engines hold ({PROBES} tries on {host})")
+        raise ServeError(f"the kernel named only ports other engines hold ({PROBES} tries on {host})")
 
     def give_back(self, port: int) -> None:
         """The port's engine is gone: the port may be handed out again."""
