@@ -217,6 +217,20 @@ def test_kvtop_drops_columns_in_order_on_a_narrow_terminal():
     ]
 
 
+@pytest.mark.parametrize("pid_width", [3, 5, 7])
+def test_kvtop_lets_columns_give_way_before_a_name_is_cut(pid_width):
+    """Whatever width the process ids take, a 28-cell name stays whole at 80 columns while some
+    optional column can still give way; a name too long for any layout is cut, never below 24."""
+    widths = {"PID": pid_width, "AS": 6, "USED": 4, "MAPPED": 6, "WEIGHTS": 7, "MIN": 4, "LIMIT": 5}
+    widths.update({"PRIO": 4, "STATUS": 6})
+    shown, name_width, _bar = kvtop._layout(widths, 28, 80)
+    assert name_width == 28 and "PID" in shown and "STATUS" in shown, shown
+    used = sum(widths.get(column, name_width) for column in shown if column != "USAGE")
+    assert used + kvtop.CELL_PADDING * (len(shown) - 1) <= 80, shown
+    shown, name_width, _bar = kvtop._layout(widths, 60, 60)
+    assert name_width == kvtop.NAME_MIN_WIDTH and "USAGE" not in shown, shown
+
+
 def test_kvtop_keeps_names_whole_with_weights_at_80_columns(env, registry, engines):
     long_name = "engine-llama-3.1-8b-instruct"  # 28 characters
     busy = registry.register(long_name, policy=MemoryPolicy(min_bytes=PAGE_BYTES, priority=2))

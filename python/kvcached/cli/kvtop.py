@@ -13,9 +13,9 @@ or the device budget); the device's bar above shows the same for every instance
 together. WEIGHTS is what an instance's weights hold (shown on a device where
 some instance has weights) and "asleep" says they sleep; MIN, LIMIT and PRIO are
 its memory policy (``docs/memory-policy.md``), and "shrink to" says a
-higher-priority instance waits for its memory. Names keep at least 24 characters
-(longer ones get what room is left); on a narrow terminal the bars go first,
-then the AS column, the policy's and WEIGHTS. Devices are shown by registry name
+higher-priority instance waits for its memory. On a narrow terminal the bars give way
+first, then the AS column, the policy's and WEIGHTS; only then are names (whole
+up to 40 characters) cut, to no fewer than 24. Devices are shown by registry name
 (``cuda-GPU-<uuid>``), each instance with the device as its own process sees it.
 A bad argument is one line on stderr and exit code 2.
 Also runs as ``python -m kvcached.kvtop``. Needs ``rich`` (the ``ui`` extra: ``pip install ".[ui]"``).
@@ -63,7 +63,9 @@ from kvcached.registry import (
 DEFAULT_INTERVAL_S = 1.0
 # Refresh periods outside this range are mistakes (a busy loop, or a frozen view).
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0
-NAME_MAX_WIDTH = 24
+# A name up to NAME_WHOLE_WIDTH is kept whole while columns can give way; only when the fewest
+# columns still do not fit is it cut, to no less than NAME_MIN_WIDTH.
+NAME_WHOLE_WIDTH, NAME_MIN_WIDTH = 40, 24
 DEFAULT_WIDTH = 120  # cells, where no console says otherwise
 try:
     from rich import box
@@ -139,14 +141,30 @@ CELL_PADDING = 3  # between two columns: a space each side of the (blank) separa
 
 def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[str], int]:
     """The columns to show in ``total_width`` cells (those ``widths`` has, or fewer: without the
-    bar, then without AS, then without the policy's, then without WEIGHTS) and the cells left over."""
+    bar, then without AS, then without the policy's, then without WEIGHTS) and the cells left over,
+    negative when even the fewest columns are too wide."""
     shown = ["NAME"] + [column for column, _ in TEXT_COLUMNS if column in widths] + ["USAGE"]
     for dropped in tuple(column for column in OPTIONAL_COLUMNS if column in shown) + (None,):
         needed = sum(widths[column] for column in shown) + CELL_PADDING * (len(shown) - 1)
         if needed <= total_width or dropped is None:
-            return shown, max(0, total_width - needed)
+            return shown, total_width - needed
         shown.remove(dropped)
-    return shown, 0
+    raise AssertionError("unreachable: the last round returns")
+
+
+def _layout(widths: dict[str, int], longest_name: int, total_width: int) -> tuple[list[str], int, int]:
+    """The columns shown, the name's width and the bar's, for text columns of ``widths`` (NAME and
+    USAGE are set here) and names up to ``longest_name`` cells long, in ``total_width`` cells."""
+    widths = {**widths, "NAME": min(NAME_WHOLE_WIDTH, longest_name), "USAGE": MIN_BAR_WIDTH}
+    shown, spare = _columns_that_fit(widths, total_width)
+    if spare < 0:  # every optional column gave way and the names still do not fit: cut them
+        name_width = max(NAME_MIN_WIDTH, widths["NAME"] + spare)
+    else:  # room to spare goes to names longer still, then to the bar
+        name_width = min(longest_name, widths["NAME"] + spare)
+    # The bar's width is fixed, since a bar rich lays out wider than the room left is cut at the
+    # edge, which hides its scale.
+    bar_width = min(MAX_BAR_WIDTH, MIN_BAR_WIDTH + max(0, spare) - max(0, name_width - widths["NAME"]))
+    return shown, name_width, bar_width
 
 
 def _device_header(registry: DeviceRegistry, entries: list[dict[str, Any]]) -> Group:
@@ -190,13 +208,7 @@ def device_view(registry: DeviceRegistry, total_width: int = DEFAULT_WIDTH) -> G
     columns = [column for column, _ in TEXT_COLUMNS if column not in hidden]
     widths = {column: max([len(column)] + [len(str(row[column])) for row in rows]) for column in columns}
     longest_name = max([len("NAME")] + [len(row["NAME"]) for row in rows])
-    widths["NAME"] = min(NAME_MAX_WIDTH, longest_name)
-    widths["USAGE"] = MIN_BAR_WIDTH
-    shown, spare = _columns_that_fit(widths, total_width)
-    # Room to spare goes to longer names first, the rest to the bar: its width is fixed, since a
-    # bar rich lays out wider than the room left is cut at the edge, which hides its scale.
-    name_width = min(longest_name, widths["NAME"] + spare)
-    bar_width = min(MAX_BAR_WIDTH, widths["USAGE"] + spare - (name_width - widths["NAME"]))
+    shown, name_width, bar_width = _layout(widths, longest_name, total_width)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
     table.add_column("NAME", no_wrap=True, min_width=name_width, max_width=name_width, overflow="ellipsis")
     # Short columns never shrink (rich would cut "512M" to "5…").
