@@ -12,19 +12,15 @@ SGLang's environment in ``KVCACHED_SGLANG_PYTHON``.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="the serve tests run vLLM engines")
-for _module in ("fastapi", "uvicorn", "httpx", "yaml", "prometheus_client", "openai"):
-    pytest.importorskip(_module, reason="the serve tests need the serve extra and openai")
-SGLANG_PYTHON = os.environ.get("KVCACHED_SGLANG_PYTHON", "")
-if not Path(SGLANG_PYTHON).is_file():
-    pytest.skip("KVCACHED_SGLANG_PYTHON names no SGLang environment (see .ci/run)", allow_module_level=True)
+from kvcached.testing.serve_needs import require_real_engines
+
+SGLANG_PYTHON = require_real_engines()
 
 import openai  # noqa: E402
 
