@@ -16,15 +16,26 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional, TypeVar
 
 from kvcached.testing.tiny_llama import TINY_LLAMA, make_tiny_llama
 
 MODEL_LAYERS = 6  # the tests' tiny Llama with 6 layers, in bf16
 WORKLOAD = dict(requests=96, min_prompt=16, max_prompt=400, new_tokens=64, seed=20241201)
 WARMUP_REQUESTS = 8
+Result = TypeVar("Result")
+
+
+def in_workdir(workdir: Optional[str], prefix: str, run: Callable[[Path], Result]) -> Result:
+    """``run`` in ``workdir`` (made if missing, kept afterwards) or, with none, in a temporary one."""
+    if workdir:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        return run(Path(workdir))
+    with tempfile.TemporaryDirectory(prefix=prefix) as temporary:
+        return run(Path(temporary))
 
 
 def make_model(path: Path, seed: int = 0) -> str:

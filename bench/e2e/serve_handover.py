@@ -29,12 +29,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from e2e_common import in_workdir
 
 MiB = 1 << 20
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-cpu.yaml"
@@ -251,12 +252,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = run(args, Path(args.workdir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="kvcached-serve-handover-") as workdir:
-            result = run(args, Path(workdir))
+    result = in_workdir(args.workdir, "kvcached-serve-handover-", lambda workdir: run(args, workdir))
     print(format_summary(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

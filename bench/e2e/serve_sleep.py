@@ -35,12 +35,12 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from e2e_common import in_workdir
 from serve_sleep_cold import MAX_TOKENS, PROMPT, cold_start, first_token, openai_client
 from serve_sleep_report import MiB, format_table, summarize, write_plot
 
@@ -307,12 +307,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = run(args, Path(args.workdir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="kvcached-serve-sleep-") as workdir:
-            result = run(args, Path(workdir))
+    result = in_workdir(args.workdir, "kvcached-serve-sleep-", lambda workdir: run(args, workdir))
     print(format_table(result["levels"]))
     if args.plot:
         level = args.levels[0]
