@@ -144,12 +144,12 @@ def _columns_that_fit(widths: dict[str, int], total_width: int) -> tuple[list[st
     bar, then without AS, then without the policy's, then without WEIGHTS) and the cells left over,
     negative when even the fewest columns are too wide."""
     shown = ["NAME"] + [column for column, _ in TEXT_COLUMNS if column in widths] + ["USAGE"]
-    for dropped in tuple(column for column in OPTIONAL_COLUMNS if column in shown) + (None,):
+    droppable = [column for column in OPTIONAL_COLUMNS if column in shown]
+    while True:
         needed = sum(widths[column] for column in shown) + CELL_PADDING * (len(shown) - 1)
-        if needed <= total_width or dropped is None:
+        if needed <= total_width or not droppable:
             return shown, total_width - needed
-        shown.remove(dropped)
-    raise AssertionError("unreachable: the last round returns")
+        shown.remove(droppable.pop(0))
 
 
 def _layout(widths: dict[str, int], longest_name: int, total_width: int) -> tuple[list[str], int, int]:
